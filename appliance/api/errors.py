@@ -1,0 +1,77 @@
+"""Every error leaves the API in OpenAI's envelope: {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+log = logging.getLogger("appliance.api")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def from_validation(exc: msgspec.ValidationError | msgspec.DecodeError) -> APIError:
+    """msgspec says where it failed (`$.messages[0].role`); that path is OpenAI's `param`."""
+    text = str(exc)
+    match = _PATH.search(text)
+    param = match.group(1) if match else None
+    message = _PATH.sub("", text)
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return invalid(f"The request body is not valid JSON: {message}", code="invalid_json")
+    if param:
+        message = f"Invalid value for '{param}': {message}"
+    return invalid(message, param=param)
+
+
+def error_response(error: APIError) -> Response[bytes]:
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else {}
+    return Response(msgspec.json.encode(error.body()), status_code=error.status, media_type="application/json", headers=headers)
+
+
+def handle_api_error(_: Request, exc: APIError) -> Response[bytes]:
+    return error_response(exc)
+
+
+_HTTP_TYPES = {404: ("not_found_error", None), 405: ("invalid_request_error", "method_not_allowed"), 413: ("invalid_request_error", "request_too_large")}
+
+
+def handle_http_exception(_: Request, exc: HTTPException) -> Response[bytes]:
+    status = exc.status_code
+    kind, code = _HTTP_TYPES.get(status, ("invalid_request_error" if status < 500 else "server_error", None))
+    message = exc.detail or "error"
+    if status == 413:
+        message = f"The request body is too large: {exc.detail}"
+    return error_response(APIError(status, message, type=kind, code=code))
+
+
+def handle_unexpected(_: Request, exc: Exception) -> Response[bytes]:
+    log.exception("unhandled error", exc_info=exc)
+    return error_response(APIError(500, "The server had an error while processing your request.", type="server_error"))

@@ -1,0 +1,254 @@
+"""Typed settings parsed once from `models.toml`.
+
+Every error names the file and the dotted key, so a user can fix it without reading code.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance.paths import default_data_dir
+
+ENGINES = ("llamacpp", "mlx", "auto")
+KINDS = ("chat", "embedding")
+TIERS = ("small", "mid", "frontier")
+
+
+class ConfigError(ValueError):
+    """A problem in a config file; `str()` is the one-line message shown to the user."""
+
+    def __init__(self, file: str, key: str, problem: str) -> None:
+        self.file, self.key, self.problem = file, key, problem
+        super().__init__(f"{file}: {key}: {problem}")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    data_dir: Path = field(default_factory=default_data_dir)
+    max_body_bytes: int = 4 * 1024 * 1024
+    # Requests waiting for a slot, per model, before new ones get 503 + Retry-After.
+    max_queue: int = 64
+    shutdown_grace_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Defaults:
+    max_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    alias: str
+    engine: str
+    kind: str
+    # Exactly one source: a local path, a file inside an installed Python package, or a hub file.
+    path: Path | None
+    package_file: str | None
+    hf_repo: str | None
+    hf_file: str | None
+    context_length: int  # per slot
+    slots: int
+    threads: int
+    batch_tokens: int
+    chat_template: str | None
+    price_input_per_mtok: float
+    price_output_per_mtok: float
+    tier: str
+    sha256: str | None = None
+    # Batch invariance: identical greedy output whatever shares the batch. Costs some speed.
+    batch_invariant: bool = True
+
+
+@dataclass(frozen=True)
+class Settings:
+    file: Path
+    server: ServerSettings
+    defaults: Defaults
+    models: tuple[ModelSettings, ...]
+
+    def model(self, alias: str) -> ModelSettings | None:
+        return next((m for m in self.models if m.alias == alias), None)
+
+
+class _Reader:
+    """Pulls typed values out of one TOML table, naming the dotted key on any error."""
+
+    def __init__(self, file: str, prefix: str, table: dict[str, Any], known: set[str]) -> None:
+        self.file, self.prefix, self.table = file, prefix, table
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ConfigError(file, self.key(unknown[0]), f"unknown key (known keys: {', '.join(sorted(known))})")
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def fail(self, name: str, problem: str) -> ConfigError:
+        return ConfigError(self.file, self.key(name), problem)
+
+    def string(self, name: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str | None:
+        value = self.table.get(name, default)
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value.strip():
+            raise self.fail(name, f"expected a non-empty string, got {value!r}")
+        if choices and value not in choices:
+            raise self.fail(name, f"expected one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    def integer(self, name: str, default: int, minimum: int = 1, maximum: int | None = None) -> int:
+        value = self.table.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(name, f"expected an integer, got {value!r}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+            raise self.fail(name, f"expected an integer {bound}, got {value}")
+        return value
+
+    def number(self, name: str, default: float, minimum: float = 0.0, maximum: float | None = None) -> float:
+        value = self.table.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(name, f"expected a number, got {value!r}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+            raise self.fail(name, f"expected a number {bound}, got {value}")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.table.get(name, default)
+        if not isinstance(value, bool):
+            raise self.fail(name, f"expected true or false, got {value!r}")
+        return value
+
+    def subtable(self, name: str) -> dict[str, Any]:
+        value = self.table.get(name, {})
+        if not isinstance(value, dict):
+            raise self.fail(name, f"expected a table, got {type(value).__name__}")
+        return value
+
+
+def _server(file: str, table: dict[str, Any], base: Path) -> ServerSettings:
+    r = _Reader(file, "server", table, {"host", "port", "data_dir", "max_body_bytes", "max_queue", "shutdown_grace_s"})
+    data_dir_text = r.string("data_dir")
+    data_dir = default_data_dir()
+    if data_dir_text is not None:
+        data_dir = (base / os.path.expanduser(data_dir_text)).resolve()
+    return ServerSettings(
+        host=r.string("host", "127.0.0.1") or "127.0.0.1",
+        port=r.integer("port", 8080, minimum=0, maximum=65535),
+        data_dir=data_dir,
+        max_body_bytes=r.integer("max_body_bytes", 4 * 1024 * 1024, minimum=1024),
+        max_queue=r.integer("max_queue", 64, minimum=0),
+        shutdown_grace_s=r.number("shutdown_grace_s", 10.0),
+    )
+
+
+def _defaults(file: str, table: dict[str, Any]) -> Defaults:
+    r = _Reader(file, "defaults", table, {"max_tokens", "temperature", "top_p"})
+    return Defaults(
+        max_tokens=r.integer("max_tokens", 1024),
+        temperature=r.number("temperature", 1.0, maximum=2.0),
+        top_p=r.number("top_p", 1.0, maximum=1.0),
+    )
+
+
+_MODEL_KEYS = {
+    "alias", "engine", "kind", "path", "package_file", "hf_repo", "hf_file", "sha256", "context_length",
+    "slots", "threads", "batch_tokens", "chat_template", "price_input_per_mtok", "price_output_per_mtok",
+    "tier", "batch_invariant",
+}
+
+
+def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSettings:
+    r = _Reader(file, f"models[{index}]", table, _MODEL_KEYS)
+    alias = r.string("alias")
+    if alias is None:
+        raise r.fail("alias", "missing: every model needs an alias, the name clients send as `model`")
+    sources = [k for k in ("path", "package_file", "hf_repo") if k in table]
+    if len(sources) != 1:
+        raise r.fail("path", "give exactly one source: `path`, `package_file`, or `hf_repo` with `hf_file`")
+    if ("hf_repo" in table) != ("hf_file" in table):
+        raise r.fail("hf_file", "`hf_repo` and `hf_file` go together")
+    path_text = r.string("path")
+    path = (base / os.path.expanduser(path_text)).resolve() if path_text else None
+    template_text = r.string("chat_template")
+    template = None
+    if template_text is not None:
+        # A template may be given inline or as a file next to the config.
+        candidate = base / template_text
+        template = candidate.read_text() if "{" not in template_text and candidate.is_file() else template_text
+    sha = r.string("sha256")
+    if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha.lower())):
+        raise r.fail("sha256", "expected 64 hexadecimal digits")
+    slots = r.integer("slots", 4, maximum=256)
+    return ModelSettings(
+        alias=alias,
+        engine=r.string("engine", "llamacpp", ENGINES) or "llamacpp",
+        kind=r.string("kind", "chat", KINDS) or "chat",
+        path=path,
+        package_file=r.string("package_file"),
+        hf_repo=r.string("hf_repo"),
+        hf_file=r.string("hf_file"),
+        sha256=sha.lower() if sha else None,
+        context_length=r.integer("context_length", 4096, minimum=64),
+        slots=slots,
+        threads=r.integer("threads", max(1, os.cpu_count() or 1), maximum=1024),
+        batch_tokens=r.integer("batch_tokens", 512, minimum=slots),
+        chat_template=template,
+        price_input_per_mtok=r.number("price_input_per_mtok", 0.0),
+        price_output_per_mtok=r.number("price_output_per_mtok", 0.0),
+        tier=r.string("tier", "small", TIERS) or "small",
+        batch_invariant=r.boolean("batch_invariant", True),
+    )
+
+
+def parse_settings(text: str, file: str = "models.toml", base: Path | None = None) -> Settings:
+    """Parse config text; raises ConfigError naming `file` and the key at fault."""
+    base = base or Path(file).resolve().parent
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(file, "(syntax)", str(exc)) from None
+    top = _Reader(file, "", raw, {"server", "defaults", "models"})
+    models_raw = raw.get("models", [])
+    if not isinstance(models_raw, list) or not all(isinstance(m, dict) for m in models_raw):
+        raise top.fail("models", "expected an array of tables: [[models]]")
+    if not models_raw:
+        raise top.fail("models", "no models declared: add at least one [[models]] table")
+    models = tuple(_model(file, i, m, base) for i, m in enumerate(models_raw))
+    seen: set[str] = set()
+    for i, m in enumerate(models):
+        if m.alias in seen:
+            raise ConfigError(file, f"models[{i}].alias", f"duplicate alias {m.alias!r}")
+        seen.add(m.alias)
+    return Settings(
+        file=Path(file),
+        server=_server(file, top.subtable("server"), base),
+        defaults=_defaults(file, top.subtable("defaults")),
+        models=models,
+    )
+
+
+def load_settings(path: Path) -> Settings:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), "(file)", f"cannot read: {exc.strerror}") from None
+    return parse_settings(text, str(path), path.resolve().parent)
+
+
+def find_config(explicit: Path | None) -> Path:
+    """`--config`, else ./models.toml, else the one in the data directory."""
+    if explicit is not None:
+        return explicit
+    local = Path("models.toml")
+    if local.is_file():
+        return local
+    return default_data_dir() / "models.toml"

@@ -1,0 +1,145 @@
+"""The engine interface and the values that cross it.
+
+An engine knows nothing about tenants, budgets or caches: it loads a model, takes generation
+requests, streams events back, and cancels on request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """What a KV cache or slot is valid for: the same model with another adapter is another key."""
+
+    model: str
+    adapters: tuple[tuple[str, float], ...] = ()
+    draft: str | None = None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # GBNF grammar text; constrains every sampled token.
+    grammar: str | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    id: str
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    token_bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    token_bytes: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One sampled token. `text` may be empty while bytes of a UTF-8 character or a possible
+    stop string are held back; it is released in a later event."""
+
+    text: str
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: FinishReason
+    usage: Usage
+    text: str = ""  # held-back text released at the end
+    time_to_first_token_s: float | None = None
+    total_time_s: float = 0.0
+    error: str | None = None
+
+
+EngineEvent = TokenEvent | FinishEvent
+
+
+class EngineError(Exception):
+    """A failure the API maps onto an OpenAI error."""
+
+
+class EngineOverloaded(EngineError):
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ContextLengthExceeded(EngineError):
+    pass
+
+
+class EngineClosed(EngineError):
+    pass
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Capabilities are attributes; the methods are few."""
+
+    name: str
+    supports_grammar: bool
+    supports_logprobs: bool
+    supports_embeddings: bool
+
+    @property
+    def context_length(self) -> int: ...
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def chat_template(self) -> str | None: ...
+
+    def special_tokens(self) -> dict[str, str]: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        """Stream events; closing the iterator early cancels the request and frees its slot."""
+        ...
+
+    async def embed(self, inputs: list[list[int]]) -> list[list[float]]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    slots_total: int
+    slots_busy: int
+    queue_depth: int

@@ -1,0 +1,230 @@
+"""Thin, typed wrappers over llama-cpp-python's low-level (ctypes) API.
+
+ctypes releases the GIL during each C call, so a model thread decoding here does not stall
+the event loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as L
+import numpy as np
+
+from engines.base import EngineError
+
+log = logging.getLogger("appliance.llamacpp")
+
+_init_lock = threading.Lock()
+_initialised = False
+
+# llama.cpp's log levels; below WARN is noise for an operator.
+_GGML_LOG_LEVEL_WARN = 3
+
+
+@L.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    if level >= _GGML_LOG_LEVEL_WARN and level != 5:
+        message = text.decode("utf-8", errors="replace").rstrip()
+        if message:
+            log.warning("llama.cpp: %s", message)
+
+
+def init_backend() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            L.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            L.llama_backend_init()
+            _initialised = True
+
+
+def system_info() -> str:
+    init_backend()
+    return (L.llama_print_system_info() or b"").decode()
+
+
+class Model:
+    """A loaded GGUF model: weights and vocabulary, shared by the contexts made from it."""
+
+    def __init__(self, path: Path, *, use_extra_buffers: bool = True) -> None:
+        init_backend()
+        params = L.llama_model_default_params()
+        # Repacked weights take other kernels for one row than for many; see docs/architecture.md.
+        params.use_extra_bufts = use_extra_buffers
+        self.ptr = L.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            raise EngineError(f"llama.cpp could not load model file {path}")
+        self.path = path
+        self.vocab = L.llama_model_get_vocab(self.ptr)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = L.llama_model_n_ctx_train(self.ptr)
+        self.n_embd = L.llama_model_n_embd(self.ptr)
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self._piece_cache: dict[tuple[int, bool], bytes] = {}
+
+    def meta(self, key: str) -> str | None:
+        size = 4096
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = L.llama_model_meta_val_str(self.ptr, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace")
+            size = n + 1
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            buf = (L.llama_token * capacity)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+            if n >= 0:
+                return list(buf[:n])
+            capacity = -n
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        key = (token, special)
+        cached = self._piece_cache.get(key)
+        if cached is not None:
+            return cached
+        size = 32
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = L.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
+            if n >= 0:
+                data = buf.raw[:n]
+                self._piece_cache[key] = data
+                return data
+            size = -n
+
+    def token_text(self, token: int) -> str:
+        return self.piece(token, special=True).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self.vocab, token))
+
+    def special_tokens(self) -> dict[str, str]:
+        out = {}
+        for name, fn in (("bos_token", L.llama_vocab_bos), ("eos_token", L.llama_vocab_eos)):
+            token = fn(self.vocab)
+            if token >= 0:
+                out[name] = self.token_text(token)
+        return out
+
+    def close(self) -> None:
+        if self.ptr:
+            L.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+@dataclass(frozen=True)
+class ContextShape:
+    n_seq: int
+    n_ctx_per_seq: int
+    n_batch: int
+    threads: int
+    # Batch invariance: one KV stream per sequence and the plain attention path.
+    kv_unified: bool
+    flash_attn: bool
+    embeddings: bool = False
+
+
+class Context:
+    """A llama.cpp context holding `n_seq` independent sequences, one per slot."""
+
+    def __init__(self, model: Model, shape: ContextShape) -> None:
+        params = L.llama_context_default_params()
+        params.n_ctx = shape.n_ctx_per_seq * shape.n_seq
+        params.n_seq_max = shape.n_seq
+        params.n_batch = shape.n_batch
+        params.n_ubatch = shape.n_batch
+        params.n_threads = shape.threads
+        params.n_threads_batch = shape.threads
+        params.kv_unified = shape.kv_unified
+        params.flash_attn_type = 1 if shape.flash_attn else 0
+        params.no_perf = True
+        if shape.embeddings:
+            params.embeddings = True
+            params.pooling_type = L.LLAMA_POOLING_TYPE_MEAN
+        self.ptr = L.llama_init_from_model(model.ptr, params)
+        if not self.ptr:
+            raise EngineError(f"llama.cpp could not create a context for {model.path} with {shape}")
+        self.model = model
+        self.shape = shape
+        self.memory = L.llama_get_memory(self.ptr)
+        self.n_ctx_per_seq = L.llama_n_ctx_seq(self.ptr) if not shape.kv_unified else shape.n_ctx_per_seq
+        self.batch = L.llama_batch_init(shape.n_batch, 0, 1)
+
+    def clear_sequence(self, seq: int) -> None:
+        L.llama_memory_seq_rm(self.memory, seq, -1, -1)
+
+    def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """entries: (token, position, sequence, wants_logits), in batch order."""
+        batch = self.batch
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = logits
+        batch.n_tokens = len(entries)
+        rc = L.llama_decode(self.ptr, batch)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc}")
+
+    def logits(self, index: int) -> np.ndarray:
+        ptr = L.llama_get_logits_ith(self.ptr, index)
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+
+    def sequence_embedding(self, seq: int) -> np.ndarray:
+        ptr = L.llama_get_embeddings_seq(self.ptr, seq)
+        if not ptr:
+            raise EngineError("llama.cpp returned no embedding for the sequence")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_embd,)).copy()
+
+    def close(self) -> None:
+        if self.ptr:
+            L.llama_batch_free(self.batch)
+            L.llama_free(self.ptr)
+            self.ptr = None
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one request: grammar, then top-p and temperature, then a
+    seeded draw (or greedy at temperature 0)."""
+
+    def __init__(self, model: Model, *, temperature: float, top_p: float, seed: int | None, grammar: str | None) -> None:
+        params = L.llama_sampler_chain_default_params()
+        params.no_perf = True
+        self.ptr = L.llama_sampler_chain_init(params)
+        try:
+            if grammar is not None:
+                g = L.llama_sampler_init_grammar(model.vocab, grammar.encode(), b"root")
+                if not g:
+                    raise EngineError("the grammar could not be parsed")
+                L.llama_sampler_chain_add(self.ptr, g)
+            if temperature <= 0.0:
+                L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_greedy())
+            else:
+                if top_p < 1.0:
+                    L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_top_p(top_p, 1))
+                L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_temp(temperature))
+                seed_value = L.LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF
+                L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_dist(seed_value))
+        except Exception:
+            self.close()
+            raise
+
+    def sample(self, ctx: Context, index: int) -> int:
+        return L.llama_sampler_sample(self.ptr, ctx.ptr, index)
+
+    def close(self) -> None:
+        if self.ptr:
+            L.llama_sampler_free(self.ptr)
+            self.ptr = None

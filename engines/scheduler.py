@@ -1,0 +1,49 @@
+"""The slot scheduler's bookkeeping as pure functions: which tokens go into the next batch.
+
+Decode tokens of generating slots go first (one each), so generation never waits behind a long
+prompt; then prompt chunks of admitted slots, oldest first, under a per-step token budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SlotView:
+    slot: int
+    admitted_seq: int  # admission order; lower is older
+    prompt_len: int
+    n_past: int  # tokens already in the KV cache (prompt, then generated)
+    generating: bool  # prompt done, has a sampled token waiting to be decoded
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    slot: int
+    start: int  # position of the first token of this item in the slot's sequence
+    count: int
+    is_decode: bool
+    wants_logits: bool  # the last token of this item needs logits (decode, or the prompt's end)
+
+
+def plan_batch(slots: tuple[SlotView, ...], token_budget: int) -> tuple[BatchItem, ...]:
+    """One step's batch. Every generating slot decodes; prefill fills what budget is left."""
+    items: list[BatchItem] = []
+    generating = [s for s in slots if s.generating]
+    for s in sorted(generating, key=lambda s: s.slot):
+        items.append(BatchItem(s.slot, s.n_past, 1, True, True))
+    budget = token_budget - len(items)
+    for s in sorted((s for s in slots if not s.generating and s.n_past < s.prompt_len), key=lambda s: s.admitted_seq):
+        if budget <= 0:
+            break
+        count = min(budget, s.prompt_len - s.n_past)
+        finishes = s.n_past + count == s.prompt_len
+        items.append(BatchItem(s.slot, s.n_past, count, False, finishes))
+        budget -= count
+    return tuple(items)
+
+
+def admit(free_slots: tuple[int, ...], waiting: int) -> tuple[int, ...]:
+    """Slots to fill from the head of the FIFO queue: lowest slot ids first, as many as wait."""
+    return tuple(sorted(free_slots))[:waiting]

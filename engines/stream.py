@@ -1,0 +1,50 @@
+"""An async iterator of engine events fed from the model's thread."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from engines.base import EngineEvent, FinishEvent
+
+
+class EventStream:
+    """Events pushed from any thread arrive in order on the loop. Closing the stream before its
+    finish event (a client gone, a task cancelled) calls `on_close`, which cancels the request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self._finished = False
+        self._closed = False
+        self.on_close: Callable[[], None] | None = None
+
+    def push(self, event: EngineEvent) -> None:
+        """Thread-safe."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the loop is gone; nobody is listening
+            pass
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> EngineEvent:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            event = await self._queue.get()
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(event, FinishEvent):
+            self._finished = True
+        return event
+
+    def close(self) -> None:
+        if not self._finished and not self._closed and self.on_close is not None:
+            self.on_close()
+        self._closed = True
+
+    async def aclose(self) -> None:
+        self.close()
