@@ -6,9 +6,11 @@ requests, streams events back, and cancels on request.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from engines.stream import EventStream
 
 
 @dataclass(frozen=True)
@@ -123,12 +125,19 @@ class Engine(Protocol):
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
 
+    def detokenize(self, tokens: list[int]) -> str: ...
+
+    def vocab_size(self) -> int: ...
+
+    def add_bos(self) -> bool: ...
+
     def chat_template(self) -> str | None: ...
 
     def special_tokens(self) -> dict[str, str]: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
-        """Stream events; closing the iterator early cancels the request and frees its slot."""
+    def generate(self, request: GenerationRequest) -> EventStream:
+        """Validates and queues at once (raising EngineError subclasses); the stream yields events,
+        and closing it early cancels the request and frees its slot at the next step."""
         ...
 
     async def embed(self, inputs: list[list[int]]) -> list[list[float]]: ...

@@ -128,6 +128,12 @@ class LlamaCppEngine:
     def add_bos(self) -> bool:
         return self.model.add_bos
 
+    def vocab_size(self) -> int:
+        return self.model.n_vocab
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.model.piece(t, special=True) for t in tokens).decode("utf-8", errors="replace")
+
     def generate(self, request: GenerationRequest) -> EventStream:
         """Validates and queues the request; raises at once on a request that cannot run."""
         if self._closing:

@@ -1,0 +1,219 @@
+"""The OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions,
+/v1/embeddings."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.response import Stream
+
+from appliance.api import render
+from appliance.api.errors import APIError, from_validation, invalid
+from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from appliance.api.translate import Prepared, prepare_chat, prepare_completion
+from appliance.registry import LoadedModel
+from appliance.services import Services
+from engines.base import ContextLengthExceeded, EngineClosed, EngineError, EngineOverloaded, FinishEvent, TokenEvent
+from engines.stream import EventStream
+
+T = TypeVar("T")
+
+
+def _decode(body: bytes, kind: type[T]) -> T:
+    if not body:
+        raise invalid("The request body is empty; send a JSON object.")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise from_validation(exc) from None
+
+
+def _model(services: Services, alias: str, kind: str) -> LoadedModel:
+    model = services.registry.get(alias)
+    if model is None:
+        raise APIError(404, f"The model '{alias}' does not exist.", param="model", code="model_not_found")
+    if model.settings.kind != kind:
+        raise invalid(f"The model '{alias}' is an {model.settings.kind} model and does not serve this endpoint.", "model")
+    return model
+
+
+def _start(model: LoadedModel, prepared: Prepared) -> EventStream:
+    try:
+        return model.engine.generate(prepared.request)
+    except ContextLengthExceeded as exc:
+        raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
+    except EngineOverloaded as exc:
+        raise APIError(503, f"The server is overloaded: {exc}. Retry shortly.", type="server_error", code="overloaded", retry_after_s=exc.retry_after_s) from None
+    except EngineClosed as exc:
+        raise APIError(503, str(exc), type="server_error", code="unavailable", retry_after_s=5) from None
+    except EngineError as exc:
+        raise invalid(str(exc)) from None
+
+
+async def _until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+    """Runs `work`, cancelling it if the client goes away first (which frees its slot)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise APIError(499, "The client closed the request.", code="client_closed")
+    return task.result()
+
+
+class _Collected(msgspec.Struct):
+    text: str
+    logprobs: list[Any]
+    finish: FinishEvent
+
+
+async def _collect(stream: EventStream) -> _Collected:
+    parts: list[str] = []
+    logprobs: list[Any] = []
+    finish: FinishEvent | None = None
+    try:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                parts.append(event.text)
+                if event.logprob is not None:
+                    logprobs.append(event.logprob)
+            else:
+                finish = event
+                parts.append(event.text)
+    finally:
+        stream.close()
+    assert finish is not None
+    return _Collected("".join(parts), logprobs, finish)
+
+
+def _raise_for_failure(finish: FinishEvent) -> None:
+    if finish.reason == "error":
+        raise APIError(500, f"The model failed while generating: {finish.error}", type="server_error")
+
+
+@get("/v1/models", sync_to_thread=False)
+def list_models(services: Services) -> dict[str, Any]:
+    return render.model_list(services.registry.all(), services.started_at)
+
+
+@get("/v1/models/{model_id:str}", sync_to_thread=False)
+def retrieve_model(services: Services, model_id: str) -> dict[str, Any]:
+    model = services.registry.get(model_id)
+    if model is None:
+        raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+    return render.model_entry(model, services.started_at)
+
+
+@post("/v1/chat/completions")
+async def chat_completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
+    body = _decode(await request.body(), ChatCompletionRequest)
+    model = _model(services, body.model, "chat")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    prepared = prepare_chat(body, model, services.settings.defaults, request_id)
+    return await _respond(request, services, model, prepared, body.stream, body.stream_options, "chat")
+
+
+@post("/v1/completions")
+async def completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
+    body = _decode(await request.body(), CompletionRequest)
+    model = _model(services, body.model, "chat")
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    prepared = prepare_completion(body, model, services.settings.defaults, request_id)
+    if body.echo:
+        prepared = Prepared(prepared.request, prepared.prompt_text, echo=True)
+    return await _respond(request, services, model, prepared, body.stream, body.stream_options, "completion")
+
+
+async def _respond(
+    request: Request[Any, Any, Any], services: Services, model: LoadedModel, prepared: Prepared,
+    stream: bool, stream_options: Any, kind: str,
+) -> Response[Any]:
+    created = int(time.time())
+    started = time.time()
+    events = _start(model, prepared)
+    fmt = render.Formatter(kind, prepared, model.settings.alias, created)
+    if stream:
+        include_usage = bool(stream_options and stream_options.include_usage)
+        return Stream(
+            _sse(events, fmt, include_usage, services, model, started),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        collected = await _until_disconnect(request, _collect(events))
+    except APIError:
+        services.record(prepared, model, kind, started, None, "cancelled")
+        raise
+    services.record(prepared, model, kind, started, collected.finish, None)
+    _raise_for_failure(collected.finish)
+    return Response(fmt.full(collected.text, collected.logprobs, collected.finish), media_type="application/json")
+
+
+async def _sse(
+    events: EventStream, fmt: render.Formatter, include_usage: bool, services: Services, model: LoadedModel, started: float
+) -> AsyncIterator[bytes]:
+    finish: FinishEvent | None = None
+    try:
+        yield render.sse(fmt.first_chunk(include_usage))
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                if event.text or event.logprob is not None:
+                    yield render.sse(fmt.delta_chunk(event.text, event.logprob, include_usage))
+                continue
+            finish = event
+            if event.reason == "error":
+                yield render.sse(APIError(500, f"The model failed while generating: {event.error}", type="server_error").body())
+                break
+            if event.text:
+                yield render.sse(fmt.delta_chunk(event.text, None, include_usage))
+            yield render.sse(fmt.finish_chunk(event, include_usage))
+            if include_usage:
+                yield render.sse(fmt.usage_chunk(event))
+        yield b"data: [DONE]\n\n"
+    finally:
+        events.close()  # a client gone mid-stream lands here: the slot is freed at the next step
+        status = None if finish is not None else "cancelled"
+        services.record(fmt.prepared, model, fmt.kind, started, finish, status)
+
+
+@post("/v1/embeddings")
+async def embeddings(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
+    body = _decode(await request.body(), EmbeddingRequest)
+    model = _model(services, body.model, "embedding")
+    if body.encoding_format != "float":
+        raise invalid("Only encoding_format 'float' is supported.", "encoding_format")
+    if body.dimensions is not None:
+        raise invalid("This model does not support choosing dimensions.", "dimensions")
+    raw = body.input
+    if isinstance(raw, str):
+        texts: list[str | list[int]] = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        texts = [list(raw)]  # type: ignore[arg-type]
+    else:
+        texts = list(raw)  # type: ignore[arg-type]
+    if not texts or any(len(t) == 0 for t in texts):
+        raise invalid("'input' must be a non-empty string or a list of non-empty inputs.", "input")
+    engine = model.engine
+    token_lists = [t if isinstance(t, list) else engine.tokenize(t, add_special=engine.add_bos(), parse_special=False) for t in texts]
+    try:
+        vectors = await engine.embed(token_lists)
+    except ContextLengthExceeded as exc:
+        raise APIError(400, str(exc), param="input", code="context_length_exceeded") from None
+    prompt_tokens = sum(len(t) for t in token_lists)
+    services.metrics.prompt_tokens.labels(model.settings.alias).inc(prompt_tokens)
+    services.metrics.requests.labels(model.settings.alias, "embeddings", "ok").inc()
+    return Response(render.embedding_list(vectors, model.settings.alias, prompt_tokens), media_type="application/json")

@@ -1,0 +1,163 @@
+"""From a decoded OpenAI body to an engine's GenerationRequest: every check that can fail names
+the parameter at fault."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+from appliance.api.errors import APIError, invalid
+from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, ResponseFormat
+from appliance.chat_template import TemplateError
+from appliance.registry import LoadedModel
+from appliance.settings import Defaults
+from engines.base import GenerationRequest, SamplingParams
+
+MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request: GenerationRequest
+    prompt_text: str
+    echo: bool = False  # completions: the prompt text leads the completion text
+
+
+def _check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
+    if body.n != 1:
+        raise invalid("Only n=1 is supported: send one request per completion.", "n")
+    if body.temperature is not None and not 0.0 <= body.temperature <= 2.0:
+        raise invalid(f"{body.temperature} is not a valid temperature: it must be between 0 and 2.", "temperature")
+    if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
+        raise invalid(f"{body.top_p} is not a valid top_p: it must be greater than 0 and at most 1.", "top_p")
+    if body.frequency_penalty not in (None, 0, 0.0) or body.presence_penalty not in (None, 0, 0.0):
+        param = "frequency_penalty" if body.frequency_penalty not in (None, 0, 0.0) else "presence_penalty"
+        raise invalid(f"'{param}' is not supported by this server yet.", param)
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options is only allowed when stream is true.", "stream_options")
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP:
+        raise invalid(f"At most {MAX_STOP} stop sequences are allowed; got {len(stops)}.", "stop")
+    if any(not s for s in stops):
+        raise invalid("A stop sequence must not be empty.", "stop")
+    return tuple(stops)
+
+
+def _max_tokens(requested: int | None, param: str, prompt_len: int, model: LoadedModel, defaults: Defaults) -> int:
+    context = model.engine.context_length
+    if requested is not None:
+        if requested < 1:
+            raise invalid(f"{requested} is less than the minimum of 1.", param)
+        return requested  # the engine refuses prompt + max_tokens > context, never truncates
+    room = context - prompt_len
+    if room < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {context} tokens. However, your prompt has {prompt_len} tokens, "
+            "leaving no room for the completion. Please reduce the length of the prompt.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    return min(defaults.max_tokens, room)
+
+
+def _grammar(fmt: ResponseFormat | None) -> str | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return JSON_GBNF
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise invalid("response_format json_schema needs a 'schema' object.", "response_format.json_schema.schema")
+    try:
+        return json_schema_to_gbnf(json.dumps(fmt.json_schema.schema))
+    except Exception as exc:
+        raise invalid(f"The JSON schema cannot be enforced: {exc}", "response_format.json_schema.schema") from None
+
+
+def _sampling(body: ChatCompletionRequest | CompletionRequest, defaults: Defaults, logprobs: bool, top: int, grammar: str | None) -> SamplingParams:
+    return SamplingParams(
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        seed=body.seed,
+        logprobs=logprobs,
+        top_logprobs=top,
+        grammar=grammar,
+    )
+
+
+def _messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    if not body.messages:
+        raise invalid("'messages' must contain at least one message.", "messages")
+    out = []
+    for i, message in enumerate(body.messages):
+        content = message.content
+        if isinstance(content, list):
+            if any(isinstance(part, ImagePart) for part in content):
+                raise invalid("This model does not accept images.", f"messages[{i}].content")
+            content = "".join(part.text for part in content)  # type: ignore[union-attr]
+        if message.role == "tool":
+            raise invalid("Tool messages are not supported by this model.", f"messages[{i}].role")
+        role = "system" if message.role == "developer" else message.role
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
+    _check_common(body)
+    if body.tools:
+        raise invalid("Tools are not supported by this model.", "tools")
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise invalid("top_logprobs requires logprobs to be true.", "top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}.", "top_logprobs")
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise invalid("Give max_tokens or max_completion_tokens, not both.", "max_tokens")
+    if model.template is None:
+        raise invalid(f"The model '{model.settings.alias}' has no chat template; use /v1/completions.", "model")
+    try:
+        prompt_text = model.template.render(_messages(body))
+    except TemplateError as exc:
+        raise invalid(f"The model's chat template rejected these messages: {exc}", "messages") from None
+    tokens = model.engine.tokenize(prompt_text, add_special=model.engine.add_bos(), parse_special=True)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = _max_tokens(requested, param, len(tokens), model, defaults)
+    sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, _grammar(body.response_format))
+    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), prompt_text)
+
+
+def prepare_completion(body: CompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
+    _check_common(body)
+    if body.suffix:
+        raise invalid("suffix is not supported by this model.", "suffix")
+    if body.logprobs is not None and not 0 <= body.logprobs <= 5:
+        raise invalid("logprobs must be between 0 and 5 for completions.", "logprobs")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        tokens = [int(p) for p in prompt]
+        vocab = model.engine.vocab_size()
+        if any(not 0 <= t < vocab for t in tokens):
+            raise invalid(f"Token ids in 'prompt' must be between 0 and {vocab - 1}.", "prompt")
+        text = model.engine.detokenize(tokens)
+    else:
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise invalid("Only one prompt per request is supported.", "prompt")
+            prompt = prompt[0]
+        text = str(prompt)
+        if not text:
+            raise invalid("'prompt' must not be empty.", "prompt")
+        tokens = model.engine.tokenize(text, add_special=model.engine.add_bos(), parse_special=True)
+    max_tokens = _max_tokens(body.max_tokens, "max_tokens", len(tokens), model, defaults)
+    top = body.logprobs or 0
+    sampling = _sampling(body, defaults, body.logprobs is not None, top, None)
+    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), text)

@@ -1,0 +1,69 @@
+"""The Litestar app factory: routes, error envelopes, and the lifecycle of what it serves."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from litestar import Litestar, Response, get
+from litestar.di import Provide
+from litestar.exceptions import HTTPException
+from litestar.openapi import OpenAPIConfig
+
+from appliance import __version__
+from appliance.api import openai_routes
+from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
+from appliance.metrics import Metrics
+from appliance.registry import Registry
+from appliance.services import Services
+from appliance.settings import Settings
+from appliance.store.db import connect, database_path, migrate
+from appliance.store.request_log import RequestLogWriter
+
+log = logging.getLogger("appliance")
+
+
+@get("/health", sync_to_thread=False)
+def health(services: Services) -> dict[str, Any]:
+    models = {}
+    for m in services.registry.all():
+        stats = m.engine.stats()
+        models[m.settings.alias] = {"slots_total": stats.slots_total, "slots_busy": stats.slots_busy, "queue_depth": stats.queue_depth}
+    return {"status": "ok", "version": __version__, "uptime_s": round(time.time() - services.started_at, 3), "models": models}
+
+
+@get("/metrics", sync_to_thread=False)
+def metrics(services: Services) -> Response[bytes]:
+    return Response(services.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def build_services(settings: Settings, registry: Registry) -> Services:
+    db_path = database_path(settings.server.data_dir)
+    db = connect(db_path)
+    try:
+        migrate(db)
+    finally:
+        db.close()
+    metrics_ = Metrics(lambda: {m.settings.alias: m.engine.stats() for m in registry.all()})
+    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()))
+
+
+def create_app(services: Services) -> Litestar:
+    def shutdown() -> None:
+        services.registry.close()
+        services.request_log.close()
+
+    return Litestar(
+        route_handlers=[
+            health, metrics,
+            openai_routes.list_models, openai_routes.retrieve_model, openai_routes.chat_completions,
+            openai_routes.completions, openai_routes.embeddings,
+        ],
+        dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
+        exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},
+        request_max_body_size=services.settings.server.max_body_bytes,
+        on_shutdown=[shutdown],
+        openapi_config=OpenAPIConfig(title="appliance", version=__version__),
+        logging_config=None,
+    )

@@ -1,0 +1,83 @@
+"""`appliance doctor`: what a user needs to see when something is off."""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from appliance.settings import ConfigError, find_config, load_settings
+
+_INTERESTING = ("avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def build_flags() -> str:
+    """What llama.cpp was compiled with, and what the installer recorded about it."""
+    try:
+        from engines.llamacpp.runtime import system_info
+
+        info = system_info().strip()
+    except Exception as exc:  # an import failure is itself the diagnosis
+        return f"llama.cpp not importable: {exc}"
+    stamp = Path(sys.prefix) / "appliance-llama-build.txt"
+    recorded = stamp.read_text().strip() if stamp.is_file() else "not recorded (not installed by installer/install.sh)"
+    return f"{info}\ninstaller build: {recorded}"
+
+
+def run_doctor(config: Path | None) -> int:
+    console = Console()
+    ok = True
+    console.print(f"[bold]machine[/bold]: {platform.system()} {platform.machine()}, Python {platform.python_version()}")
+    flags = cpu_flags()
+    if flags:
+        console.print("[bold]cpu features[/bold]: " + " ".join(f for f in _INTERESTING if f in flags))
+        if "amx_tile" in flags:
+            console.print("  note: AMX present; llama.cpp's native build crashes in its AMX matmul here, so the installer builds without it")
+    console.print(f"[bold]llama.cpp[/bold]: {build_flags()}")
+    engines = Table("engine", "importable", "runs here")
+    for name, module in (("llamacpp", "llama_cpp"), ("mlx", "mlx.core"), ("mlx-lm", "mlx_lm")):
+        found = importlib.util.find_spec(module.split(".")[0]) is not None
+        runs = found and (name == "llamacpp" or platform.system() in ("Darwin", "Linux"))
+        engines.add_row(name, "yes" if found else "no", "yes" if runs else "no")
+    console.print(engines)
+    try:
+        path = find_config(config)
+        settings = load_settings(path)
+    except ConfigError as exc:
+        console.print(f"[red]config[/red]: {exc}")
+        return 1
+    console.print(f"[bold]config[/bold]: {path.resolve()}")
+    console.print(f"[bold]data dir[/bold]: {settings.server.data_dir}")
+    from appliance.model_files import ModelFileError, resolve, sha256
+
+    models = Table("alias", "file", "size", "sha256", "matches config")
+    for m in settings.models:
+        try:
+            file = resolve(m, settings.server.data_dir)
+            digest = sha256(file)
+            match = "-" if m.sha256 is None else ("yes" if digest == m.sha256 else "[red]NO[/red]")
+            ok &= match != "[red]NO[/red]"
+            models.add_row(m.alias, str(file), f"{file.stat().st_size / 1e6:.1f} MB", digest, match)
+        except ModelFileError as exc:
+            ok = False
+            models.add_row(m.alias, f"[red]{exc}[/red]", "", "", "")
+    console.print(models)
+    from appliance.server import port_free
+
+    free = port_free(settings.server.host, settings.server.port)
+    console.print(f"[bold]port[/bold]: {settings.server.host}:{settings.server.port} {'free' if free else '[yellow]in use[/yellow]'}")
+    return 0 if ok else 1

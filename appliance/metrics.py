@@ -1,0 +1,46 @@
+"""Prometheus metrics, one registry per app so tests can build several apps in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from engines.base import EngineStats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_RATE_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 400, 800)
+
+
+class Metrics:
+    def __init__(self, engine_stats: Callable[[], dict[str, EngineStats]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("appliance_requests", "API requests by model, endpoint and outcome", ["model", "endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("appliance_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.completion_tokens = Counter("appliance_completion_tokens", "Completion tokens generated", ["model"], registry=r)
+        self.ttft = Histogram("appliance_time_to_first_token_seconds", "Time from arrival to the first token", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram("appliance_request_duration_seconds", "Time from arrival to the last token", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens_per_second = Histogram("appliance_decode_tokens_per_second", "Per-request decode rate after the first token", ["model"], buckets=_RATE_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Slots and queues are read from the engines at scrape time, never copied."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, EngineStats]]) -> None:
+        self._stats = engine_stats
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        busy = GaugeMetricFamily("appliance_slots_busy", "Slots generating or prefilling", labels=["model"])
+        total = GaugeMetricFamily("appliance_slots_total", "Slots configured", labels=["model"])
+        queue = GaugeMetricFamily("appliance_queue_depth", "Requests waiting for a slot", labels=["model"])
+        for alias, stats in self._stats().items():
+            busy.add_metric([alias], stats.slots_busy)
+            total.add_metric([alias], stats.slots_total)
+            queue.add_metric([alias], stats.queue_depth)
+        yield from (busy, total, queue)

@@ -1,0 +1,58 @@
+"""What the HTTP layer needs, built once by the app factory and handed to handlers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from appliance.api.translate import Prepared
+from appliance.metrics import Metrics
+from appliance.registry import LoadedModel, Registry
+from appliance.settings import Settings
+from appliance.store.request_log import RequestLogWriter, RequestRecord
+from engines.base import FinishEvent
+
+
+@dataclass
+class Services:
+    settings: Settings
+    registry: Registry
+    metrics: Metrics
+    request_log: RequestLogWriter
+    started_at: int
+
+    def record(self, prepared: Prepared, model: LoadedModel, endpoint: str, started: float, finish: FinishEvent | None, status: str | None) -> None:
+        """Metrics and the request log for one finished (or abandoned) generation."""
+        alias = model.settings.alias
+        now = time.time()
+        if finish is not None:
+            status = status or ("ok" if finish.reason in ("stop", "length") else finish.reason)
+        status = status or "error"
+        m = self.metrics
+        m.requests.labels(alias, endpoint, status).inc()
+        prompt_tokens = len(prepared.request.prompt_tokens)
+        completion_tokens = finish.usage.completion_tokens if finish else 0
+        ttft = finish.time_to_first_token_s if finish else None
+        m.prompt_tokens.labels(alias).inc(prompt_tokens)
+        m.completion_tokens.labels(alias).inc(completion_tokens)
+        if ttft is not None:
+            m.ttft.labels(alias).observe(ttft)
+            decode_time = (finish.total_time_s if finish else 0) - ttft
+            if completion_tokens > 1 and decode_time > 0:
+                m.tokens_per_second.labels(alias).observe((completion_tokens - 1) / decode_time)
+        m.request_seconds.labels(alias).observe(now - started)
+        self.request_log.record(
+            RequestRecord(
+                id=prepared.request.id,
+                created_at=started,
+                endpoint=endpoint,
+                model=alias,
+                status=status,
+                finish_reason=finish.reason if finish else None,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                ttft_ms=None if ttft is None else ttft * 1000,
+                total_ms=(now - started) * 1000,
+                error=finish.error if finish else None,
+            )
+        )

@@ -1,0 +1,70 @@
+"""The appliance's SQLite database: apsw with WAL, a busy timeout, foreign keys, and named
+migrations recorded in the database itself."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import apsw
+import apsw.bestpractice
+
+Migration = tuple[str, Callable[[apsw.Connection], None]]
+
+_applied_best_practice = False
+
+
+def connect(path: Path | str) -> apsw.Connection:
+    global _applied_best_practice
+    if not _applied_best_practice:
+        # WAL, busy timeout, foreign keys, no double-quoted strings; applies to each new connection.
+        apsw.bestpractice.apply(apsw.bestpractice.recommended)
+        _applied_best_practice = True
+    if isinstance(path, Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path = str(path)
+    return apsw.Connection(path)
+
+
+def _create_request_log(db: apsw.Connection) -> None:
+    db.execute(
+        """
+        CREATE TABLE request_log (
+            id TEXT PRIMARY KEY,
+            created_at REAL NOT NULL,
+            endpoint TEXT NOT NULL,
+            model TEXT NOT NULL,
+            status TEXT NOT NULL,
+            finish_reason TEXT,
+            prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            completion_tokens INTEGER NOT NULL DEFAULT 0,
+            ttft_ms REAL,
+            total_ms REAL NOT NULL,
+            error TEXT
+        ) STRICT
+        """
+    )
+    db.execute("CREATE INDEX request_log_created ON request_log(created_at)")
+
+
+MIGRATIONS: tuple[Migration, ...] = (("0001_request_log", _create_request_log),)
+
+
+def migrate(db: apsw.Connection, migrations: tuple[Migration, ...] = MIGRATIONS) -> list[str]:
+    """Applies each migration not yet recorded, each in its own transaction; returns their names."""
+    db.execute("CREATE TABLE IF NOT EXISTS migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL) STRICT")
+    done = {row[0] for row in db.execute("SELECT name FROM migrations")}
+    applied = []
+    for name, step in migrations:
+        if name in done:
+            continue
+        with db:
+            step(db)
+            db.execute("INSERT INTO migrations(name, applied_at) VALUES (?, ?)", (name, time.time()))
+        applied.append(name)
+    return applied
+
+
+def database_path(data_dir: Path) -> Path:
+    return data_dir / "appliance.db"

@@ -1,0 +1,87 @@
+"""The request log: one row per API request, written by its own thread so that the event loop
+never waits on SQLite."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import astuple, dataclass
+from pathlib import Path
+
+from appliance.store.db import connect
+
+log = logging.getLogger("appliance.store")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    id: str
+    created_at: float
+    endpoint: str
+    model: str
+    status: str  # ok, cancelled, error
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_ms: float | None
+    total_ms: float
+    error: str | None = None
+
+
+_INSERT = (
+    "INSERT OR REPLACE INTO request_log(id, created_at, endpoint, model, status, finish_reason, prompt_tokens, "
+    "completion_tokens, ttft_ms, total_ms, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+class RequestLogWriter:
+    """Owns one connection and one thread; `close()` writes what is queued, then stops."""
+
+    def __init__(self, db_path: Path) -> None:
+        self._path = db_path
+        self._queue: queue.SimpleQueue[RequestRecord | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="request-log", daemon=True)
+        self._thread.start()
+
+    def record(self, record: RequestRecord) -> None:
+        self._queue.put(record)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        db = connect(self._path)
+        try:
+            while True:
+                batch = [self._queue.get()]
+                while True:  # write what has piled up in one transaction
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                rows = [astuple(r) for r in batch if r is not None]
+                if rows:
+                    try:
+                        with db:
+                            db.executemany(_INSERT, rows)
+                    except Exception:
+                        log.exception("could not write %d request log rows", len(rows))
+                if None in batch:
+                    return
+        finally:
+            db.close()
+
+
+def recent(db_path: Path, limit: int = 50) -> list[RequestRecord]:
+    db = connect(db_path)
+    try:
+        rows = db.execute(
+            "SELECT id, created_at, endpoint, model, status, finish_reason, prompt_tokens, completion_tokens, "
+            "ttft_ms, total_ms, error FROM request_log ORDER BY created_at DESC LIMIT ?",
+            (limit,),
+        ).fetchall()
+        return [RequestRecord(*row) for row in rows]
+    finally:
+        db.close()
