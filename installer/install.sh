@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Installs the appliance into ./.venv: the project, its dependencies, the bundled default model,
+# llama-cpp-python built for this CPU, and MLX. Idempotent: a second run with nothing changed
+# takes a second or two.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${APPLIANCE_VENV:-$ROOT/.venv}
+PYTHON=${PYTHON:-python3}
+CACHE=${APPLIANCE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/appliance}
+LLAMA_VERSION=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' "$ROOT/pyproject.toml" | head -n 1)
+OS=$(uname -s)
+ARCH=$(uname -m)
+
+say() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
+die() { printf '[install] error: %s\n' "$*" >&2; exit 1; }
+
+[ -n "$LLAMA_VERSION" ] || die "pyproject.toml: dependencies: no pinned llama-cpp-python==X.Y.Z"
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install Python 3.11 or newer"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "Python 3.11 or newer is needed ($PYTHON is older)"
+
+# --- llama.cpp build flags for this machine -------------------------------------------------
+# GGML_LLAMAFILE=OFF: llamafile's sgemm serves only multi-row matmuls, so one sequence would get
+# other arithmetic alone than batched; without it greedy output is batch-invariant (docs/architecture.md).
+llama_flags() {
+    local flags="-DGGML_LLAMAFILE=OFF"
+    if [ "$OS" = Linux ] && [ "$ARCH" = x86_64 ]; then
+        # Never -march=native here: on Xeons with AMX, ggml's AMX matmul crashes on multi-token decode.
+        local cpu
+        cpu=$(grep -m1 '^flags' /proc/cpuinfo || true)
+        flags="$flags -DGGML_NATIVE=OFF"
+        for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2; do
+            if grep -qw "${pair%%:*}" <<<"$cpu"; then flags="$flags -DGGML_${pair##*:}=ON"; fi
+        done
+        # AVX-512 measured no faster than AVX2 on the bundled model here (docs/performance.md);
+        # APPLIANCE_AVX512=1 opts in.
+        if [ "${APPLIANCE_AVX512:-0}" = 1 ] && grep -qw avx512f <<<"$cpu"; then
+            flags="$flags -DGGML_AVX512=ON"
+            grep -qw avx512_vnni <<<"$cpu" && flags="$flags -DGGML_AVX512_VNNI=ON"
+            grep -qw avx512vbmi <<<"$cpu" && flags="$flags -DGGML_AVX512_VBMI=ON"
+        fi
+    elif [ "$OS" = Darwin ] && [ "$ARCH" = arm64 ]; then
+        flags="$flags -DGGML_METAL=ON"
+    fi
+    echo "$flags"
+}
+
+FLAGS=$(llama_flags)
+STAMP_INPUT="$(cat "$ROOT/pyproject.toml" "$ROOT/installer/install.sh")|$FLAGS|$($PYTHON --version 2>&1)"
+STAMP=$(printf '%s' "$STAMP_INPUT" | sha256sum 2>/dev/null | cut -c1-16 || printf '%s' "$STAMP_INPUT" | shasum -a 256 | cut -c1-16)
+
+if [ -f "$VENV/.appliance-install" ] && [ "$(cat "$VENV/.appliance-install")" = "$STAMP" ] && [ -x "$VENV/bin/appliance" ]; then
+    say "up to date ($VENV)"
+    exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip wheel
+
+# --- llama-cpp-python, built once per version and flags, kept in a wheel cache ---------------
+BUILD_ID="$LLAMA_VERSION $FLAGS"
+BUILD_STAMP="$VENV/appliance-llama-build.txt"
+if [ ! -f "$BUILD_STAMP" ] || [ "$(cat "$BUILD_STAMP")" != "$BUILD_ID" ]; then
+    KEY=$(printf '%s' "$BUILD_ID" | sha256sum 2>/dev/null | cut -c1-16 || printf '%s' "$BUILD_ID" | shasum -a 256 | cut -c1-16)
+    WHEELS="$CACHE/wheels/llama-cpp-python-$KEY"
+    if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+        say "building llama-cpp-python $LLAMA_VERSION with: $FLAGS (about 5 minutes on 2 cores)"
+        mkdir -p "$WHEELS.tmp"
+        CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
+            "${PIP[@]}" wheel -q --no-cache-dir --no-deps -w "$WHEELS.tmp" "llama-cpp-python==$LLAMA_VERSION"
+        rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
+    fi
+    "${PIP[@]}" install -q --force-reinstall --no-deps "$WHEELS"/llama_cpp_python-*.whl
+    printf '%s\n' "$BUILD_ID" >"$BUILD_STAMP"
+fi
+
+# --- the project (editable, so `appliance` runs this checkout), its deps and the bundled model --
+say "installing the appliance and its dependencies"
+"${PIP[@]}" install -q -e "$ROOT[test]"
+
+# --- MLX: Metal on Apple silicon, the CPU build elsewhere on Linux ----------------------------
+if [ "$OS" = Darwin ] && [ "$ARCH" = arm64 ]; then
+    "${PIP[@]}" install -q mlx mlx-lm
+elif [ "$OS" = Linux ]; then
+    "${PIP[@]}" install -q "mlx[cpu]" mlx-lm || say "warning: mlx[cpu] is not available for $ARCH; the MLX engine will be off"
+fi
+
+"$VENV/bin/python" -c "import llama_cpp, appliance" || die "the installed environment does not import; see the messages above"
+printf '%s\n' "$STAMP" >"$VENV/.appliance-install"
+say "done: $VENV/bin/appliance"
