@@ -194,8 +194,6 @@ async def _sse(
 async def embeddings(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
     body = _decode(await request.body(), EmbeddingRequest)
     model = _model(services, body.model, "embedding")
-    if body.encoding_format != "float":
-        raise invalid("Only encoding_format 'float' is supported.", "encoding_format")
     if body.dimensions is not None:
         raise invalid("This model does not support choosing dimensions.", "dimensions")
     raw = body.input
@@ -203,8 +201,10 @@ async def embeddings(request: Request[Any, Any, Any], services: Services) -> Res
         texts: list[str | list[int]] = [raw]
     elif raw and all(isinstance(x, int) for x in raw):
         texts = [list(raw)]  # type: ignore[arg-type]
-    else:
+    elif all(isinstance(x, (str, list)) for x in raw):
         texts = list(raw)  # type: ignore[arg-type]
+    else:
+        raise invalid("'input' must be a string, a list of strings, a list of token ids, or a list of those lists.", "input")
     if not texts or any(len(t) == 0 for t in texts):
         raise invalid("'input' must be a non-empty string or a list of non-empty inputs.", "input")
     engine = model.engine
@@ -216,4 +216,4 @@ async def embeddings(request: Request[Any, Any, Any], services: Services) -> Res
     prompt_tokens = sum(len(t) for t in token_lists)
     services.metrics.prompt_tokens.labels(model.settings.alias).inc(prompt_tokens)
     services.metrics.requests.labels(model.settings.alias, "embeddings", "ok").inc()
-    return Response(render.embedding_list(vectors, model.settings.alias, prompt_tokens), media_type="application/json")
+    return Response(render.embedding_list(vectors, model.settings.alias, prompt_tokens, body.encoding_format), media_type="application/json")

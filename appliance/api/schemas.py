@@ -67,7 +67,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[str] | list[int]
+    # msgspec takes one array type in a union; translate.py checks the items are all one kind
+    prompt: str | list[str | int]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -75,7 +76,7 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str | int | list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None

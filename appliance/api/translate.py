@@ -150,6 +150,8 @@ def prepare_completion(body: CompletionRequest, model: LoadedModel, defaults: De
         text = model.engine.detokenize(tokens)
     else:
         if isinstance(prompt, list):
+            if not all(isinstance(p, str) for p in prompt):
+                raise invalid("'prompt' must be a string, a list of strings, or a list of token ids.", "prompt")
             if len(prompt) != 1:
                 raise invalid("Only one prompt per request is supported.", "prompt")
             prompt = prompt[0]
