@@ -50,7 +50,7 @@ async def alone_and_together(server: Server, max_tokens: int, system: str | None
 
 def test_eight_concurrent_greedy_requests_match_their_solo_runs(server: Server) -> None:
     alone, together = asyncio.run(alone_and_together(server, 96))
-    assert all(len(text) > 50 for text in alone)
+    assert all(alone) and sum(map(len, alone)) > 8 * 100
     for question, a, b in zip(PROMPTS, alone, together):
         assert a == b, f"{question!r} changed when batched:\nalone:    {a!r}\ntogether: {b!r}"
 
