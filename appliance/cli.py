@@ -53,14 +53,22 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     from appliance.model_files import ModelFileError, resolve
 
     settings = _settings(args.config)
-    table = Table("alias", "engine", "kind", "tier", "slots", "context", "price in/out per Mtok", "file")
+    header = ("alias", "engine", "kind", "tier", "slots", "context", "price_in_per_mtok", "price_out_per_mtok", "file")
+    rows = []
     for m in settings.models:
         try:
             where = str(resolve(m, settings.server.data_dir))
         except ModelFileError as exc:
-            where = f"[red]{exc}[/red]"
-        table.add_row(m.alias, m.engine, m.kind, m.tier, str(m.slots), str(m.context_length),
-                      f"{m.price_input_per_mtok:g} / {m.price_output_per_mtok:g}", where)
+            where = f"missing: {exc}"
+        rows.append((m.alias, m.engine, m.kind, m.tier, str(m.slots), str(m.context_length),
+                     f"{m.price_input_per_mtok:g}", f"{m.price_output_per_mtok:g}", where))
+    if not sys.stdout.isatty():  # scripts get tab-separated lines, never a wrapped table
+        for row in (header, *rows):
+            print("\t".join(row))
+        return 0
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
     Console().print(table)
     return 0
 

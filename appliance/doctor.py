@@ -39,7 +39,7 @@ def build_flags() -> str:
 
 
 def run_doctor(config: Path | None) -> int:
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)
     ok = True
     console.print(f"[bold]machine[/bold]: {platform.system()} {platform.machine()}, Python {platform.python_version()}")
     flags = cpu_flags()

