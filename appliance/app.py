@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -50,9 +51,10 @@ def build_services(settings: Settings, registry: Registry) -> Services:
 
 
 def create_app(services: Services) -> Litestar:
-    def shutdown() -> None:
-        services.registry.close()
-        services.request_log.close()
+    async def shutdown() -> None:
+        # Joining model threads blocks; keep the loop free to finish what is still streaming.
+        await asyncio.to_thread(services.registry.close)
+        await asyncio.to_thread(services.request_log.close)
 
     return Litestar(
         route_handlers=[

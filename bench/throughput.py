@@ -121,6 +121,39 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_busy_s() -> float:
+    """CPU seconds all processes on the machine have used (from /proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds one process (all its threads) has used."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def wait_quiet(max_wait: float, exclude_pid: int | None = None, threshold: float = 0.1) -> float:
+    """Wait (up to max_wait s) until other processes use under `threshold` cores over 3 s; return their last use."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        busy0, own0, self0 = cpu_busy_s(), process_cpu_s(exclude_pid) if exclude_pid else 0.0, time.process_time()
+        time.sleep(3.0)
+        own = (process_cpu_s(exclude_pid) if exclude_pid else 0.0) - own0
+        others = max(0.0, cpu_busy_s() - busy0 - own - (time.process_time() - self0)) / 3.0
+        if others < threshold or time.monotonic() >= deadline:
+            return others
+        log(f"waiting for a quiet machine: other processes use {others:.2f} cores")
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -248,7 +281,9 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        log(f"{self.name}: stopped (exit status {self.proc.returncode})")
+        code = self.proc.returncode
+        # uvicorn re-raises the SIGTERM it caught once it has shut down cleanly, hence -15
+        log(f"{self.name}: stopped (exit status {code}{' = SIGTERM' if code == -signal.SIGTERM else ''})")
         return self.proc.returncode
 
     def log_tail(self, n: int = 40) -> str:
@@ -306,6 +341,7 @@ class Result:
     usage_tokens: int | None = None
     chunk_tokens: int = 0
     finish: str | None = None
+    status: int | None = None
     error: str | None = None
 
     @property
@@ -326,7 +362,8 @@ async def one_request(client: httpx.AsyncClient, server: Server, i: int, max_tok
     t0 = time.perf_counter()
     try:
         async with client.stream("POST", server.base + "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
+            res.status = r.status_code
+            if not 200 <= r.status_code < 300:  # OpenAI answers 200; any success status is let through and recorded
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
                 return res
             async for line in r.aiter_lines():
@@ -382,10 +419,15 @@ async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, f
                 out.append(await one_request(client, server, first_prompt + r * clients + c, max_tokens))
             return out
 
+        assert server.proc is not None
         load0 = os.getloadavg()[0]
+        busy0, server0, self0 = cpu_busy_s(), process_cpu_s(server.proc.pid), time.process_time()
         t0 = time.perf_counter()
         per_client = await asyncio.gather(*(worker(c) for c in range(clients)))
         wall = time.perf_counter() - t0
+        busy = cpu_busy_s() - busy0
+        server_cpu = process_cpu_s(server.proc.pid) - server0
+        bench_cpu = time.process_time() - self0
     results = [r for rs in per_client for r in rs]
     good = [r for r in results if r.ok]
     tokens = sum(r.tokens for r in good)
@@ -407,6 +449,12 @@ async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, f
         "chunks_per_request": sum(r.chunk_tokens for r in good) / len(good) if good else None,
         "usage_tokens_per_request": (sum(r.usage_tokens or 0 for r in good) / len(good)) if good and any(usage_seen) else None,
         "finish_reasons": sorted({str(r.finish) for r in good}),
+        "http_statuses": sorted({r.status for r in results if r.status is not None}),
+        # CPU the server and this client used, and what everything else on the machine used meanwhile
+        # (in cores on average): above ~0.05 the figures are disturbed by someone else's work
+        "server_cores": server_cpu / wall if wall > 0 else None,
+        "bench_client_cores": bench_cpu / wall if wall > 0 else None,
+        "other_cores": max(0.0, busy - server_cpu - bench_cpu) / wall if wall > 0 else None,
         "loadavg_1m_before": load0,
         "loadavg_1m_after": os.getloadavg()[0],
     }
@@ -424,13 +472,15 @@ def bench_server(name: str, args: argparse.Namespace, tmp: Path, llama_server: P
             raise ServerFailed(f"{name}: the warm-up request failed: {warm['errors']}")
         prompt_no = 0
         for clients in args.clients:
+            if args.wait_quiet:
+                wait_quiet(args.wait_quiet, server.proc.pid if server.proc else None)
             log(f"{name}: {clients} client(s) x {args.rounds} round(s)")
             run = asyncio.run(run_load(server, clients, args.rounds, args.max_tokens, prompt_no))
             prompt_no += clients * args.rounds
             out["runs"][str(clients)] = run
             log(f"{name}: {clients} client(s): {run['tokens_per_s']:.1f} tok/s, TTFT p50 "
-                f"{fmt_ms(run['ttft_p50_s'])}, p95 {fmt_ms(run['ttft_p95_s'])}, {run['failed']} failed, "
-                f"load {run['loadavg_1m_before']:.2f}->{run['loadavg_1m_after']:.2f}")
+                f"{fmt_ms(run['ttft_p50_s'])}, p95 {fmt_ms(run['ttft_p95_s'])}, {run['failed']} failed; cores used: "
+                f"server {run['server_cores']:.2f}, client {run['bench_client_cores']:.2f}, others {run['other_cores']:.2f}")
             if run["failed"]:
                 log(f"{name}: failures: {run['errors']}")
             if server.proc is not None and server.proc.poll() is not None:
@@ -551,6 +601,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="requests each client sends one after another (default 3)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
     p.add_argument("--llama-server", type=Path, help="a llama-server binary to use instead of building one")
+    p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
+                   help="before each measurement wait up to this long for other processes to leave the CPUs idle")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -596,6 +648,16 @@ def main() -> int:
           f"{args.rounds} round(s) per client after 1 warm-up, max_tokens {args.max_tokens}, temperature 0")
     print(table(results, args.clients))
     print("\nratio rows: ours / peer (tok/s: above 1 is ours faster; TTFT and RSS: below 1 is ours better)")
+    for name, r in results.items():
+        statuses = sorted({st for run in r.get("runs", {}).values() for st in run.get("http_statuses", [])})
+        if statuses and statuses != [200]:
+            print(f"note: {name} answered streamed chat completions with HTTP {', '.join(map(str, statuses))} (OpenAI: 200)")
+        for c, run in r.get("runs", {}).items():
+            if (run.get("other_cores") or 0) > 0.05:
+                print(f"note: {name} @{c}: other processes used {run['other_cores']:.2f} cores during the run; "
+                      f"its figures are disturbed (rerun on a quiet machine)")
+        if r.get("error"):
+            print(f"note: {name} failed: {r['error'].splitlines()[0]} (log: {r.get('log')})")
     checks = targets(results, args.clients)
     if checks:
         print("targets:")
@@ -607,4 +669,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        log("interrupted; every server started was stopped")
+        sys.exit(130)

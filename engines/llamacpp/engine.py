@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import queue
+import signal
 import threading
 import time
 from collections import deque
@@ -41,6 +42,8 @@ from engines.stream import EventStream
 from engines.text import StopMatcher, Utf8Stream
 
 log = logging.getLogger("appliance.llamacpp")
+
+_ASYNC_SIGNALS = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE") if hasattr(signal, name)}
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,9 @@ class LlamaCppEngine:
     # ---- the model thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        # Signals go to the main thread only. A signal landing on this thread or on the OpenMP
+        # workers it starts (they inherit this mask) stalls llama_decode for seconds.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNC_SIGNALS)
         try:
             while True:
                 idle = not self._active and not self._waiting
