@@ -70,6 +70,9 @@ class Registry:
     def get(self, alias: str) -> LoadedModel | None:
         return self._models.get(alias)
 
+    def aliases(self) -> frozenset[str]:
+        return frozenset(self._models)
+
     def all(self) -> list[LoadedModel]:
         return list(self._models.values())
 

@@ -21,6 +21,7 @@ from appliance.registry import LoadedModel
 from appliance.services import Services
 from engines.base import ContextLengthExceeded, EngineClosed, EngineError, EngineOverloaded, FinishEvent, TokenEvent
 from engines.stream import EventStream
+from policy.pipeline import Refusal, RequestFacts, decide
 
 T = TypeVar("T")
 
@@ -34,10 +35,12 @@ def _decode(body: bytes, kind: type[T]) -> T:
         raise from_validation(exc) from None
 
 
-def _model(services: Services, alias: str, kind: str) -> LoadedModel:
-    model = services.registry.get(alias)
-    if model is None:
-        raise APIError(404, f"The model '{alias}' does not exist.", param="model", code="model_not_found")
+def _model(services: Services, alias: str, kind: str, endpoint: str) -> LoadedModel:
+    decision = decide(RequestFacts(endpoint, alias), services.registry.aliases())
+    if isinstance(decision, Refusal):
+        raise APIError(decision.status, decision.message, param=decision.param, code=decision.code)
+    model = services.registry.get(decision.model)
+    assert model is not None
     if model.settings.kind != kind:
         raise invalid(f"The model '{alias}' is an {model.settings.kind} model and does not serve this endpoint.", "model")
     return model
@@ -121,7 +124,7 @@ def retrieve_model(services: Services, model_id: str) -> dict[str, Any]:
 @post("/v1/chat/completions")
 async def chat_completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
     body = _decode(await request.body(), ChatCompletionRequest)
-    model = _model(services, body.model, "chat")
+    model = _model(services, body.model, "chat", "chat")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     prepared = prepare_chat(body, model, services.settings.defaults, request_id)
     return await _respond(request, services, model, prepared, body.stream, body.stream_options, "chat")
@@ -130,7 +133,7 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
 @post("/v1/completions")
 async def completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
     body = _decode(await request.body(), CompletionRequest)
-    model = _model(services, body.model, "chat")
+    model = _model(services, body.model, "chat", "completion")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prepared = prepare_completion(body, model, services.settings.defaults, request_id)
     if body.echo:
@@ -193,7 +196,7 @@ async def _sse(
 @post("/v1/embeddings")
 async def embeddings(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
     body = _decode(await request.body(), EmbeddingRequest)
-    model = _model(services, body.model, "embedding")
+    model = _model(services, body.model, "embedding", "embeddings")
     if body.dimensions is not None:
         raise invalid("This model does not support choosing dimensions.", "dimensions")
     raw = body.input
