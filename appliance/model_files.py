@@ -30,12 +30,18 @@ def hub_cache_dir(data_dir: Path) -> Path:
 
 def download(repo: str, filename: str, data_dir: Path, *, revision: str | None = None, progress: bool = True) -> Path:
     """Downloads through huggingface-hub, which honours HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE."""
+    import warnings
+
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    from tqdm import TqdmExperimentalWarning
+    from tqdm.rich import tqdm as rich_tqdm
 
     (enable_progress_bars if progress else disable_progress_bars)()
     try:
-        return Path(hf_hub_download(repo, filename, revision=revision, cache_dir=hub_cache_dir(data_dir)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TqdmExperimentalWarning)  # tqdm.rich: a rich progress bar
+            return Path(hf_hub_download(repo, filename, revision=revision, cache_dir=hub_cache_dir(data_dir), tqdm_class=rich_tqdm))
     except Exception as exc:  # the hub library raises many kinds; the user needs one line
         raise ModelFileError(f"could not download {filename} from {repo}: {exc}") from None
 

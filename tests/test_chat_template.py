@@ -1,0 +1,36 @@
+"""Chat templates render in a sandbox, as Hugging Face's Jinja conventions expect."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.chat_template import CHATML, ChatTemplate, TemplateError
+
+
+def test_chatml_renders_with_generation_prompt():
+    t = ChatTemplate(CHATML, {})
+    text = t.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_raise_exception_becomes_template_error():
+    t = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok", {})
+    assert t.render([{"role": "user", "content": "x"}]) == "ok"
+    with pytest.raises(TemplateError, match="first must be user"):
+        t.render([{"role": "assistant", "content": "x"}])
+
+
+def test_sandbox_blocks_attribute_escapes():
+    t = ChatTemplate("{{ messages.__class__.__mro__ }}", {})
+    with pytest.raises(TemplateError):
+        t.render([])
+
+
+def test_broken_template_is_reported_at_load():
+    with pytest.raises(TemplateError, match="does not compile"):
+        ChatTemplate("{% for %}", {})
+
+
+def test_special_tokens_are_available():
+    t = ChatTemplate("{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}", {"bos_token": "<s>", "eos_token": "</s>"})
+    assert t.render([{"role": "user", "content": "x"}], add_generation_prompt=False) == "<s>x</s>"
