@@ -36,6 +36,7 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
             threads=model.threads,
             max_queue=settings.server.max_queue,
             batch_invariant=model.batch_invariant,
+            kv_type=model.kv_cache_type,
             embeddings=model.kind == "embedding",
         )
     )

@@ -16,6 +16,7 @@ from appliance.paths import default_data_dir
 ENGINES = ("llamacpp", "mlx", "auto")
 KINDS = ("chat", "embedding")
 TIERS = ("small", "mid", "frontier")
+KV_CACHE_TYPES = ("f16", "q8_0")
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,7 @@ class ModelSettings:
     sha256: str | None = None
     # Batch invariance: identical greedy output whatever shares the batch. Costs some speed.
     batch_invariant: bool = True
+    kv_cache_type: str = "q8_0"
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ def _defaults(file: str, table: dict[str, Any]) -> Defaults:
 _MODEL_KEYS = {
     "alias", "engine", "kind", "path", "package_file", "hf_repo", "hf_file", "sha256", "context_length",
     "slots", "threads", "batch_tokens", "chat_template", "price_input_per_mtok", "price_output_per_mtok",
-    "tier", "batch_invariant",
+    "tier", "batch_invariant", "kv_cache_type",
 }
 
 
@@ -206,6 +208,7 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
         price_output_per_mtok=r.number("price_output_per_mtok", 0.0),
         tier=r.string("tier", "small", TIERS) or "small",
         batch_invariant=r.boolean("batch_invariant", True),
+        kv_cache_type=r.string("kv_cache_type", "q8_0", KV_CACHE_TYPES) or "q8_0",
     )
 
 

@@ -45,6 +45,18 @@ def test_chat_streamed_matches_non_streamed(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_status_is_200_streamed_or_not(server: Server) -> None:
+    body = {"model": CHAT_MODEL, "messages": HELLO, "max_tokens": 2, "temperature": 0}
+    assert httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"model": CHAT_MODEL, "prompt": "a", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200
+    r = httpx.post(f"{server.base_url}/v1/embeddings", json={"model": EMBED_MODEL, "input": "a"}, timeout=60)
+    assert r.status_code == 200
+
+
 def test_stream_without_usage_has_no_usage_chunk(client: openai.OpenAI) -> None:
     chunks = list(client.chat.completions.create(model=CHAT_MODEL, messages=HELLO, max_tokens=4, temperature=0, stream=True))
     assert all(c.choices for c in chunks)

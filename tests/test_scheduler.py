@@ -52,3 +52,12 @@ def test_plan_respects_budget_and_covers_every_decode(slots, budget):
 def test_admit_fills_lowest_free_slots_first():
     assert admit((5, 1, 3), 2) == (1, 3)
     assert admit((2,), 0) == ()
+
+
+def test_context_layout_keeps_invariance_rules():
+    from engines.llamacpp.engine import context_layout
+
+    # invariant: one KV stream per sequence; flash attention only with a quantized cache
+    assert context_layout(True, "q8_0") == (False, True)
+    assert context_layout(True, "f16") == (False, False)
+    assert context_layout(False, "f16") == (True, True)

@@ -121,7 +121,7 @@ def retrieve_model(services: Services, model_id: str) -> dict[str, Any]:
     return render.model_entry(model, services.started_at)
 
 
-@post("/v1/chat/completions")
+@post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
     body = _decode(await request.body(), ChatCompletionRequest)
     model = _model(services, body.model, "chat", "chat")
@@ -130,7 +130,7 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
     return await _respond(request, services, model, prepared, body.stream, body.stream_options, "chat")
 
 
-@post("/v1/completions")
+@post("/v1/completions", status_code=200)
 async def completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
     body = _decode(await request.body(), CompletionRequest)
     model = _model(services, body.model, "chat", "completion")
@@ -193,7 +193,7 @@ async def _sse(
         services.record(fmt.prepared, model, fmt.kind, started, finish, status)
 
 
-@post("/v1/embeddings")
+@post("/v1/embeddings", status_code=200)
 async def embeddings(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
     body = _decode(await request.body(), EmbeddingRequest)
     model = _model(services, body.model, "embedding", "embeddings")

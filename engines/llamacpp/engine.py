@@ -55,7 +55,17 @@ class LlamaCppConfig:
     threads: int
     max_queue: int
     batch_invariant: bool = True
+    kv_type: str = "q8_0"
     embeddings: bool = False
+
+
+def context_layout(batch_invariant: bool, kv_type: str) -> tuple[bool, bool]:
+    """(kv_unified, flash_attn) for a model. Invariance needs one KV stream per sequence, and flash
+    attention only where ggml's CPU kernel cannot switch paths by batch shape: its split-KV and tiled
+    paths take f16/f32 KV only, so a q8_0 cache always runs the sequential one (docs/architecture.md)."""
+    if not batch_invariant:
+        return True, True
+    return False, kv_type != "f16"
 
 
 class _Job:
@@ -90,13 +100,15 @@ class LlamaCppEngine:
         self.supports_embeddings = config.embeddings
         self.model = Model(config.path, use_extra_buffers=not config.batch_invariant)
         try:
+            kv_unified, flash_attn = context_layout(config.batch_invariant, config.kv_type)
             shape = ContextShape(
                 n_seq=config.slots,
                 n_ctx_per_seq=config.context_length,
                 n_batch=config.batch_tokens,
                 threads=config.threads,
-                kv_unified=not config.batch_invariant,
-                flash_attn=not config.batch_invariant,
+                kv_unified=kv_unified,
+                flash_attn=flash_attn,
+                kv_type=config.kv_type,
                 embeddings=config.embeddings,
             )
             self.ctx = Context(self.model, shape)

@@ -123,15 +123,19 @@ class Model:
             self.ptr = None
 
 
+# ggml type ids of the KV cache types we offer
+KV_TYPES = {"f16": 1, "q8_0": 8}
+
+
 @dataclass(frozen=True)
 class ContextShape:
     n_seq: int
     n_ctx_per_seq: int
     n_batch: int
     threads: int
-    # Batch invariance: one KV stream per sequence and the plain attention path.
     kv_unified: bool
     flash_attn: bool
+    kv_type: str = "f16"  # "f16" or "q8_0"
     embeddings: bool = False
 
 
@@ -148,6 +152,7 @@ class Context:
         params.n_threads_batch = shape.threads
         params.kv_unified = shape.kv_unified
         params.flash_attn_type = 1 if shape.flash_attn else 0
+        params.type_k = params.type_v = KV_TYPES[shape.kv_type]
         params.no_perf = True
         if shape.embeddings:
             params.embeddings = True
