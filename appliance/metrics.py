@@ -19,6 +19,7 @@ class Metrics:
         r = self.registry
         self.requests = Counter("appliance_requests", "API requests by model, endpoint and outcome", ["model", "endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("appliance_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.cached_prompt_tokens = Counter("appliance_prompt_tokens_cached", "Prompt tokens served from a slot's KV instead of recomputed", ["model"], registry=r)
         self.completion_tokens = Counter("appliance_completion_tokens", "Completion tokens generated", ["model"], registry=r)
         self.ttft = Histogram("appliance_time_to_first_token_seconds", "Time from arrival to the first token", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.request_seconds = Histogram("appliance_request_duration_seconds", "Time from arrival to the last token", ["model"], buckets=_LATENCY_BUCKETS, registry=r)

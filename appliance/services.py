@@ -34,6 +34,8 @@ class Services:
         completion_tokens = finish.usage.completion_tokens if finish else 0
         ttft = finish.time_to_first_token_s if finish else None
         m.prompt_tokens.labels(alias).inc(prompt_tokens)
+        if finish is not None:
+            m.cached_prompt_tokens.labels(alias).inc(finish.usage.cached_prompt_tokens)
         m.completion_tokens.labels(alias).inc(completion_tokens)
         if ttft is not None:
             m.ttft.labels(alias).observe(ttft)

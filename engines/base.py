@@ -74,6 +74,7 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0  # served from KV the slot already held
 
     @property
     def total_tokens(self) -> int:

@@ -47,3 +47,34 @@ def plan_batch(slots: tuple[SlotView, ...], token_budget: int) -> tuple[BatchIte
 def admit(free_slots: tuple[int, ...], waiting: int) -> tuple[int, ...]:
     """Slots to fill from the head of the FIFO queue: lowest slot ids first, as many as wait."""
     return tuple(sorted(free_slots))[:waiting]
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class Placement:
+    slot: int
+    reuse: int  # prompt tokens whose KV the slot already holds
+
+
+def place(free: dict[int, tuple[int, ...]], prompt: tuple[int, ...], min_gain: int = 16) -> Placement:
+    """Picks a free slot for a prompt, given the tokens each free slot still holds in its KV.
+
+    The lowest free slot keeps active sequences contiguous (llama.cpp batches consecutive
+    sequences together); another slot wins only if it saves at least `min_gain` prompt tokens.
+    At least one prompt token is always recomputed, so there are logits to sample from.
+    """
+    def reuse(slot: int) -> int:
+        return min(common_prefix(free[slot], prompt), len(prompt) - 1)
+
+    lowest = min(free)
+    best = max(sorted(free), key=reuse)
+    chosen = best if reuse(best) - reuse(lowest) >= min_gain else lowest
+    return Placement(chosen, reuse(chosen))

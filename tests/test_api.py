@@ -177,3 +177,13 @@ def test_health_and_metrics(server: Server, client: openai.OpenAI) -> None:
                  "appliance_slots_busy", "appliance_queue_depth"):
         assert name in text, name
     assert f'appliance_requests_total{{endpoint="chat",model="{CHAT_MODEL}",status="ok"}}' in text
+
+
+def test_repeated_prefix_is_served_from_slot_kv_with_the_same_output(client: openai.OpenAI, server: Server) -> None:
+    question = [{"role": "user", "content": "Name three rivers in Europe and one fact about each."}]
+    first = client.chat.completions.create(model=CHAT_MODEL, messages=question, max_tokens=40, temperature=0)
+    again = client.chat.completions.create(model=CHAT_MODEL, messages=question, max_tokens=40, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == first.choices[0].message.content
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert f'appliance_prompt_tokens_cached_total{{model="{CHAT_MODEL}"}}' in metrics

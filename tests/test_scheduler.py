@@ -61,3 +61,14 @@ def test_context_layout_keeps_invariance_rules():
     assert context_layout(True, "q8_0") == (False, True)
     assert context_layout(True, "f16") == (False, False)
     assert context_layout(False, "f16") == (True, True)
+
+
+def test_place_prefers_lowest_slot_unless_a_prefix_saves_enough():
+    from engines.scheduler import Placement, place
+
+    prompt = tuple(range(100))
+    assert place({0: (), 3: tuple(range(50))}, prompt) == Placement(3, 50)
+    assert place({0: tuple(range(10)), 3: tuple(range(20))}, prompt, min_gain=16) == Placement(0, 10)
+    # a fully cached prompt still recomputes its last token
+    assert place({2: tuple(range(100)) + (7, 8)}, prompt) == Placement(2, 99)
+    assert place({1: (5, 6)}, prompt) == Placement(1, 0)

@@ -24,9 +24,10 @@ def _finish_reason(finish: FinishEvent) -> str:
     return "length" if finish.reason == "length" else "stop"
 
 
-def _usage(finish: FinishEvent) -> dict[str, int]:
+def _usage(finish: FinishEvent) -> dict[str, Any]:
     u = finish.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
 def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from engines.base import (
     Usage,
 )
 from engines.llamacpp.runtime import Context, ContextShape, Model, Sampler
-from engines.scheduler import BatchItem, SlotView, plan_batch
+from engines.scheduler import BatchItem, SlotView, place, plan_batch
 from engines.stream import EventStream
 from engines.text import StopMatcher, Utf8Stream
 
@@ -81,6 +81,8 @@ class _Job:
         self.n_past = 0
         self.pending_token: int | None = None
         self.generated = 0
+        self.decoded: list[int] = []  # generated tokens whose KV is in the slot
+        self.reused = 0  # prompt tokens served from the slot's KV
         self.utf8 = Utf8Stream()
         self.stops = StopMatcher(request.stop)
         self.submitted_at = time.perf_counter()
@@ -118,6 +120,9 @@ class LlamaCppEngine:
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting: deque[_Job] = deque()
         self._active: dict[int, _Job] = {}
+        # What each slot's KV sequence holds, kept after a request ends so the next prompt that
+        # shares its prefix (a system prompt, a chat template's preamble) skips recomputing it.
+        self._slot_tokens: dict[int, tuple[int, ...]] = {s: () for s in range(config.slots)}
         self._admissions = itertools.count()
         self._closing = False
         self._queued = 0  # submitted but not yet admitted; read by other threads for stats
@@ -263,14 +268,17 @@ class LlamaCppEngine:
             self._release(job, "cancelled")
 
     def _admit(self) -> None:
-        free = [s for s in range(self.config.slots) if s not in self._active]
-        while free and self._waiting:
+        while self._waiting and len(self._active) < self.config.slots:
             job = self._waiting.popleft()
             with self._lock:
                 self._queued -= 1
-            job.slot = free.pop(0)
+            free = {s: self._slot_tokens[s] for s in range(self.config.slots) if s not in self._active}
+            placement = place(free, job.request.prompt_tokens)
+            job.slot = placement.slot
             job.admitted_seq = next(self._admissions)
-            self.ctx.clear_sequence(job.slot)
+            job.n_past = job.reused = placement.reuse
+            self.ctx.trim_sequence(job.slot, placement.reuse)
+            self._slot_tokens[job.slot] = ()  # being rewritten; known again at release
             self._active[job.slot] = job
 
     def _step(self) -> None:
@@ -299,7 +307,10 @@ class LlamaCppEngine:
                 self._release(self._active[item.slot], "error", error=str(exc))
             return
         for item in plan:
-            self._active[item.slot].n_past += item.count
+            job = self._active[item.slot]
+            job.n_past += item.count
+            if item.is_decode:
+                job.decoded.append(job.pending_token)  # type: ignore[arg-type]
         for item, row in logit_rows:
             job = self._active[item.slot]
             self._sample(job, row)
@@ -343,7 +354,13 @@ class LlamaCppEngine:
 
     def _release(self, job: _Job, reason: FinishReason, error: str | None = None) -> None:
         self._active.pop(job.slot, None)
-        self.ctx.clear_sequence(job.slot)
+        if reason == "error":
+            self.ctx.clear_sequence(job.slot)
+            self._slot_tokens[job.slot] = ()
+        else:
+            held = job.request.prompt_tokens[: job.n_past] + tuple(job.decoded)
+            self._slot_tokens[job.slot] = held[: job.n_past]
+            self.ctx.trim_sequence(job.slot, job.n_past)
         self._finish(job, reason, error)
 
     def _finish(self, job: _Job, reason: FinishReason, error: str | None = None) -> None:
@@ -353,7 +370,7 @@ class LlamaCppEngine:
         job.sampler.close()
         end = time.perf_counter()
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
-        usage = Usage(len(job.request.prompt_tokens), job.generated)
+        usage = Usage(len(job.request.prompt_tokens), job.generated, job.reused)
         job.emit(FinishEvent(reason, usage, tail, ttft, end - job.submitted_at, error))
 
     def _fail_all(self, message: str) -> None:

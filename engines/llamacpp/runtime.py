@@ -169,6 +169,12 @@ class Context:
     def clear_sequence(self, seq: int) -> None:
         L.llama_memory_seq_rm(self.memory, seq, -1, -1)
 
+    def trim_sequence(self, seq: int, keep: int) -> None:
+        """Drops the sequence's KV from position `keep` on."""
+        if not L.llama_memory_seq_rm(self.memory, seq, keep, -1):
+            L.llama_memory_seq_rm(self.memory, seq, -1, -1)
+            raise EngineError(f"llama.cpp could not trim sequence {seq} to {keep} tokens")
+
     def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """entries: (token, position, sequence, wants_logits), in batch order."""
         batch = self.batch
