@@ -44,11 +44,6 @@ def plan_batch(slots: tuple[SlotView, ...], token_budget: int) -> tuple[BatchIte
     return tuple(items)
 
 
-def admit(free_slots: tuple[int, ...], waiting: int) -> tuple[int, ...]:
-    """Slots to fill from the head of the FIFO queue: lowest slot ids first, as many as wait."""
-    return tuple(sorted(free_slots))[:waiting]
-
-
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     n = 0
     for x, y in zip(a, b):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engines.scheduler import SlotView, admit, plan_batch
+from engines.scheduler import SlotView, plan_batch
 
 
 def test_decodes_go_first_then_prefill_oldest_first_under_budget():
@@ -47,11 +47,6 @@ def test_plan_respects_budget_and_covers_every_decode(slots, budget):
         if not item.is_decode:
             assert item.start == view.n_past and item.start + item.count <= view.prompt_len
             assert item.wants_logits == (item.start + item.count == view.prompt_len)
-
-
-def test_admit_fills_lowest_free_slots_first():
-    assert admit((5, 1, 3), 2) == (1, 3)
-    assert admit((2,), 0) == ()
 
 
 def test_context_layout_keeps_invariance_rules():
