@@ -34,14 +34,14 @@ class Services:
         completion_tokens = finish.usage.completion_tokens if finish else 0
         ttft = finish.time_to_first_token_s if finish else None
         m.prompt_tokens.labels(alias).inc(prompt_tokens)
+        m.completion_tokens.labels(alias).inc(completion_tokens)
         if finish is not None:
             m.cached_prompt_tokens.labels(alias).inc(finish.usage.cached_prompt_tokens)
-        m.completion_tokens.labels(alias).inc(completion_tokens)
-        if ttft is not None:
-            m.ttft.labels(alias).observe(ttft)
-            decode_time = (finish.total_time_s if finish else 0) - ttft
-            if completion_tokens > 1 and decode_time > 0:
-                m.tokens_per_second.labels(alias).observe((completion_tokens - 1) / decode_time)
+            if ttft is not None:
+                m.ttft.labels(alias).observe(ttft)
+                decode_time = finish.total_time_s - ttft
+                if completion_tokens > 1 and decode_time > 0:
+                    m.tokens_per_second.labels(alias).observe((completion_tokens - 1) / decode_time)
         m.request_seconds.labels(alias).observe(now - started)
         self.request_log.record(
             RequestRecord(

@@ -136,8 +136,6 @@ async def completions(request: Request[Any, Any, Any], services: Services) -> Re
     model = _model(services, body.model, "chat", "completion")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prepared = prepare_completion(body, model, services.settings.defaults, request_id)
-    if body.echo:
-        prepared = Prepared(prepared.request, prepared.prompt_text, echo=True)
     return await _respond(request, services, model, prepared, body.stream, body.stream_options, "completion")
 
 

@@ -162,4 +162,4 @@ def prepare_completion(body: CompletionRequest, model: LoadedModel, defaults: De
     max_tokens = _max_tokens(body.max_tokens, "max_tokens", len(tokens), model, defaults)
     top = body.logprobs or 0
     sampling = _sampling(body, defaults, body.logprobs is not None, top, None)
-    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), text)
+    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), text, echo=body.echo)

@@ -358,8 +358,7 @@ class LlamaCppEngine:
             self.ctx.clear_sequence(job.slot)
             self._slot_tokens[job.slot] = ()
         else:
-            held = job.request.prompt_tokens[: job.n_past] + tuple(job.decoded)
-            self._slot_tokens[job.slot] = held[: job.n_past]
+            self._slot_tokens[job.slot] = (job.request.prompt_tokens + tuple(job.decoded))[: job.n_past]
             self.ctx.trim_sequence(job.slot, job.n_past)
         self._finish(job, reason, error)
 
