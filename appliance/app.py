@@ -13,14 +13,16 @@ from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
 from appliance import __version__
-from appliance.api import openai_routes
+from appliance.api import admin_routes, openai_routes
 from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from appliance.metrics import Metrics
 from appliance.registry import Registry
+from appliance.gate import Gate
 from appliance.services import Services
 from appliance.settings import Settings
 from appliance.store.db import connect, database_path, migrate
 from appliance.store.request_log import RequestLogWriter
+from appliance.store.worker import StoreWorker
 
 log = logging.getLogger("appliance")
 
@@ -47,24 +49,32 @@ def build_services(settings: Settings, registry: Registry) -> Services:
     finally:
         db.close()
     metrics_ = Metrics(lambda: {m.settings.alias: m.engine.stats() for m in registry.all()})
-    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()))
+    store = StoreWorker(db_path)
+    gate = Gate(settings, store, metrics_)
+    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate)
 
 
 def create_app(services: Services) -> Litestar:
+    async def startup() -> None:
+        await services.gate.start()  # releases leases a crashed predecessor left behind
+
     async def shutdown() -> None:
         # Joining model threads blocks; keep the loop free to finish what is still streaming.
         await asyncio.to_thread(services.registry.close)
+        await services.gate.close()
+        await asyncio.to_thread(services.store.close)  # writes the settlements still queued
         await asyncio.to_thread(services.request_log.close)
 
     return Litestar(
         route_handlers=[
             health, metrics,
             openai_routes.list_models, openai_routes.retrieve_model, openai_routes.chat_completions,
-            openai_routes.completions, openai_routes.embeddings,
+            openai_routes.completions, openai_routes.embeddings, *admin_routes.ROUTES,
         ],
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},
         request_max_body_size=services.settings.server.max_body_bytes,
+        on_startup=[startup],
         on_shutdown=[shutdown],
         openapi_config=OpenAPIConfig(title="appliance", version=__version__),
         logging_config=None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from engines.base import EngineStats
@@ -24,6 +24,12 @@ class Metrics:
         self.ttft = Histogram("appliance_time_to_first_token_seconds", "Time from arrival to the first token", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.request_seconds = Histogram("appliance_request_duration_seconds", "Time from arrival to the last token", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.tokens_per_second = Histogram("appliance_decode_tokens_per_second", "Per-request decode rate after the first token", ["model"], buckets=_RATE_BUCKETS, registry=r)
+        self.auth_failures = Counter("appliance_auth_failures", "Requests refused for a missing, wrong, revoked or expired key", ["reason"], registry=r)
+        self.rate_limited = Counter("appliance_rate_limited", "Requests refused by a rate limit, by the level that refused", ["level", "what"], registry=r)
+        self.budget_refused = Counter("appliance_budget_refused", "Requests refused because a budget could not cover them", ["level"], registry=r)
+        self.spend_nanos = Counter("appliance_spend_nanousd", "Settled spend in nano-dollars", ["model"], registry=r)
+        self.leases_expired = Counter("appliance_budget_leases_expired", "Reservations released by the reaper after their lease ran out", registry=r)
+        self.reservations_open = Gauge("appliance_budget_reservations_open", "Budget reservations held by requests in flight in this process", registry=r)
         r.register(_EngineCollector(engine_stats))
 
     def render(self) -> bytes:

@@ -6,11 +6,15 @@ import time
 from dataclasses import dataclass
 
 from appliance.api.translate import Prepared
+from appliance.gate import Gate
 from appliance.metrics import Metrics
 from appliance.registry import LoadedModel, Registry
 from appliance.settings import Settings
 from appliance.store.request_log import RequestLogWriter, RequestRecord
+from appliance.store.worker import StoreWorker
 from engines.base import FinishEvent
+from policy.budgets import Price
+from policy.identity import Principal
 
 
 @dataclass
@@ -20,8 +24,13 @@ class Services:
     metrics: Metrics
     request_log: RequestLogWriter
     started_at: int
+    store: StoreWorker
+    gate: Gate
 
-    def record(self, prepared: Prepared, model: LoadedModel, endpoint: str, started: float, finish: FinishEvent | None, status: str | None) -> None:
+    def record(
+        self, prepared: Prepared, model: LoadedModel, endpoint: str, started: float, finish: FinishEvent | None, status: str | None,
+        principal: Principal | None = None, completion_tokens: int | None = None,
+    ) -> None:
         """Metrics and the request log for one finished (or abandoned) generation."""
         alias = model.settings.alias
         now = time.time()
@@ -31,7 +40,8 @@ class Services:
         m = self.metrics
         m.requests.labels(alias, endpoint, status).inc()
         prompt_tokens = len(prepared.request.prompt_tokens)
-        completion_tokens = finish.usage.completion_tokens if finish else 0
+        if completion_tokens is None:
+            completion_tokens = finish.usage.completion_tokens if finish else 0
         ttft = finish.time_to_first_token_s if finish else None
         m.prompt_tokens.labels(alias).inc(prompt_tokens)
         m.completion_tokens.labels(alias).inc(completion_tokens)
@@ -56,5 +66,14 @@ class Services:
                 ttft_ms=None if ttft is None else ttft * 1000,
                 total_ms=(now - started) * 1000,
                 error=finish.error if finish else None,
+                tenant=principal.tenant if principal else None,
+                app=principal.app if principal else None,
+                user=principal.user if principal else None,
+                key_id=principal.key_id if principal else None,
+                cost_nanos=price_of(model).cost(prompt_tokens, completion_tokens),
             )
         )
+
+
+def price_of(model: LoadedModel) -> Price:
+    return Price.per_million(model.settings.price_input_per_mtok, model.settings.price_output_per_mtok)

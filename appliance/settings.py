@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.paths import default_data_dir
+from policy.limits import LIMIT_LEVELS, LimitRule
 
 ENGINES = ("llamacpp", "mlx", "auto")
 KINDS = ("chat", "embedding")
@@ -70,11 +71,45 @@ class ModelSettings:
 
 
 @dataclass(frozen=True)
+class OpenPrincipal:
+    user: str = "local"
+    tenant: str = "local"
+    app: str = "local"
+    role: str = "developer"
+    admin: bool = False
+
+
+@dataclass(frozen=True)
+class AuthSettings:
+    # "keys": every API request needs a key. "open": no key, every request is `open_principal`;
+    # only when the config says so, for local development.
+    mode: str = "keys"
+    open_principal: OpenPrincipal = field(default_factory=OpenPrincipal)
+    # How long a checked key is trusted before it is looked up again (a revocation by the CLI
+    # takes effect within this; one through the admin API takes effect at once).
+    key_cache_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    enabled: bool = True
+    # A reservation's lease; running requests renew theirs, so only a crashed process's expire.
+    lease_s: float = 300.0
+    # When a level cannot cover max_tokens, lower it to what the level can pay for, if that leaves
+    # at least `min_tokens`; otherwise refuse.
+    clamp_max_tokens: bool = True
+    min_tokens: int = 16
+
+
+@dataclass(frozen=True)
 class Settings:
     file: Path
     server: ServerSettings
     defaults: Defaults
     models: tuple[ModelSettings, ...]
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    budgets: BudgetSettings = field(default_factory=BudgetSettings)
+    limits: tuple[LimitRule, ...] = ()
 
     def model(self, alias: str) -> ModelSettings | None:
         return next((m for m in self.models if m.alias == alias), None)
@@ -161,6 +196,55 @@ def _defaults(file: str, table: dict[str, Any]) -> Defaults:
     )
 
 
+def _auth(file: str, table: dict[str, Any]) -> AuthSettings:
+    r = _Reader(file, "auth", table, {"mode", "open_principal", "key_cache_s"})
+    o = _Reader(file, "auth.open_principal", r.subtable("open_principal"), {"user", "tenant", "app", "role", "admin"})
+    principal = OpenPrincipal(
+        user=o.string("user", "local") or "local",
+        tenant=o.string("tenant", "local") or "local",
+        app=o.string("app", "local") or "local",
+        role=o.string("role", "developer") or "developer",
+        admin=o.boolean("admin", False),
+    )
+    return AuthSettings(
+        mode=r.string("mode", "keys", ("keys", "open")) or "keys",
+        open_principal=principal,
+        key_cache_s=r.number("key_cache_s", 5.0, maximum=3600.0),
+    )
+
+
+def _budgets(file: str, table: dict[str, Any]) -> BudgetSettings:
+    r = _Reader(file, "budgets", table, {"enabled", "lease_s", "clamp_max_tokens", "min_tokens"})
+    return BudgetSettings(
+        enabled=r.boolean("enabled", True),
+        lease_s=r.number("lease_s", 300.0, minimum=1.0),
+        clamp_max_tokens=r.boolean("clamp_max_tokens", True),
+        min_tokens=r.integer("min_tokens", 16),
+    )
+
+
+def _limits(file: str, raw: object) -> tuple[LimitRule, ...]:
+    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
+        raise ConfigError(file, "limits", "expected an array of tables: [[limits]]")
+    rules = []
+    seen: set[tuple[str, str]] = set()
+    for i, table in enumerate(raw):
+        r = _Reader(file, f"limits[{i}]", table, {"level", "name", "requests_per_minute", "tokens_per_minute"})
+        level = r.string("level", None, LIMIT_LEVELS)
+        if level is None:
+            raise r.fail("level", f"missing: one of {', '.join(LIMIT_LEVELS)}")
+        name = r.string("name", "*") or "*"
+        if (level, name) in seen:
+            raise r.fail("name", f"a second rule for {level} {name!r}")
+        seen.add((level, name))
+        rpm = r.integer("requests_per_minute", 0) if "requests_per_minute" in table else None
+        tpm = r.integer("tokens_per_minute", 0) if "tokens_per_minute" in table else None
+        if rpm is None and tpm is None:
+            raise r.fail("requests_per_minute", "give requests_per_minute, tokens_per_minute, or both")
+        rules.append(LimitRule(level, name, rpm, tpm))
+    return tuple(rules)
+
+
 _MODEL_KEYS = {
     "alias", "engine", "kind", "path", "package_file", "hf_repo", "hf_file", "sha256", "context_length",
     "slots", "threads", "batch_tokens", "chat_template", "price_input_per_mtok", "price_output_per_mtok",
@@ -219,7 +303,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(file, "(syntax)", str(exc)) from None
-    top = _Reader(file, "", raw, {"server", "defaults", "models"})
+    top = _Reader(file, "", raw, {"server", "defaults", "models", "auth", "budgets", "limits"})
     models_raw = raw.get("models", [])
     if not isinstance(models_raw, list) or not all(isinstance(m, dict) for m in models_raw):
         raise top.fail("models", "expected an array of tables: [[models]]")
@@ -236,6 +320,9 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         server=_server(file, top.subtable("server"), base),
         defaults=_defaults(file, top.subtable("defaults")),
         models=models,
+        auth=_auth(file, top.subtable("auth")),
+        budgets=_budgets(file, top.subtable("budgets")),
+        limits=_limits(file, raw.get("limits", [])),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from engines.base import EngineEvent, FinishEvent
+from engines.base import EngineEvent, FinishEvent, TokenEvent
 
 
 class EventStream:
@@ -18,9 +18,14 @@ class EventStream:
         self._finished = False
         self._closed = False
         self.on_close: Callable[[], None] | None = None
+        # Tokens the engine has generated for this request so far, read or not: what a request
+        # that ends without its finish event (a client gone) is charged for.
+        self.tokens_pushed = 0
 
     def push(self, event: EngineEvent) -> None:
-        """Thread-safe."""
+        """Thread-safe (one producer thread)."""
+        if isinstance(event, TokenEvent):
+            self.tokens_pushed += 1
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:  # the loop is gone; nobody is listening

@@ -36,11 +36,19 @@ def free_port() -> int:
 
 
 def config_text(*, slots: int = 8, context_length: int = 2048, max_queue: int = 64, embeddings: bool = True,
-                max_body_bytes: int = 1 << 20, batch_tokens: int = 512) -> str:
+                max_body_bytes: int = 1 << 20, batch_tokens: int = 512, auth: str = "open", extra: str = "",
+                price_in: float = 0.0, price_out: float = 0.0) -> str:
     text = f"""
 [server]
 max_queue = {max_queue}
 max_body_bytes = {max_body_bytes}
+
+[auth]
+mode = "{auth}"
+
+[auth.open_principal]
+admin = true
+{extra}
 
 [defaults]
 max_tokens = 256
@@ -52,6 +60,8 @@ context_length = {context_length}
 slots = {slots}
 threads = 2
 batch_tokens = {batch_tokens}
+price_input_per_mtok = {price_in}
+price_output_per_mtok = {price_out}
 """
     if embeddings:
         text += f"""

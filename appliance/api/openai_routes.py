@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -14,25 +15,19 @@ from litestar import Request, Response, get, post
 from litestar.response import Stream
 
 from appliance.api import render
-from appliance.api.errors import APIError, from_validation, invalid
+from appliance.api.common import authenticate, decode_body
+from appliance.api.errors import APIError, invalid
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from appliance.api.translate import Prepared, prepare_chat, prepare_completion
+from appliance.gate import Admission
 from appliance.registry import LoadedModel
-from appliance.services import Services
+from appliance.services import Services, price_of
 from engines.base import ContextLengthExceeded, EngineClosed, EngineError, EngineOverloaded, FinishEvent, TokenEvent
 from engines.stream import EventStream
+from policy.identity import Principal
 from policy.pipeline import Refusal, RequestFacts, decide
 
 T = TypeVar("T")
-
-
-def _decode(body: bytes, kind: type[T]) -> T:
-    if not body:
-        raise invalid("The request body is empty; send a JSON object.")
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise from_validation(exc) from None
 
 
 def _model(services: Services, alias: str, kind: str, endpoint: str) -> LoadedModel:
@@ -108,13 +103,15 @@ def _raise_for_failure(finish: FinishEvent) -> None:
         raise APIError(500, f"The model failed while generating: {finish.error}", type="server_error")
 
 
-@get("/v1/models", sync_to_thread=False)
-def list_models(services: Services) -> dict[str, Any]:
+@get("/v1/models")
+async def list_models(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    await authenticate(request, services)
     return render.model_list(services.registry.all(), services.started_at)
 
 
-@get("/v1/models/{model_id:str}", sync_to_thread=False)
-def retrieve_model(services: Services, model_id: str) -> dict[str, Any]:
+@get("/v1/models/{model_id:str}")
+async def retrieve_model(request: Request[Any, Any, Any], services: Services, model_id: str) -> dict[str, Any]:
+    await authenticate(request, services)
     model = services.registry.get(model_id)
     if model is None:
         raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
@@ -123,49 +120,81 @@ def retrieve_model(services: Services, model_id: str) -> dict[str, Any]:
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    body = _decode(await request.body(), ChatCompletionRequest)
+    principal = await authenticate(request, services)
+    body = decode_body(await request.body(), ChatCompletionRequest)
     model = _model(services, body.model, "chat", "chat")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     prepared = prepare_chat(body, model, services.settings.defaults, request_id)
-    return await _respond(request, services, model, prepared, body.stream, body.stream_options, "chat")
+    return await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "chat")
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    body = _decode(await request.body(), CompletionRequest)
+    principal = await authenticate(request, services)
+    body = decode_body(await request.body(), CompletionRequest)
     model = _model(services, body.model, "chat", "completion")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prepared = prepare_completion(body, model, services.settings.defaults, request_id)
-    return await _respond(request, services, model, prepared, body.stream, body.stream_options, "completion")
+    return await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "completion")
 
 
 async def _respond(
-    request: Request[Any, Any, Any], services: Services, model: LoadedModel, prepared: Prepared,
+    request: Request[Any, Any, Any], services: Services, principal: Principal, model: LoadedModel, prepared: Prepared,
     stream: bool, stream_options: Any, kind: str,
 ) -> Response[Any]:
     created = int(time.time())
     started = time.time()
-    events = _start(model, prepared)
+    prompt_len = len(prepared.request.prompt_tokens)
+    admission = await services.gate.admit(
+        principal, prepared.request.id, model.settings.alias, price_of(model), prompt_len, prepared.request.max_tokens)
+    headers: dict[str, str] = {}
+    if admission.max_tokens != prepared.request.max_tokens:
+        # The budget could not cover the asked max_tokens; the response says what it allowed.
+        headers["x-budget-max-tokens"] = str(admission.max_tokens)
+        prepared = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, max_tokens=admission.max_tokens))
+    try:
+        events = _start(model, prepared)
+    except BaseException:
+        services.gate.settle(admission, 0, 0, "refused")
+        raise
+    admission.progress = lambda: (prompt_len, events.tokens_pushed)
     fmt = render.Formatter(kind, prepared, model.settings.alias, created)
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
         return Stream(
-            _sse(events, fmt, include_usage, services, model, started),
+            _sse(events, fmt, include_usage, services, model, started, admission),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
         )
+    finish: FinishEvent | None = None
     try:
         collected = await _until_disconnect(request, _collect(events))
-    except APIError:
-        services.record(prepared, model, kind, started, None, "cancelled")
-        raise
-    services.record(prepared, model, kind, started, collected.finish, None)
+        finish = collected.finish
+    finally:
+        _finish(services, admission, fmt, model, started, finish, events)
     _raise_for_failure(collected.finish)
-    return Response(fmt.full(collected.text, collected.logprobs, collected.finish), media_type="application/json")
+    return Response(fmt.full(collected.text, collected.logprobs, collected.finish), media_type="application/json", headers=headers)
+
+
+def _finish(
+    services: Services, admission: Admission, fmt: render.Formatter, model: LoadedModel, started: float,
+    finish: FinishEvent | None, events: EventStream,
+) -> None:
+    """Settle and record one generation, however it ended: a finish event carries the engine's
+    usage; without one (a client gone) the request pays for the tokens generated so far."""
+    if finish is not None:
+        usage = finish.usage
+        services.gate.settle(admission, usage.prompt_tokens, usage.completion_tokens, finish.reason)
+        services.record(fmt.prepared, model, fmt.kind, started, finish, None, admission.principal)
+        return
+    prompt, completion = admission.progress() if admission.progress else (0, 0)
+    services.gate.settle(admission, prompt, completion, "cancelled")
+    services.record(fmt.prepared, model, fmt.kind, started, None, "cancelled", admission.principal, completion)
 
 
 async def _sse(
-    events: EventStream, fmt: render.Formatter, include_usage: bool, services: Services, model: LoadedModel, started: float
+    events: EventStream, fmt: render.Formatter, include_usage: bool, services: Services, model: LoadedModel, started: float,
+    admission: Admission,
 ) -> AsyncIterator[bytes]:
     finish: FinishEvent | None = None
     try:
@@ -187,13 +216,13 @@ async def _sse(
         yield b"data: [DONE]\n\n"
     finally:
         events.close()  # a client gone mid-stream lands here: the slot is freed at the next step
-        status = None if finish is not None else "cancelled"
-        services.record(fmt.prepared, model, fmt.kind, started, finish, status)
+        _finish(services, admission, fmt, model, started, finish, events)
 
 
 @post("/v1/embeddings", status_code=200)
 async def embeddings(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    body = _decode(await request.body(), EmbeddingRequest)
+    principal = await authenticate(request, services)
+    body = decode_body(await request.body(), EmbeddingRequest)
     model = _model(services, body.model, "embedding", "embeddings")
     if body.dimensions is not None:
         raise invalid("This model does not support choosing dimensions.", "dimensions")
@@ -210,11 +239,17 @@ async def embeddings(request: Request[Any, Any, Any], services: Services) -> Res
         raise invalid("'input' must be a non-empty string or a list of non-empty inputs.", "input")
     engine = model.engine
     token_lists = [t if isinstance(t, list) else engine.tokenize(t, add_special=engine.add_bos(), parse_special=False) for t in texts]
+    prompt_tokens = sum(len(t) for t in token_lists)
+    request_id = f"emb-{uuid.uuid4().hex}"
+    admission = await services.gate.admit(principal, request_id, model.settings.alias, price_of(model), prompt_tokens, 0)
+    outcome = "refused"
     try:
         vectors = await engine.embed(token_lists)
+        outcome = "stop"
     except ContextLengthExceeded as exc:
         raise APIError(400, str(exc), param="input", code="context_length_exceeded") from None
-    prompt_tokens = sum(len(t) for t in token_lists)
+    finally:
+        services.gate.settle(admission, prompt_tokens if outcome == "stop" else 0, 0, outcome)
     services.metrics.prompt_tokens.labels(model.settings.alias).inc(prompt_tokens)
     services.metrics.requests.labels(model.settings.alias, "embeddings", "ok").inc()
     return Response(render.embedding_list(vectors, model.settings.alias, prompt_tokens, body.encoding_format), media_type="application/json")

@@ -10,6 +10,8 @@ from pathlib import Path
 import apsw
 import apsw.bestpractice
 
+from policy import keystore, ledger
+
 Migration = tuple[str, Callable[[apsw.Connection], None]]
 
 _applied_best_practice = False
@@ -48,7 +50,17 @@ def _create_request_log(db: apsw.Connection) -> None:
     db.execute("CREATE INDEX request_log_created ON request_log(created_at)")
 
 
-MIGRATIONS: tuple[Migration, ...] = (("0001_request_log", _create_request_log),)
+def _request_log_principal(db: apsw.Connection) -> None:
+    for column in ("tenant TEXT", "app TEXT", "user TEXT", "key_id TEXT", "cost_nanos INTEGER"):
+        db.execute(f"ALTER TABLE request_log ADD COLUMN {column}")
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    ("0001_request_log", _create_request_log),
+    ("0002_api_keys", keystore.create_tables),
+    ("0003_budget_ledger", ledger.create_tables),
+    ("0004_request_log_principal", _request_log_principal),
+)
 
 
 def migrate(db: apsw.Connection, migrations: tuple[Migration, ...] = MIGRATIONS) -> list[str]:

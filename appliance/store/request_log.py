@@ -27,11 +27,17 @@ class RequestRecord:
     ttft_ms: float | None
     total_ms: float
     error: str | None = None
+    tenant: str | None = None
+    app: str | None = None
+    user: str | None = None
+    key_id: str | None = None
+    cost_nanos: int | None = None
 
 
 _INSERT = (
     "INSERT OR REPLACE INTO request_log(id, created_at, endpoint, model, status, finish_reason, prompt_tokens, "
-    "completion_tokens, ttft_ms, total_ms, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "completion_tokens, ttft_ms, total_ms, error, tenant, app, user, key_id, cost_nanos) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 
 
@@ -79,7 +85,7 @@ def recent(db_path: Path, limit: int = 50) -> list[RequestRecord]:
     try:
         rows = db.execute(
             "SELECT id, created_at, endpoint, model, status, finish_reason, prompt_tokens, completion_tokens, "
-            "ttft_ms, total_ms, error FROM request_log ORDER BY created_at DESC LIMIT ?",
+            "ttft_ms, total_ms, error, tenant, app, user, key_id, cost_nanos FROM request_log ORDER BY created_at DESC LIMIT ?",
             (limit,),
         ).fetchall()
         return [RequestRecord(*row) for row in rows]

@@ -1,0 +1,227 @@
+"""The policy front door of every model call: who is calling (identity), may they now (rate
+limits), can they pay (budget reservation), and, when the response ends for any reason, the
+settlement that charges the actual tokens exactly once.
+
+The decisions live in `policy/`; this module wires them to HTTP errors, the store thread and the
+lease reaper, and owns the in-memory state of one process (key cache, buckets, live requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import apsw
+
+from appliance.api.errors import APIError
+from appliance.metrics import Metrics
+from appliance.settings import Settings
+from appliance.store.worker import StoreWorker
+from policy.budgets import Price, Refuse, ReservationPolicy, seconds_until_reset, usd
+from policy.identity import AuthFailure, KeyRecord, Principal, bearer_token, check_key, fingerprint, secret_hash
+from policy.keystore import KeyStore
+from policy.ledger import Ledger, Payer, Settlement
+from policy.limits import RateLimiter
+
+log = logging.getLogger("appliance.gate")
+
+
+@dataclass
+class Admission:
+    """One admitted model call, from reservation to settlement."""
+
+    request_id: str
+    principal: Principal
+    model: str
+    estimated_tokens: int
+    reserved: bool
+    max_tokens: int
+    settled: bool = False
+    # Tokens known so far, for a settlement the response never reached (shutdown).
+    progress: Callable[[], tuple[int, int]] | None = field(default=None, repr=False)
+
+
+class Gate:
+    def __init__(self, settings: Settings, worker: StoreWorker, metrics: Metrics) -> None:
+        self.settings = settings
+        self.worker = worker
+        self.metrics = metrics
+        self.limiter = RateLimiter(settings.limits)
+        self._keys: dict[str, tuple[KeyRecord, float]] = {}  # secret hash → (record, looked up at)
+        self._live: dict[str, Admission] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._policy = ReservationPolicy(settings.budgets.clamp_max_tokens, settings.budgets.min_tokens)
+        metrics.reservations_open.set_function(lambda: len(self._live))
+        auth = settings.auth
+        self._open = None
+        if auth.mode == "open":
+            p = auth.open_principal
+            self._open = Principal(p.user, p.tenant, p.app, p.role, None, p.admin)
+
+    # -- identity ------------------------------------------------------------------------------
+
+    async def authenticate(self, authorization: str | None, client: str | None, path: str) -> Principal:
+        if self._open is not None:
+            return self._open
+        token = bearer_token(authorization)
+        if isinstance(token, AuthFailure):
+            raise self._refuse(token, None, None, client, path)
+        digest = secret_hash(token)
+        now = time.time()
+        cached = self._keys.get(digest)
+        if cached is not None and now - cached[1] < self.settings.auth.key_cache_s:
+            record: KeyRecord | None = cached[0]
+        else:
+            record = await self.worker.run(lambda db: KeyStore(db).by_secret(token))
+            if record is not None:
+                self._keys[digest] = (record, now)
+            else:
+                self._keys.pop(digest, None)
+        checked = check_key(record, now)
+        if isinstance(checked, AuthFailure):
+            raise self._refuse(checked, record.id if record else None, fingerprint(token), client, path)
+        return checked
+
+    def forget_key(self, key_id: str) -> None:
+        """A key changed through the admin API: stop trusting the cached copy at once."""
+        for digest, (record, _) in list(self._keys.items()):
+            if record.id == key_id:
+                del self._keys[digest]
+
+    def _refuse(self, failure: AuthFailure, key_id: str | None, print_: str | None, client: str | None, path: str) -> APIError:
+        self.metrics.auth_failures.labels(failure.reason).inc()
+        log.warning("refused a request to %s from %s: %s key (id %s, fingerprint %s)", path, client, failure.reason, key_id, print_)
+        at = time.time()
+        self.worker.submit(lambda db: KeyStore(db).record_failure(
+            at=at, reason=failure.reason, key_id=key_id, fingerprint=print_, client=client, path=path))
+        return APIError(401, failure.message, code="invalid_api_key")
+
+    @staticmethod
+    def require_admin(principal: Principal) -> None:
+        if not principal.admin:
+            raise APIError(403, "This endpoint needs an admin key.", type="permission_error", code="admin_required")
+
+    # -- admission and settlement --------------------------------------------------------------
+
+    async def admit(self, principal: Principal, request_id: str, model: str, price: Price, prompt_tokens: int, max_tokens: int) -> Admission:
+        """Rate limits, then the budget reservation (which may lower max_tokens). Raises 429."""
+        estimate = prompt_tokens + max_tokens
+        now = time.time()
+        limited = self.limiter.admit(principal, estimate, now)
+        if limited is not None:
+            self.metrics.rate_limited.labels(limited.level, limited.what).inc()
+            raise APIError(
+                429,
+                f"Rate limit reached for {limited.level} '{limited.name}': {limited.limit_per_minute} {limited.what} per minute. "
+                f"Retry in {limited.retry_after_s} s.",
+                type="rate_limit_error", code="rate_limit_exceeded", retry_after_s=limited.retry_after_s,
+            )
+        admission = Admission(request_id, principal, model, estimate, False, max_tokens)
+        if not self.settings.budgets.enabled:
+            return admission
+        payer = Payer(principal.user, principal.tenant, principal.app)
+        lease = self.settings.budgets.lease_s
+        try:
+            decision = await self.worker.run(
+                lambda db: Ledger(db).reserve(request_id, payer, model, price, prompt_tokens, max_tokens, self._policy, now, lease))
+        except BaseException:
+            self.limiter.settle(principal, estimate, 0, time.time())
+            raise
+        if isinstance(decision, Refuse):
+            self.limiter.settle(principal, estimate, 0, time.time())
+            self.metrics.budget_refused.labels(decision.level).inc()
+            raise self._over_budget(decision, now)
+        admission.reserved = True
+        admission.max_tokens = decision.max_tokens
+        self._live[request_id] = admission
+        return admission
+
+    @staticmethod
+    def _over_budget(refusal: Refuse, now: float) -> APIError:
+        name = "" if refusal.level == "global" else f" '{refusal.name}'"
+        return APIError(
+            429,
+            f"The {refusal.period} budget of {refusal.level}{name} cannot cover this request: ${usd(refusal.remaining_nanos):.6f} "
+            f"remains, ${usd(refusal.needed_nanos):.6f} is needed. Lower max_tokens or raise the budget.",
+            type="insufficient_quota", code="budget_exceeded", retry_after_s=seconds_until_reset(refusal.period, now),
+        )
+
+    def settle(self, admission: Admission, prompt_tokens: int, completion_tokens: int, outcome: str) -> None:
+        """Exactly once per admission, whatever ended the response; never waits on the store."""
+        if admission.settled:
+            return
+        admission.settled = True
+        self._live.pop(admission.request_id, None)
+        now = time.time()
+        self.limiter.settle(admission.principal, admission.estimated_tokens, prompt_tokens + completion_tokens, now)
+        if not admission.reserved:
+            return
+
+        def write(db: apsw.Connection) -> Settlement | None:
+            try:
+                return Ledger(db).settle(admission.request_id, prompt_tokens, completion_tokens, outcome, now)
+            except Exception:
+                log.exception("could not settle %s", admission.request_id)
+                return None
+
+        future = self.worker.submit(write)
+        future.add_done_callback(self._count_spend(admission.model))
+
+    def _count_spend(self, model: str) -> Callable[[Any], None]:
+        def done(future: Any) -> None:
+            settlement = None if future.cancelled() or future.exception() else future.result()
+            if settlement is not None and not settlement.already:
+                self.metrics.spend_nanos.labels(model).inc(settlement.charged_nanos)
+        return done
+
+    # -- leases --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if not self.settings.budgets.enabled:
+            return
+        await self._sweep()
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="lease-reaper")
+
+    async def _reap_forever(self) -> None:
+        interval = max(0.5, self.settings.budgets.lease_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._sweep()
+            except Exception:
+                log.exception("lease sweep failed")
+
+    async def _sweep(self) -> None:
+        """Renew the leases of this process's live requests, then release every expired one."""
+        now = time.time()
+        live = list(self._live)
+        until = now + self.settings.budgets.lease_s
+
+        def sweep(db: apsw.Connection) -> list[Settlement]:
+            ledger = Ledger(db)
+            ledger.extend(live, until)
+            return ledger.reap(now)
+
+        released = await self.worker.run(sweep)
+        if released:
+            log.warning("released %d expired budget reservations: %s", len(released), ", ".join(s.request_id for s in released))
+            self.metrics.leases_expired.inc(len(released))
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        # Responses still open at shutdown are settled with what they had generated.
+        for admission in list(self._live.values()):
+            prompt, completion = admission.progress() if admission.progress else (0, 0)
+            self.settle(admission, prompt, completion, "shutdown")
+
+    def live_request_ids(self) -> list[str]:
+        return list(self._live)
+
