@@ -100,6 +100,201 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ledger_db(config: Path | None):  # type: ignore[no-untyped-def]
+    """The data directory's database, migrated; the config names the directory when there is one."""
+    from appliance.paths import default_data_dir
+    from appliance.store.db import connect, database_path, migrate
+
+    try:
+        data_dir = _settings(config).server.data_dir
+    except ConfigError as exc:
+        if config is not None or exc.key != "(file)":
+            raise
+        data_dir = default_data_dir()
+    db = connect(database_path(data_dir))
+    migrate(db)
+    return db
+
+
+def parse_expiry(text: str, now: float) -> float:
+    """'30d', '12h', '45m', '90s', or an ISO 8601 date or time (UTC unless it says otherwise)."""
+    from datetime import datetime, timezone
+
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    if text[:-1].isdigit() and text[-1:] in units:
+        return now + int(text[:-1]) * units[text[-1]]
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"--expires: {text!r} is neither a duration (30d, 12h, 45m, 90s) nor an ISO 8601 date") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    import time
+
+    from policy.keystore import KeyStore
+
+    now = time.time()
+    try:
+        expires = parse_expiry(args.expires, now) if args.expires else None
+        db = _ledger_db(args.config)
+        try:
+            record, secret = KeyStore(db).create(
+                user=args.user, tenant=args.tenant, app=args.app, role=args.role, admin=args.admin, now=now, expires_at=expires)
+        finally:
+            db.close()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"created {'admin ' if record.admin else ''}key {record.id} for user {record.user}, tenant {record.tenant}, "
+          f"app {record.app}, role {record.role}" + (f", expires {args.expires}" if expires else ""))
+    print("the secret is shown once; store it now:")
+    print(secret)
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    import time
+
+    from policy.keystore import KeyStore
+
+    db = _ledger_db(args.config)
+    try:
+        revoked = KeyStore(db).revoke(args.id, time.time())
+    finally:
+        db.close()
+    if not revoked:
+        print(f"error: there is no active key {args.id}", file=sys.stderr)
+        return 1
+    print(f"revoked {args.id} (a running server stops accepting it within its key cache time)")
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from policy.keystore import KeyStore
+
+    db = _ledger_db(args.config)
+    try:
+        records = KeyStore(db).all()
+    finally:
+        db.close()
+    _print_rows(("id", "user", "tenant", "app", "role", "admin", "expires_at", "revoked_at"), [
+        (r.id, r.user, r.tenant, r.app, r.role, "yes" if r.admin else "no", _when(r.expires_at), _when(r.revoked_at)) for r in records
+    ])
+    return 0
+
+
+def _when(epoch: float | None) -> str:
+    from datetime import datetime, timezone
+
+    return "-" if epoch is None else datetime.fromtimestamp(epoch, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _print_rows(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    if not sys.stdout.isatty():  # scripts get tab-separated lines, never a wrapped table
+        for row in (header, *rows):
+            print("\t".join(row))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+def cmd_budgets_set(args: argparse.Namespace) -> int:
+    import time
+
+    from policy.budgets import nanos_from_usd
+    from policy.ledger import Ledger, LedgerError
+
+    if args.level != "global" and not args.name:
+        print(f"error: a {args.level} budget needs the {args.level}'s name", file=sys.stderr)
+        return 2
+    if args.usd < 0:
+        print("error: --usd must be zero or more", file=sys.stderr)
+        return 2
+    db = _ledger_db(args.config)
+    try:
+        Ledger(db).set_limit(args.level, args.name or "*", nanos_from_usd(args.usd), args.period, time.time())
+    except LedgerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        db.close()
+    print(f"{args.level} {args.name or '*'}: ${args.usd:g} per {args.period}")
+    return 0
+
+
+def cmd_budgets_unset(args: argparse.Namespace) -> int:
+    from policy.ledger import Ledger
+
+    db = _ledger_db(args.config)
+    try:
+        removed = Ledger(db).remove_limit(args.level, args.name or "*")
+    finally:
+        db.close()
+    if not removed:
+        print(f"error: there is no budget for {args.level} {args.name or '*'}", file=sys.stderr)
+        return 1
+    print(f"removed the budget of {args.level} {args.name or '*'} (spend is still recorded)")
+    return 0
+
+
+def cmd_budgets_reset(args: argparse.Namespace) -> int:
+    import time
+
+    from policy.budgets import usd
+    from policy.ledger import Ledger
+
+    db = _ledger_db(args.config)
+    try:
+        written_off = Ledger(db).reset_spend(args.level, args.name or "*", args.period, time.time())
+    finally:
+        db.close()
+    print(f"{args.level} {args.name or '*'}: wrote off ${usd(written_off):.6f} of this {args.period}'s spend")
+    return 0
+
+
+def cmd_budgets_show(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from policy.budgets import usd
+    from policy.ledger import Ledger
+
+    now = time.time()
+    db = _ledger_db(args.config)
+    try:
+        ledger = Ledger(db)
+        budgets, reservations = ledger.budgets(now), ledger.reservations()
+        top = {level: ledger.top_spenders(level, "day", now) for level in ("user", "tenant", "app")}
+        problems = ledger.imbalances()
+    finally:
+        db.close()
+    if args.json:
+        print(json.dumps({
+            "budgets": [{"level": b.level, "name": b.name, "period": b.period, "window": b.window, "limit_usd": usd(b.limit_nanos),
+                         "spent_usd": usd(b.spent_nanos), "held_usd": usd(b.held_nanos),
+                         "remaining_usd": usd(max(0, b.limit_nanos - b.spent_nanos - b.held_nanos))} for b in budgets],
+            "reservations": reservations,
+            "top_spenders_today": {level: [{"name": n, "spent_usd": usd(s)} for n, s in rows] for level, rows in top.items()},
+            "balanced": not problems,
+        }, indent=2))
+        return 0
+    _print_rows(("level", "name", "period", "limit_usd", "spent_usd", "held_usd", "remaining_usd"), [
+        (b.level, b.name, b.period, f"{usd(b.limit_nanos):.6f}", f"{usd(b.spent_nanos):.6f}", f"{usd(b.held_nanos):.6f}",
+         f"{usd(max(0, b.limit_nanos - b.spent_nanos - b.held_nanos)):.6f}") for b in budgets
+    ])
+    print(f"reservations in flight: {len(reservations)}; ledger {'balanced' if not problems else 'NOT balanced: ' + '; '.join(problems)}")
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from appliance.doctor import run_doctor
 
@@ -130,6 +325,48 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("alias", nargs="*")
     pull.add_argument("--config", type=Path)
     pull.set_defaults(func=cmd_models_pull)
+
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
+    create = keys.add_parser("create", help="create a key; the secret is printed once, alone on the last line")
+    for flag in ("--tenant", "--app", "--user", "--role"):
+        create.add_argument(flag, required=True)
+    create.add_argument("--admin", action="store_true", help="may call the admin API")
+    create.add_argument("--expires", help="a duration (30d, 12h, 45m, 90s) or an ISO 8601 date")
+    create.add_argument("--config", type=Path)
+    create.set_defaults(func=cmd_keys_create)
+    revoke = keys.add_parser("revoke", help="revoke a key by its id")
+    revoke.add_argument("id")
+    revoke.add_argument("--config", type=Path)
+    revoke.set_defaults(func=cmd_keys_revoke)
+    klist = keys.add_parser("list", help="list keys (never their secrets)")
+    klist.add_argument("--config", type=Path)
+    klist.set_defaults(func=cmd_keys_list)
+
+    from policy.budgets import LEVELS, PERIODS
+
+    budgets = sub.add_parser("budgets", help="dollar budgets per user, tenant, app or globally").add_subparsers(dest="budgets_command", required=True)
+    bset = budgets.add_parser("set", help="set a level's budget")
+    bset.add_argument("level", choices=LEVELS)
+    bset.add_argument("name", nargs="?", help="the user, tenant or app (not for global)")
+    bset.add_argument("--usd", type=float, required=True)
+    bset.add_argument("--period", choices=PERIODS, required=True)
+    bset.add_argument("--config", type=Path)
+    bset.set_defaults(func=cmd_budgets_set)
+    bunset = budgets.add_parser("unset", help="remove a level's budget (its spend stays recorded)")
+    bunset.add_argument("level", choices=LEVELS)
+    bunset.add_argument("name", nargs="?")
+    bunset.add_argument("--config", type=Path)
+    bunset.set_defaults(func=cmd_budgets_unset)
+    breset = budgets.add_parser("reset", help="write off a level's spend in the current window")
+    breset.add_argument("level", choices=LEVELS)
+    breset.add_argument("name", nargs="?")
+    breset.add_argument("--period", choices=PERIODS, required=True)
+    breset.add_argument("--config", type=Path)
+    breset.set_defaults(func=cmd_budgets_reset)
+    bshow = budgets.add_parser("show", help="budgets, spend, reservations in flight, top spenders")
+    bshow.add_argument("--json", action="store_true")
+    bshow.add_argument("--config", type=Path)
+    bshow.set_defaults(func=cmd_budgets_show)
 
     doctor = sub.add_parser("doctor", help="check this machine, the engines and the models")
     doctor.add_argument("--config", type=Path)

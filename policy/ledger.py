@@ -127,6 +127,9 @@ _UPSERT = (
 )
 
 
+_SETTLE = "UPDATE budget_usage SET spent_nanos = spent_nanos + ?, held_nanos = held_nanos + ? WHERE level = ? AND name = ? AND window = ?"
+
+
 class Ledger:
     """One connection; use it from one thread at a time (each thread or process opens its own)."""
 
@@ -308,7 +311,13 @@ class Ledger:
         return tuple(accounts)
 
     def _apply(self, payer: Payer, windows: Windows, *, spent: int, held: int) -> None:
-        self.db.executemany(_UPSERT, [(level, name, window, spent, held) for level, name in payer.levels() for window in windows.keys()])
+        rows = [(level, name, window) for level, name in payer.levels() for window in windows.keys()]
+        if held >= 0:
+            self.db.executemany(_UPSERT, [(*row, spent, held) for row in rows])
+        else:
+            # Settling: the rows exist since the reservation (an upsert's candidate row would
+            # trip the CHECK on a negative hold before the conflict is resolved).
+            self.db.executemany(_SETTLE, [(spent, held, *row) for row in rows])
 
     def _settle(self, request_id: str, prompt_tokens: int, completion_tokens: int, outcome: str, now: float) -> Settlement:
         row = self.db.execute(

@@ -3,12 +3,14 @@ migrations recorded in the database itself."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import apsw
 import apsw.bestpractice
+import apsw.ext
 
 from policy import keystore, ledger
 
@@ -21,7 +23,11 @@ def connect(path: Path | str) -> apsw.Connection:
     global _applied_best_practice
     if not _applied_best_practice:
         # WAL, busy timeout, foreign keys, no double-quoted strings; applies to each new connection.
-        apsw.bestpractice.apply(apsw.bestpractice.recommended)
+        apsw.bestpractice.apply(tuple(f for f in apsw.bestpractice.recommended if f is not apsw.bestpractice.library_logging))
+        # SQLite's own log, minus its notes (a statement re-prepared after a migration is routine).
+        sqlite_log = logging.getLogger("appliance.sqlite")
+        sqlite_log.setLevel(logging.WARNING)
+        apsw.ext.log_sqlite(logger=sqlite_log)
         _applied_best_practice = True
     if isinstance(path, Path):
         path.parent.mkdir(parents=True, exist_ok=True)
