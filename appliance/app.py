@@ -49,7 +49,7 @@ def build_services(settings: Settings, registry: Registry) -> Services:
     finally:
         db.close()
     metrics_ = Metrics(lambda: {m.settings.alias: m.engine.stats() for m in registry.all()})
-    store = StoreWorker(db_path)
+    store = StoreWorker(db_path, synchronous=settings.server.sqlite_synchronous)
     gate = Gate(settings, store, metrics_)
     return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate)
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from appliance.api.errors import APIError
 from appliance.metrics import Metrics
 from appliance.settings import Settings
 from appliance.store.worker import StoreWorker
-from policy.budgets import Price, Refuse, ReservationPolicy, seconds_until_reset, usd
+from policy.budgets import Price, Refuse, Reserve, ReservationPolicy, seconds_until_reset, usd
 from policy.identity import AuthFailure, KeyRecord, Principal, bearer_token, check_key, fingerprint, secret_hash
 from policy.keystore import KeyStore
 from policy.ledger import Ledger, Payer, Settlement
@@ -46,6 +47,15 @@ class Admission:
     progress: Callable[[], tuple[int, int]] | None = field(default=None, repr=False)
 
 
+@dataclass
+class Pending:
+    """An admission whose budget reservation the store thread is still making."""
+
+    admission: Admission
+    reservation: Future[Reserve | Refuse] | None
+    at: float
+
+
 class Gate:
     def __init__(self, settings: Settings, worker: StoreWorker, metrics: Metrics) -> None:
         self.settings = settings
@@ -55,6 +65,7 @@ class Gate:
         self._keys: dict[str, tuple[KeyRecord, float]] = {}  # secret hash → (record, looked up at)
         self._live: dict[str, Admission] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._policy = ReservationPolicy(settings.budgets.clamp_max_tokens, settings.budgets.min_tokens)
         metrics.reservations_open.set_function(lambda: len(self._live))
         auth = settings.auth
@@ -108,8 +119,10 @@ class Gate:
 
     # -- admission and settlement --------------------------------------------------------------
 
-    async def admit(self, principal: Principal, request_id: str, model: str, price: Price, prompt_tokens: int, max_tokens: int) -> Admission:
-        """Rate limits, then the budget reservation (which may lower max_tokens). Raises 429."""
+    def begin(self, principal: Principal, request_id: str, model: str, price: Price, prompt_tokens: int, max_tokens: int) -> Pending:
+        """Rate limits (raising 429 at once), then the budget reservation, sent to the store thread
+        without waiting: the caller may start the engine meanwhile and `await` the result before
+        any token leaves."""
         estimate = prompt_tokens + max_tokens
         now = time.time()
         limited = self.limiter.admit(principal, estimate, now)
@@ -123,23 +136,56 @@ class Gate:
             )
         admission = Admission(request_id, principal, model, estimate, False, max_tokens)
         if not self.settings.budgets.enabled:
-            return admission
+            return Pending(admission, None, now)
         payer = Payer(principal.user, principal.tenant, principal.app)
-        lease = self.settings.budgets.lease_s
+        lease, policy = self.settings.budgets.lease_s, self._policy
+        future = self.worker.submit(
+            lambda db: Ledger(db).reserve(request_id, payer, model, price, prompt_tokens, max_tokens, policy, now, lease))
+        return Pending(admission, future, now)
+
+    async def admitted(self, pending: Pending) -> Admission:
+        """The reservation's outcome: the admission (max_tokens perhaps lowered), or a 429."""
+        admission = pending.admission
+        if pending.reservation is None:
+            return admission
         try:
-            decision = await self.worker.run(
-                lambda db: Ledger(db).reserve(request_id, payer, model, price, prompt_tokens, max_tokens, self._policy, now, lease))
+            decision = await asyncio.wrap_future(pending.reservation)
         except BaseException:
-            self.limiter.settle(principal, estimate, 0, time.time())
+            # A cancelled wait must not leak a reservation the store thread still makes.
+            pending.reservation.add_done_callback(lambda f: self._release_if_reserved(admission, f))
+            self.limiter.settle(admission.principal, admission.estimated_tokens, 0, time.time())
             raise
         if isinstance(decision, Refuse):
-            self.limiter.settle(principal, estimate, 0, time.time())
+            self.limiter.settle(admission.principal, admission.estimated_tokens, 0, time.time())
             self.metrics.budget_refused.labels(decision.level).inc()
-            raise self._over_budget(decision, now)
+            raise self._over_budget(decision, pending.at)
         admission.reserved = True
         admission.max_tokens = decision.max_tokens
-        self._live[request_id] = admission
+        self._live[admission.request_id] = admission
         return admission
+
+    def abandon(self, pending: Pending) -> None:
+        """The call failed before it could use its reservation (the engine refused it): release it
+        once the store has made it, without waiting here."""
+        admission = pending.admission
+        if pending.reservation is None:
+            self.limiter.settle(admission.principal, admission.estimated_tokens, 0, time.time())
+            admission.settled = True
+            return
+        pending.reservation.add_done_callback(lambda f: self._release_if_reserved(admission, f))
+
+    def _release_if_reserved(self, admission: Admission, future: Any) -> None:
+        """Runs on the store thread (a done callback): hands the release back to the loop."""
+        if future.cancelled() or future.exception() is not None or not isinstance(future.result(), Reserve):
+            return
+        admission.reserved = True
+        if self._loop is None:
+            self.settle(admission, 0, 0, "refused")
+        else:
+            self._loop.call_soon_threadsafe(self.settle, admission, 0, 0, "refused")
+
+    async def admit(self, principal: Principal, request_id: str, model: str, price: Price, prompt_tokens: int, max_tokens: int) -> Admission:
+        return await self.admitted(self.begin(principal, request_id, model, price, prompt_tokens, max_tokens))
 
     @staticmethod
     def _over_budget(refusal: Refuse, now: float) -> APIError:
@@ -182,6 +228,7 @@ class Gate:
     # -- leases --------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         if not self.settings.budgets.enabled:
             return
         await self._sweep()

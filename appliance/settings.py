@@ -37,6 +37,8 @@ class ServerSettings:
     # Requests waiting for a slot, per model, before new ones get 503 + Retry-After.
     max_queue: int = 64
     shutdown_grace_s: float = 10.0
+    # "normal": ledger commits survive a crashed process, not always a power cut; "full": both.
+    sqlite_synchronous: str = "normal"
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ class _Reader:
 
 
 def _server(file: str, table: dict[str, Any], base: Path) -> ServerSettings:
-    r = _Reader(file, "server", table, {"host", "port", "data_dir", "max_body_bytes", "max_queue", "shutdown_grace_s"})
+    r = _Reader(file, "server", table, {"host", "port", "data_dir", "max_body_bytes", "max_queue", "shutdown_grace_s", "sqlite_synchronous"})
     data_dir_text = r.string("data_dir")
     data_dir = default_data_dir()
     if data_dir_text is not None:
@@ -184,6 +186,7 @@ def _server(file: str, table: dict[str, Any], base: Path) -> ServerSettings:
         max_body_bytes=r.integer("max_body_bytes", 4 * 1024 * 1024, minimum=1024),
         max_queue=r.integer("max_queue", 64, minimum=0),
         shutdown_grace_s=r.number("shutdown_grace_s", 10.0),
+        sqlite_synchronous=r.string("sqlite_synchronous", "normal", ("normal", "full")) or "normal",
     )
 
 

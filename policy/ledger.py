@@ -301,14 +301,18 @@ class Ledger:
         return (row[0], row[1]) if row else (0, 0)
 
     def _accounts(self, payer: Payer, windows: Windows) -> tuple[Account, ...]:
-        accounts = []
+        """Every limited level of `payer` with its spend in the window its period counts over."""
+        params: list[str] = [windows.key("day"), windows.key("month")]
         for level, name in payer.levels():
-            row = self.db.execute("SELECT limit_nanos, period FROM budget_limits WHERE level = ? AND name = ?", (level, name)).fetchone()
-            if row is None:
-                continue
-            spent, held = self._usage(level, name, windows.key(row[1]))
-            accounts.append(Account(level, name, row[0], row[1], spent, held))
-        return tuple(accounts)
+            params += [level, name]
+        rows = self.db.execute(
+            "SELECT l.level, l.name, l.limit_nanos, l.period, coalesce(u.spent_nanos, 0), coalesce(u.held_nanos, 0) "
+            "FROM budget_limits l LEFT JOIN budget_usage u ON u.level = l.level AND u.name = l.name "
+            "AND u.window = CASE l.period WHEN 'day' THEN ?1 WHEN 'month' THEN ?2 ELSE 't' END "
+            "WHERE (l.level, l.name) IN (VALUES (?3, ?4), (?5, ?6), (?7, ?8), (?9, ?10))",
+            params,
+        )
+        return tuple(Account(*row) for row in rows)
 
     def _apply(self, payer: Payer, windows: Windows, *, spent: int, held: int) -> None:
         rows = [(level, name, window) for level, name in payer.levels() for window in windows.keys()]

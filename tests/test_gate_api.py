@@ -309,3 +309,38 @@ def test_budgets_cli_show_lists_levels_and_spend(gated: tuple[Server, str]) -> N
     assert shown["balanced"] and shown["reservations"] == []
     assert any(t["name"] == "t-show" for t in shown["top_spenders_today"]["tenant"])
     cli(server, "budgets", "unset", "global")
+
+
+def test_sigterm_mid_stream_loses_no_spend(tmp_path: Path) -> None:
+    workdir = tmp_path / "term"
+    config = gate_config().replace("[server]\n", "[server]\nshutdown_grace_s = 1\n")
+    server = start_server(workdir, config)
+    key = new_key(server, "t-term")
+    started = threading.Barrier(3)
+    body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Count from one to five hundred."}],
+            "max_tokens": 1000, "temperature": 0, "stream": True}
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body,
+                              headers={"Authorization": f"Bearer {key}"}, timeout=60) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n == 3:
+                        started.wait(timeout=30)
+        except (httpx.HTTPError, threading.BrokenBarrierError):
+            pass
+
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=30)
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=30)
+    conn = db(server)
+    assert conn.execute("SELECT count(*) FROM reservations").fetchone()[0] == 0
+    rows = conn.execute("SELECT completion_tokens, charged_nanos FROM settlements WHERE tenant = 't-term'").fetchall()
+    assert len(rows) == 2 and all(completion > 0 and charged > 0 for completion, charged in rows), rows
+    spent = conn.execute("SELECT spent_nanos FROM budget_usage WHERE level = 'tenant' AND name = 't-term' AND window = 't'").fetchone()[0]
+    assert spent == sum(charged for _, charged in rows)

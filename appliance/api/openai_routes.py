@@ -144,19 +144,13 @@ async def _respond(
 ) -> Response[Any]:
     created = int(time.time())
     started = time.time()
-    prompt_len = len(prepared.request.prompt_tokens)
-    admission = await services.gate.admit(
-        principal, prepared.request.id, model.settings.alias, price_of(model), prompt_len, prepared.request.max_tokens)
+    body_max_tokens = prepared.request.max_tokens
+    admission, events, prepared = await _admit_and_start(services, principal, model, prepared)
     headers: dict[str, str] = {}
-    if admission.max_tokens != prepared.request.max_tokens:
+    if admission.max_tokens != body_max_tokens:
         # The budget could not cover the asked max_tokens; the response says what it allowed.
         headers["x-budget-max-tokens"] = str(admission.max_tokens)
-        prepared = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, max_tokens=admission.max_tokens))
-    try:
-        events = _start(model, prepared)
-    except BaseException:
-        services.gate.settle(admission, 0, 0, "refused")
-        raise
+    prompt_len = len(prepared.request.prompt_tokens)
     admission.progress = lambda: (prompt_len, events.tokens_pushed)
     fmt = render.Formatter(kind, prepared, model.settings.alias, created)
     if stream:
@@ -174,6 +168,36 @@ async def _respond(
         _finish(services, admission, fmt, model, started, finish, events)
     _raise_for_failure(collected.finish)
     return Response(fmt.full(collected.text, collected.logprobs, collected.finish), media_type="application/json", headers=headers)
+
+
+async def _admit_and_start(
+    services: Services, principal: Principal, model: LoadedModel, prepared: Prepared
+) -> tuple[Admission, EventStream, Prepared]:
+    """Rate limits, then the engine and the budget reservation together: the prompt's prefill
+    overlaps the ledger's write, and no token is read before the reservation stands. A refusal
+    cancels the queued generation; a lowered max_tokens restarts it (the slot keeps the prompt's KV)."""
+    gate = services.gate
+    pending = gate.begin(principal, prepared.request.id, model.settings.alias, price_of(model),
+                         len(prepared.request.prompt_tokens), prepared.request.max_tokens)
+    try:
+        events = _start(model, prepared)
+    except BaseException:
+        gate.abandon(pending)
+        raise
+    try:
+        admission = await gate.admitted(pending)
+    except BaseException:
+        events.close()
+        raise
+    if admission.max_tokens != prepared.request.max_tokens:
+        events.close()
+        prepared = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, max_tokens=admission.max_tokens))
+        try:
+            events = _start(model, prepared)
+        except BaseException:
+            gate.settle(admission, 0, 0, "refused")
+            raise
+    return admission, events, prepared
 
 
 def _finish(

@@ -18,14 +18,15 @@ T = TypeVar("T")
 
 
 class StoreWorker:
-    def __init__(self, db_path: Path, name: str = "policy-store") -> None:
+    def __init__(self, db_path: Path, name: str = "policy-store", synchronous: str = "normal") -> None:
+        self._synchronous = synchronous
         self._local = threading.local()
         self._path = db_path
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=self._open)
         self._connections: list[apsw.Connection] = []
 
     def _open(self) -> None:
-        self._local.db = connect(self._path)
+        self._local.db = connect(self._path, self._synchronous)
         self._connections.append(self._local.db)
 
     def submit(self, call: Callable[[apsw.Connection], T]) -> Future[T]:

