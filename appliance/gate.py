@@ -31,6 +31,8 @@ from policy.limits import RateLimiter
 
 log = logging.getLogger("appliance.gate")
 
+FAILURE_RETENTION_S = 30 * 86400  # failed sign-in attempts kept for a month
+
 
 @dataclass
 class Admission:
@@ -252,6 +254,7 @@ class Gate:
         def sweep(db: apsw.Connection) -> list[Settlement]:
             ledger = Ledger(db)
             ledger.extend(live, until)
+            KeyStore(db).prune_failures(now - FAILURE_RETENTION_S)
             return ledger.reap(now)
 
         released = await self.worker.run(sweep)

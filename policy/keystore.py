@@ -85,6 +85,11 @@ class KeyStore:
                 (at, reason, key_id, fingerprint, client, path),
             )
 
+    def prune_failures(self, before: float) -> int:
+        with self.db:
+            self.db.execute("DELETE FROM auth_failures WHERE at < ?", (before,))
+            return self.db.changes()
+
     def failures(self, limit: int = 100) -> list[dict[str, object]]:
         names = ("at", "reason", "key_id", "fingerprint", "client", "path")
         rows = self.db.execute(f"SELECT {', '.join(names)} FROM auth_failures ORDER BY id DESC LIMIT ?", (limit,))

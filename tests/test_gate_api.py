@@ -207,6 +207,10 @@ def test_64_concurrent_requests_never_overspend_a_budget_that_covers_10(gated: t
     served_rows = conn.execute("SELECT count(*) FROM settlements WHERE tenant = 'crowd' AND outcome IN ('stop', 'length')").fetchone()[0]
     assert served_rows == outcomes.count("served")
     assert admin_call(server, admin, "GET", "/admin/ledger/check").json() == {"balanced": True, "problems": []}
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    refused = next(line for line in metrics.splitlines() if line.startswith('appliance_budget_refused_total{level="tenant"}'))
+    assert float(refused.split()[-1]) >= outcomes.count("refused")
+    assert "appliance_budget_reservations_open 0.0" in metrics
 
 
 def test_max_tokens_is_lowered_to_what_the_budget_covers(gated: tuple[Server, str]) -> None:
