@@ -115,48 +115,66 @@ price_output_per_mtok = 1.5
 """
 
 
-def http_latencies(enabled: bool, n: int, workdir: Path) -> list[float]:
-    """Sequential one-token chat requests; budgets set at all four levels when enabled."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    cfg = workdir / "models.toml"
-    cfg.write_text(CONFIG.format(enabled=str(enabled).lower()))
-    env = {**os.environ, "APPLIANCE_HOME": str(workdir / "home")}
-    cli = [sys.executable, "-m", "appliance.cli"]
-    secret = subprocess.run([*cli, "keys", "create", "--tenant", "acme", "--app", "web", "--user", "ann", "--role", "dev", "--config", str(cfg)],
-                            env=env, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    for level, name in (("user", "ann"), ("tenant", "acme"), ("app", "web"), ("global", "")):
-        subprocess.run([*cli, "budgets", "set", level, *([name] if name else []), "--usd", "1000", "--period", "month", "--config", str(cfg)],
-                       env=env, capture_output=True, check=True)
-    port = free_port()
-    proc = subprocess.Popen([*cli, "serve", "--config", str(cfg), "--port", str(port)], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
+class Served:
+    """One `appliance serve` on the bundled model with a key; budgets set at all four levels when on."""
+
+    def __init__(self, enabled: bool, workdir: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        cfg = workdir / "models.toml"
+        cfg.write_text(CONFIG.format(enabled=str(enabled).lower()))
+        env = {**os.environ, "APPLIANCE_HOME": str(workdir / "home")}
+        cli = [sys.executable, "-m", "appliance.cli"]
+        created = subprocess.run([*cli, "keys", "create", "--tenant", "acme", "--app", "web", "--user", "ann", "--role", "dev",
+                                  "--config", str(cfg)], env=env, capture_output=True, text=True, check=True)
+        self.secret = created.stdout.strip().splitlines()[-1]
+        for level, name in (("user", "ann"), ("tenant", "acme"), ("app", "web"), ("global", "")):
+            subprocess.run([*cli, "budgets", "set", level, *([name] if name else []), "--usd", "1000", "--period", "month",
+                            "--config", str(cfg)], env=env, capture_output=True, check=True)
+        port = free_port()
+        self.proc = subprocess.Popen([*cli, "serve", "--config", str(cfg), "--port", str(port)], env=env, cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while True:
             try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            if time.monotonic() > deadline or proc.poll() is not None:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise RuntimeError("server did not start")
             time.sleep(0.2)
+        self.client = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {self.secret}"}, timeout=30)
+
+    def one(self) -> float:
         body = {"model": "m", "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 1, "temperature": 0}
-        headers = {"Authorization": f"Bearer {secret}"}
-        times = []
-        with httpx.Client(base_url=base, headers=headers, timeout=30) as client:
-            for i in range(n + 20):
-                started = time.perf_counter()
-                response = client.post("/v1/chat/completions", json=body)
-                elapsed = time.perf_counter() - started
-                response.raise_for_status()
-                if i >= 20:  # warm-up
-                    times.append(elapsed)
-        return times
+        started = time.perf_counter()
+        response = self.client.post("/v1/chat/completions", json=body)
+        elapsed = time.perf_counter() - started
+        response.raise_for_status()
+        return elapsed
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)
+
+
+def http_pair(n: int, workdir: Path) -> tuple[list[float], list[float]]:
+    """Two servers up at once, budgets off and on, taking turns request by request, so that drift
+    in the machine's speed lands on both alike. Sequential one-token chat requests."""
+    off, on = Served(False, workdir / "off"), Served(True, workdir / "on")
+    try:
+        times_off, times_on = [], []
+        for i in range(n + 20):
+            a, b = off.one(), on.one()
+            if i >= 20:  # warm-up
+                times_off.append(a)
+                times_on.append(b)
+        return times_off, times_on
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        off.close()
+        on.close()
 
 
 def ms(values: list[float], q: float) -> float:
@@ -169,7 +187,7 @@ def main() -> int:
     parser.add_argument("--only", default="store,roundtrip,http")
     parser.add_argument("--seconds", type=float, default=5.0, help="per store measurement")
     parser.add_argument("--requests", type=int, default=300, help="per HTTP round")
-    parser.add_argument("--rounds", type=int, default=3, help="HTTP rounds, on and off taking turns")
+    parser.add_argument("--rounds", type=int, default=4, help="HTTP rounds: pairs of servers, budgets off and on")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     parts = set(args.only.split(","))
@@ -191,14 +209,20 @@ def main() -> int:
         if "http" in parts:
             on: list[float] = []
             off: list[float] = []
+            added_per_pair = []
             for r in range(args.rounds):
-                off += http_latencies(False, args.requests, Path(tmp) / f"off{r}")
-                on += http_latencies(True, args.requests, Path(tmp) / f"on{r}")
+                pair_off, pair_on = http_pair(args.requests, Path(tmp) / f"pair{r}")
+                added_per_pair.append(ms(pair_on, 0.5) - ms(pair_off, 0.5))
+                print(f"  pair {r + 1}: off p50 {ms(pair_off, 0.5):.2f} ms, on p50 {ms(pair_on, 0.5):.2f} ms", flush=True)
+                off += pair_off
+                on += pair_on
             added = ms(on, 0.5) - ms(off, 0.5)
             results["http_ms"] = {"off_p50": round(ms(off, 0.5), 3), "on_p50": round(ms(on, 0.5), 3), "added_p50": round(added, 3),
+                                  "added_p50_per_pair": [round(a, 3) for a in added_per_pair],
                                   "off_p95": round(ms(off, 0.95), 3), "on_p95": round(ms(on, 0.95), 3)}
             print(f"HTTP, one-token chat, {len(on)} requests each: budgets off p50 {ms(off, 0.5):.2f} ms, on p50 {ms(on, 0.5):.2f} ms, "
-                  f"added {added:+.2f} ms (target < 1 ms); p95 {ms(off, 0.95):.2f} / {ms(on, 0.95):.2f} ms")
+                  f"added {added:+.2f} ms (target < 1 ms; per pair {', '.join(f'{a:+.2f}' for a in added_per_pair)}); "
+                  f"p95 {ms(off, 0.95):.2f} / {ms(on, 0.95):.2f} ms")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
