@@ -13,11 +13,12 @@ from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
 from appliance import __version__
-from appliance.api import admin_routes, openai_routes
+from appliance.api import admin_routes, cache_routes, openai_routes
 from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from appliance.metrics import Metrics
 from appliance.registry import Registry
 from appliance.gate import Gate
+from appliance.semantic_cache import SemanticCache
 from appliance.services import Services
 from appliance.settings import Settings
 from appliance.store.db import connect, database_path, migrate
@@ -51,15 +52,18 @@ def build_services(settings: Settings, registry: Registry) -> Services:
     metrics_ = Metrics(lambda: {m.settings.alias: m.engine.stats() for m in registry.all()})
     store = StoreWorker(db_path, synchronous=settings.server.sqlite_synchronous)
     gate = Gate(settings, store, metrics_)
-    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate)
+    cache = SemanticCache(settings.cache, db_path, registry, metrics_, settings.server.sqlite_synchronous)
+    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate, cache)
 
 
 def create_app(services: Services) -> Litestar:
     async def startup() -> None:
         await services.gate.start()  # releases leases a crashed predecessor left behind
+        await services.cache.start()
 
     async def shutdown() -> None:
         # Joining model threads blocks; keep the loop free to finish what is still streaming.
+        await services.cache.close()  # its sweeps use the engines: stop them first
         await asyncio.to_thread(services.registry.close)
         await services.gate.close()
         await asyncio.to_thread(services.store.close)  # writes the settlements still queued
@@ -69,7 +73,7 @@ def create_app(services: Services) -> Litestar:
         route_handlers=[
             health, metrics,
             openai_routes.list_models, openai_routes.retrieve_model, openai_routes.chat_completions,
-            openai_routes.completions, openai_routes.embeddings, *admin_routes.ROUTES,
+            openai_routes.completions, openai_routes.embeddings, *admin_routes.ROUTES, *cache_routes.ROUTES,
         ],
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},

@@ -30,6 +30,12 @@ class Metrics:
         self.spend_nanos = Counter("appliance_spend_nanousd", "Settled spend in nano-dollars", ["model"], registry=r)
         self.leases_expired = Counter("appliance_budget_leases_expired", "Reservations released by the reaper after their lease ran out", registry=r)
         self.reservations_open = Gauge("appliance_budget_reservations_open", "Budget reservations held by requests in flight in this process", registry=r)
+        self.cache_lookups = Counter("appliance_cache_lookups", "Cacheable requests by outcome (hit, miss) and the uncacheable (bypass)", ["result"], registry=r)
+        self.cache_saved_nanos = Counter("appliance_cache_saved_nanousd", "What hits saved (the original call's cost), by the entry's state", ["state"], registry=r)
+        self.cache_request_cost_nanos = Counter("appliance_cache_request_cost_nanousd", "Cost of every cacheable request: misses as charged, hits as the call they replaced", registry=r)
+        self.cache_false_hits = Counter("appliance_cache_false_hits", "Hits reported bad through feedback", registry=r)
+        self.cache_judge_calls = Counter("appliance_cache_judge_calls", "Borderline candidates sent to the equivalence judge", registry=r)
+        self.cache_sweeps = Counter("appliance_cache_sweep_checks", "Entries re-asked by refresh sweeps, by outcome", ["outcome"], registry=r)
         r.register(_EngineCollector(engine_stats))
 
     def render(self) -> bytes:

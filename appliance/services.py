@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from appliance.api.translate import Prepared
 from appliance.gate import Gate
+from appliance.semantic_cache import SemanticCache
 from appliance.metrics import Metrics
 from appliance.registry import LoadedModel, Registry
 from appliance.settings import Settings
@@ -26,10 +27,11 @@ class Services:
     started_at: int
     store: StoreWorker
     gate: Gate
+    cache: SemanticCache
 
     def record(
         self, prepared: Prepared, model: LoadedModel, endpoint: str, started: float, finish: FinishEvent | None, status: str | None,
-        principal: Principal | None = None, completion_tokens: int | None = None,
+        principal: Principal | None = None, completion_tokens: int | None = None, cost_nanos: int | None = None,
     ) -> None:
         """Metrics and the request log for one finished (or abandoned) generation."""
         alias = model.settings.alias
@@ -70,7 +72,7 @@ class Services:
                 app=principal.app if principal else None,
                 user=principal.user if principal else None,
                 key_id=principal.key_id if principal else None,
-                cost_nanos=price_of(model).cost(prompt_tokens, completion_tokens),
+                cost_nanos=price_of(model).cost(prompt_tokens, completion_tokens) if cost_nanos is None else cost_nanos,
             )
         )
 

@@ -104,6 +104,26 @@ class BudgetSettings:
 
 
 @dataclass(frozen=True)
+class CacheSettings:
+    enabled: bool = True
+    # "minilm": all-MiniLM-L6-v2 (int8 ONNX, shipped in a package); or the alias of a model of
+    # kind "embedding" in this file, served by its engine.
+    embedder: str = "minilm"
+    # Tuned on tests/data/cache_pairs.jsonl with the near-miss guards (bench/cache_quality.py).
+    similarity_threshold: float = 0.70
+    judge_band: float = 0.70
+    judge_model: str | None = None  # a chat model asked "same answer?" in the band; none: band is a miss
+    judge_min_probability: float = 0.85
+    freshness_s: float = 7 * 86400
+    serve_unverified: bool = True
+    max_temperature: float = 0.3
+    max_entries_per_tenant: int = 10_000
+    sweep_interval_s: float = 300.0  # 0: no background sweeps (POST /admin/cache/sweep still runs one)
+    sweep_batch: int = 2
+    agree_threshold: float = 0.90  # a re-asked answer this similar to the stored one agrees
+
+
+@dataclass(frozen=True)
 class Settings:
     file: Path
     server: ServerSettings
@@ -112,6 +132,7 @@ class Settings:
     auth: AuthSettings = field(default_factory=AuthSettings)
     budgets: BudgetSettings = field(default_factory=BudgetSettings)
     limits: tuple[LimitRule, ...] = ()
+    cache: CacheSettings = field(default_factory=CacheSettings)
 
     def model(self, alias: str) -> ModelSettings | None:
         return next((m for m in self.models if m.alias == alias), None)
@@ -226,6 +247,32 @@ def _budgets(file: str, table: dict[str, Any]) -> BudgetSettings:
     )
 
 
+def _cache(file: str, table: dict[str, Any]) -> CacheSettings:
+    r = _Reader(file, "cache", table, {
+        "enabled", "embedder", "similarity_threshold", "judge_band", "judge_model", "judge_min_probability", "freshness_s",
+        "serve_unverified", "max_temperature", "max_entries_per_tenant", "sweep_interval_s", "sweep_batch", "agree_threshold",
+    })
+    threshold = r.number("similarity_threshold", 0.70, maximum=1.0)
+    band = r.number("judge_band", threshold, maximum=1.0)
+    if band > threshold:
+        raise r.fail("judge_band", f"must be at most similarity_threshold ({threshold}), got {band}")
+    return CacheSettings(
+        enabled=r.boolean("enabled", True),
+        embedder=r.string("embedder", "minilm") or "minilm",
+        similarity_threshold=threshold,
+        judge_band=band,
+        judge_model=r.string("judge_model"),
+        judge_min_probability=r.number("judge_min_probability", 0.85, maximum=1.0),
+        freshness_s=r.number("freshness_s", 7 * 86400.0, minimum=1.0),
+        serve_unverified=r.boolean("serve_unverified", True),
+        max_temperature=r.number("max_temperature", 0.3, maximum=2.0),
+        max_entries_per_tenant=r.integer("max_entries_per_tenant", 10_000),
+        sweep_interval_s=r.number("sweep_interval_s", 300.0),
+        sweep_batch=r.integer("sweep_batch", 2),
+        agree_threshold=r.number("agree_threshold", 0.90, maximum=1.0),
+    )
+
+
 def _limits(file: str, raw: object) -> tuple[LimitRule, ...]:
     if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
         raise ConfigError(file, "limits", "expected an array of tables: [[limits]]")
@@ -306,7 +353,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(file, "(syntax)", str(exc)) from None
-    top = _Reader(file, "", raw, {"server", "defaults", "models", "auth", "budgets", "limits"})
+    top = _Reader(file, "", raw, {"server", "defaults", "models", "auth", "budgets", "limits", "cache"})
     models_raw = raw.get("models", [])
     if not isinstance(models_raw, list) or not all(isinstance(m, dict) for m in models_raw):
         raise top.fail("models", "expected an array of tables: [[models]]")
@@ -318,7 +365,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         if m.alias in seen:
             raise ConfigError(file, f"models[{i}].alias", f"duplicate alias {m.alias!r}")
         seen.add(m.alias)
-    return Settings(
+    settings = Settings(
         file=Path(file),
         server=_server(file, top.subtable("server"), base),
         defaults=_defaults(file, top.subtable("defaults")),
@@ -326,7 +373,18 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         auth=_auth(file, top.subtable("auth")),
         budgets=_budgets(file, top.subtable("budgets")),
         limits=_limits(file, raw.get("limits", [])),
+        cache=_cache(file, top.subtable("cache")),
     )
+    cache = settings.cache
+    if cache.enabled and cache.embedder != "minilm":
+        target = settings.model(cache.embedder)
+        if target is None or target.kind != "embedding":
+            raise ConfigError(file, "cache.embedder", f"{cache.embedder!r} is neither \"minilm\" nor the alias of a model of kind \"embedding\"")
+    if cache.enabled and cache.judge_model is not None:
+        target = settings.model(cache.judge_model)
+        if target is None or target.kind != "chat":
+            raise ConfigError(file, "cache.judge_model", f"{cache.judge_model!r} is not the alias of a chat model in this file")
+    return settings
 
 
 def load_settings(path: Path) -> Settings:

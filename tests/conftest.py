@@ -37,7 +37,7 @@ def free_port() -> int:
 
 def config_text(*, slots: int = 8, context_length: int = 2048, max_queue: int = 64, embeddings: bool = True,
                 max_body_bytes: int = 1 << 20, batch_tokens: int = 512, auth: str = "open", extra: str = "",
-                price_in: float = 0.0, price_out: float = 0.0) -> str:
+                price_in: float = 0.0, price_out: float = 0.0, cache: str = "enabled = false") -> str:
     text = f"""
 [server]
 max_queue = {max_queue}
@@ -48,6 +48,9 @@ mode = "{auth}"
 
 [auth.open_principal]
 admin = true
+
+[cache]
+{cache}
 {extra}
 
 [defaults]

