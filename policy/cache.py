@@ -157,6 +157,7 @@ _OPPOSITES = [
     ("zip", "unzip"), ("mount", "unmount"), ("connect", "disconnect"), ("follow", "unfollow"), ("pause", "resume"),
     ("arrival", "departure"), ("arrive", "depart"), ("import", "export"), ("inhale", "exhale"), ("rise", "fall"),
 ]
+_CONNECTORS = {"to", "from", "into", "over", "than", "vs", "versus", "before", "after", "against"}
 _NEGATING_PREFIXES = ("non-", "non", "un", "in", "im", "ir", "il", "dis", "anti")
 _TECH = {
     "python", "java", "javascript", "typescript", "rust", "go", "golang", "ruby", "php", "perl", "swift", "kotlin",
@@ -266,8 +267,8 @@ def near_miss(cached: str, asked: str) -> Guarded | None:
         if (count_a[x] > count_b[x] and count_b[y] > count_a[y]) or (count_a[y] > count_b[y] and count_b[x] > count_a[x]):
             return Guarded("scope")
     content_a, content_b = _content(a), _content(b)
-    if sorted(content_a) == sorted(content_b) and content_a != content_b:
-        return Guarded("scope")  # the same words the other way round: euros to dollars
+    if sorted(content_a) == sorted(content_b) and content_a != content_b and _CONNECTORS & set(content_a):
+        return Guarded("scope")  # the same words the other way round: dollars to euros, renting over buying
     if _missing_entity(a, b) or _missing_entity(b, a):
         return Guarded("entity")
     if len(content_a) == len(content_b) >= 2:
