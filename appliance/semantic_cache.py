@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -176,7 +177,8 @@ class SemanticCache:
         self.worker.submit(lambda db: self._store(db).record_hit(entry, response_id, similarity, judged, now))
 
     def remember(self, item: Cacheable, vector: np.ndarray | None, answer: str, finish_reason: str, prompt_tokens: int,
-                 completion_tokens: int, cost_nanos: int, response_id: str) -> None:
+                 completion_tokens: int, cost_nanos: int, response_id: str, prompt_text: str = "", max_tokens: int = 0,
+                 stop: tuple[str, ...] = ()) -> None:
         """Store a fresh answer (fire and forget). Validators first: a non-empty answer that ended
         normally. One cut at max_tokens is kept too: max_tokens is part of the bucket, so only a
         request that would have been cut at the same place can get it."""
@@ -187,7 +189,8 @@ class SemanticCache:
         def write(db: Any) -> None:
             try:
                 self._store(db).store(item.bucket, item.question, item.question_hash, vector, answer, finish_reason,
-                                      prompt_tokens, completion_tokens, cost_nanos, response_id, now, cap)
+                                      prompt_tokens, completion_tokens, cost_nanos, response_id, now, cap,
+                                      prompt_text, max_tokens, json.dumps(list(stop)))
             except Exception:
                 log.exception("could not store a cache entry")
 
@@ -263,15 +266,12 @@ class SemanticCache:
         return {"retired": retired, "checked": checked, "agreed": agreed, "drifted": drifted}
 
     async def _reask(self, model: LoadedModel, entry: Entry) -> str | None:
-        """The stored question again, greedy, bypassing the cache. Only the question is kept in an
-        entry, so buckets with earlier turns or a system prompt are re-asked as the question alone
-        only when their stored prompt had none (prompt_tokens tells)."""
-        assert model.template is not None
-        prompt = model.template.render([{"role": "user", "content": entry.question}])
-        tokens = tuple(model.engine.tokenize(prompt, add_special=model.engine.add_bos(), parse_special=True))
-        if len(tokens) != entry.prompt_tokens:
-            return None  # the entry's prompt had more than the question: re-asking it alone would not compare
-        request = GenerationRequest(f"sweep-{uuid.uuid4().hex}", tokens, max(entry.completion_tokens + 8, 16), SamplingParams(temperature=0.0))
+        """The stored prompt again, exactly as the model first saw it, greedy, bypassing the cache."""
+        if not entry.prompt_text:
+            return None
+        tokens = tuple(model.engine.tokenize(entry.prompt_text, add_special=model.engine.add_bos(), parse_special=True))
+        request = GenerationRequest(f"sweep-{uuid.uuid4().hex}", tokens, entry.max_tokens or entry.completion_tokens,
+                                    SamplingParams(temperature=0.0), tuple(json.loads(entry.stop)))
         parts: list[str] = []
         async for event in model.engine.generate(request):
             parts.append(event.text)

@@ -11,6 +11,7 @@ import apsw
 import numpy as np
 
 from policy.cache import STATES, Bucket, Candidate
+from policy.sqlite import immediate
 
 
 def create_tables(db: apsw.Connection) -> None:
@@ -28,6 +29,9 @@ def create_tables(db: apsw.Connection) -> None:
             question_hash TEXT NOT NULL,
             answer TEXT NOT NULL,
             finish_reason TEXT NOT NULL,
+            prompt_text TEXT NOT NULL,  -- the whole prompt as the model saw it: what a sweep re-asks
+            max_tokens INTEGER NOT NULL,
+            stop TEXT NOT NULL,  -- JSON list
             prompt_tokens INTEGER NOT NULL,
             completion_tokens INTEGER NOT NULL,
             cost_nanos INTEGER NOT NULL,
@@ -89,10 +93,13 @@ class Entry:
     response_id: str
     created_at: float
     hits: int
+    prompt_text: str = ""
+    max_tokens: int = 0
+    stop: str = "[]"
 
 
 _ENTRY = ("id, bucket, tenant, role, model, question, answer, finish_reason, prompt_tokens, completion_tokens, cost_nanos, "
-          "state, response_id, created_at, hits")
+          "state, response_id, created_at, hits, prompt_text, max_tokens, stop")
 
 
 def _vec_table(embedder: str) -> str:
@@ -130,10 +137,11 @@ class CacheStore:
     def store(
         self, bucket: Bucket, question: str, question_hash: str, vector: np.ndarray | None, answer: str, finish_reason: str,
         prompt_tokens: int, completion_tokens: int, cost_nanos: int, response_id: str, now: float, max_entries_per_tenant: int,
+        prompt_text: str = "", max_tokens: int = 0, stop: str = "[]",
     ) -> int | None:
         """Insert an entry (unverified) unless the bucket already has this question: concurrent
         identical misses store one. Evicts the tenant's least recently used beyond the cap."""
-        with self.db:
+        with immediate(self.db):
             row = self.db.execute("SELECT id, state FROM cache_entries WHERE bucket = ? AND question_hash = ?",
                                   (bucket.key, question_hash)).fetchone()
             if row is not None:
@@ -142,17 +150,19 @@ class CacheStore:
                 # A stale entry is replaced by the next miss's answer.
                 self.db.execute(
                     "UPDATE cache_entries SET answer = ?, finish_reason = ?, prompt_tokens = ?, completion_tokens = ?, cost_nanos = ?, "
-                    "state = 'unverified', state_reason = 'replaced', response_id = ?, created_at = ?, last_used_at = ? WHERE id = ?",
-                    (answer, finish_reason, prompt_tokens, completion_tokens, cost_nanos, response_id, now, now, row[0]),
+                    "state = 'unverified', state_reason = 'replaced', response_id = ?, created_at = ?, last_used_at = ?, "
+                    "prompt_text = ?, max_tokens = ?, stop = ? WHERE id = ?",
+                    (answer, finish_reason, prompt_tokens, completion_tokens, cost_nanos, response_id, now, now,
+                     prompt_text, max_tokens, stop, row[0]),
                 )
                 return int(row[0])
             self.db.execute(
                 "INSERT INTO cache_entries(bucket, tenant, role, model, model_version, prompt_version, question, question_hash, "
                 "answer, finish_reason, prompt_tokens, completion_tokens, cost_nanos, state, response_id, embedder, created_at, "
-                "last_used_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,'unverified',?,?,?,?)",
+                "last_used_at, prompt_text, max_tokens, stop) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,'unverified',?,?,?,?,?,?,?)",
                 (bucket.key, bucket.tenant, bucket.role, bucket.model, bucket.model_version, bucket.prompt_version, question,
                  question_hash, answer, finish_reason, prompt_tokens, completion_tokens, cost_nanos, response_id,
-                 self.embedder if vector is not None else None, now, now),
+                 self.embedder if vector is not None else None, now, now, prompt_text, max_tokens, stop),
             )
             entry_id = self.db.last_insert_rowid()
             if vector is not None:
@@ -172,7 +182,7 @@ class CacheStore:
             self.db.execute(f"DELETE FROM {self.vectors} WHERE entry_id = ?", (entry_id,))
 
     def record_hit(self, entry: Entry, response_id: str, similarity: float, judged: bool, now: float) -> None:
-        with self.db:
+        with immediate(self.db):
             self.db.execute("UPDATE cache_entries SET hits = hits + 1, last_used_at = ? WHERE id = ?", (now, entry.id))
             self.db.execute(
                 "INSERT OR IGNORE INTO cache_hits(response_id, entry_id, tenant, at, similarity, judged, entry_state, saved_nanos) "
@@ -183,7 +193,7 @@ class CacheStore:
     def set_state(self, entry_id: int, state: str, reason: str) -> bool:
         if state not in STATES:
             raise ValueError(f"unknown state {state!r}")
-        with self.db:
+        with immediate(self.db):
             # A rejected entry stays rejected: nothing verifies it again.
             self.db.execute("UPDATE cache_entries SET state = ?, state_reason = ? WHERE id = ? AND state != 'rejected'", (state, reason, entry_id))
             return self.db.changes() > 0
@@ -199,7 +209,7 @@ class CacheStore:
             if row is None:
                 return None
             entry_id, was_hit = row[0], False
-        with self.db:
+        with immediate(self.db):
             self.db.execute("INSERT INTO cache_feedback(response_id, entry_id, rating, was_hit, at) VALUES (?,?,?,?,?)",
                             (response_id, entry_id, rating, int(was_hit), now))
         self.set_state(entry_id, "verified" if rating == "good" else "rejected", f"feedback:{rating}")
@@ -213,7 +223,7 @@ class CacheStore:
                 params.append(value)
         if not clauses:
             raise ValueError("say which entries to invalidate")
-        with self.db:
+        with immediate(self.db):
             self.db.execute(f"UPDATE cache_entries SET state = 'stale', state_reason = 'invalidated' "
                             f"WHERE {' AND '.join(clauses)} AND state IN ('unverified', 'verified')", params)
             return self.db.changes()
@@ -244,7 +254,7 @@ class CacheStore:
         return [Entry(*row) for row in rows]
 
     def record_sweep(self, entry_id: int, outcome: str, similarity: float | None, now: float) -> None:
-        with self.db:
+        with immediate(self.db):
             self.db.execute("INSERT INTO cache_sweeps(at, entry_id, outcome, similarity) VALUES (?,?,?,?)", (now, entry_id, outcome, similarity))
 
     def expire(self, now: float, freshness_s: float, current_versions: dict[str, str]) -> int:
@@ -253,6 +263,6 @@ class CacheStore:
         for model, version in current_versions.items():
             ids += [row[0] for row in self.db.execute(
                 "SELECT id FROM cache_entries WHERE model = ? AND model_version != ?", (model, version))]
-        with self.db:
+        with immediate(self.db):
             self.delete(sorted(set(ids)))
         return len(set(ids))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import apsw
 
 from policy.identity import KeyRecord, new_secret, secret_hash
+from policy.sqlite import immediate
 
 
 def create_tables(db: apsw.Connection) -> None:
@@ -55,7 +56,7 @@ class KeyStore:
         if expires_at is not None and expires_at <= now:
             raise ValueError("the expiry is in the past")
         key_id, secret = new_secret()
-        with self.db:
+        with immediate(self.db):
             self.db.execute(
                 "INSERT INTO api_keys(id, secret_sha256, user, tenant, app, role, admin, created_at, expires_at) VALUES (?,?,?,?,?,?,?,?,?)",
                 (key_id, secret_hash(secret), user, tenant, app, role, int(admin), now, expires_at),
@@ -71,7 +72,7 @@ class KeyStore:
         return _record(row) if row else None
 
     def revoke(self, key_id: str, now: float) -> bool:
-        with self.db:
+        with immediate(self.db):
             self.db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (now, key_id))
             return self.db.changes() > 0
 
@@ -79,14 +80,14 @@ class KeyStore:
         return [_record(row) for row in self.db.execute(f"SELECT {_COLUMNS} FROM api_keys ORDER BY created_at")]
 
     def record_failure(self, *, at: float, reason: str, key_id: str | None, fingerprint: str | None, client: str | None, path: str | None) -> None:
-        with self.db:
+        with immediate(self.db):
             self.db.execute(
                 "INSERT INTO auth_failures(at, reason, key_id, fingerprint, client, path) VALUES (?,?,?,?,?,?)",
                 (at, reason, key_id, fingerprint, client, path),
             )
 
     def prune_failures(self, before: float) -> int:
-        with self.db:
+        with immediate(self.db):
             self.db.execute("DELETE FROM auth_failures WHERE at < ?", (before,))
             return self.db.changes()
 

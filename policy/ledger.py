@@ -14,7 +14,19 @@ from dataclasses import dataclass
 
 import apsw
 
-from policy.budgets import GLOBAL_NAME, LEVELS, PERIODS, Account, Price, Refuse, Reserve, ReservationPolicy, Windows, plan_reservation
+from policy.budgets import (
+    GLOBAL_NAME,
+    LEVELS,
+    PERIODS,
+    Account,
+    Price,
+    Refuse,
+    ReservationPolicy,
+    Reserve,
+    Windows,
+    plan_reservation,
+)
+from policy.sqlite import immediate
 
 
 def create_tables(db: apsw.Connection) -> None:
@@ -143,7 +155,7 @@ class Ledger:
         policy: ReservationPolicy, now: float, lease_s: float,
     ) -> Reserve | Refuse:
         windows = Windows.at(now)
-        with self._immediate():
+        with immediate(self.db):
             if self._exists(request_id):
                 raise LedgerError(f"request {request_id} already has a reservation or settlement")
             decision = plan_reservation(self._accounts(payer, windows), price, prompt_tokens, max_tokens, policy)
@@ -160,7 +172,7 @@ class Ledger:
 
     def settle(self, request_id: str, prompt_tokens: int, completion_tokens: int, outcome: str, now: float) -> Settlement:
         """Charge the actual tokens and release the rest, exactly once per request id."""
-        with self._immediate():
+        with immediate(self.db):
             return self._settle(request_id, prompt_tokens, completion_tokens, outcome, now)
 
     def extend(self, request_ids: Iterable[str], until: float) -> int:
@@ -168,13 +180,13 @@ class Ledger:
         ids = list(request_ids)
         if not ids:
             return 0
-        with self._immediate():
+        with immediate(self.db):
             self.db.executemany("UPDATE reservations SET expires_at = max(expires_at, ?) WHERE request_id = ?", [(until, i) for i in ids])
             return self.db.changes()
 
     def reap(self, now: float) -> list[Settlement]:
         """Release every reservation whose lease has run out (its process crashed or hung)."""
-        with self._immediate():
+        with immediate(self.db):
             expired = [row[0] for row in self.db.execute("SELECT request_id FROM reservations WHERE expires_at < ?", (now,))]
             return [self._settle(rid, 0, 0, "expired", now) for rid in expired]
 
@@ -189,7 +201,7 @@ class Ledger:
             raise LedgerError("a budget cannot be negative")
         if level == "global":
             name = GLOBAL_NAME
-        with self._immediate():
+        with immediate(self.db):
             self.db.execute(
                 "INSERT INTO budget_limits(level, name, limit_nanos, period, updated_at) VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT(level, name) DO UPDATE SET limit_nanos = excluded.limit_nanos, period = excluded.period, "
@@ -198,7 +210,7 @@ class Ledger:
             )
 
     def remove_limit(self, level: str, name: str) -> bool:
-        with self._immediate():
+        with immediate(self.db):
             self.db.execute("DELETE FROM budget_limits WHERE level = ? AND name = ?", (level, GLOBAL_NAME if level == "global" else name))
             return self.db.changes() > 0
 
@@ -207,7 +219,7 @@ class Ledger:
         ledger still balances. Returns the amount written off."""
         name = GLOBAL_NAME if level == "global" else name
         window = Windows.at(now).key(period)
-        with self._immediate():
+        with immediate(self.db):
             row = self.db.execute(
                 "SELECT spent_nanos FROM budget_usage WHERE level = ? AND name = ? AND window = ?", (level, name, window)
             ).fetchone()
@@ -286,9 +298,6 @@ class Ledger:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _immediate(self) -> _Immediate:
-        return _Immediate(self.db)
-
     def _exists(self, request_id: str) -> bool:
         return bool(self.db.execute(
             "SELECT 1 FROM reservations WHERE request_id = ?1 UNION ALL SELECT 1 FROM settlements WHERE request_id = ?1", (request_id,)
@@ -344,18 +353,3 @@ class Ledger:
         )
         self._apply(payer, windows, spent=charged, held=-amount)
         return Settlement(request_id, outcome, amount, charged, prompt_tokens, completion_tokens)
-
-
-class _Immediate:
-    """`BEGIN IMMEDIATE` … `COMMIT`, or `ROLLBACK` on an exception: the write lock is taken before
-    anything is read, so two reservations can never both see the same remaining budget."""
-
-    def __init__(self, db: apsw.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
-

@@ -54,7 +54,8 @@ class CachePlan:
                 services.cache.count_miss(cost, lookup.reason if lookup else "")
             if self.write:
                 services.cache.remember(item, lookup.vector if lookup else None, text, finish.reason, finish.usage.prompt_tokens,
-                                        finish.usage.completion_tokens, cost, prepared.request.id)
+                                        finish.usage.completion_tokens, cost, prepared.request.id, prepared.prompt_text,
+                                        prepared.request.max_tokens, prepared.request.stop)
 
         return done
 

@@ -1,0 +1,251 @@
+"""The semantic cache through the real server: real embedder, real SQLite, real model, real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import apsw
+import httpx
+import openai
+import pytest
+
+from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
+from tests.test_gate_api import cli, new_key
+
+SECOND_MODEL = "smollm2-135m-b"  # the same file under another alias: another model, another bucket
+QUESTION = "How do I reset my password?"
+PARAPHRASE = "What is the way to reset my password?"
+
+
+def cache_config() -> str:
+    text = config_text(embeddings=False, auth="keys", price_in=1.0, price_out=2.0,
+                       cache="enabled = true\nsweep_interval_s = 0\nagree_threshold = 0.95")
+    text = text.replace('[auth]\nmode = "keys"\n\n[auth.open_principal]\nadmin = true\n', '[auth]\nmode = "keys"\nkey_cache_s = 0.5\n')
+    return text + f"""
+[[models]]
+alias = "{SECOND_MODEL}"
+package_file = "{MODEL_FILE}"
+context_length = 1024
+slots = 2
+threads = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, str]]]:
+    srv = start_server(tmp_path_factory.mktemp("cached"), cache_config())
+    keys = {
+        "admin": new_key(srv, "ops", user="root", admin=True),
+        "acme": new_key(srv, "acme"),
+        "acme2": new_key(srv, "acme", user="bob"),
+        "zeta": new_key(srv, "zeta"),
+    }
+    out = cli(srv, "keys", "create", "--tenant", "acme", "--app", "web", "--user", "carol", "--role", "support")
+    keys["acme-support"] = out.strip().splitlines()[-1]
+    yield srv, keys
+    stop_server(srv)
+
+
+def ask(server: Server, key: str, question: str, *, model: str = CHAT_MODEL, system: str | None = None, stream: bool = False,
+        headers: dict[str, str] | None = None, **extra: object) -> httpx.Response:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    body = {"model": model, "messages": messages, "max_tokens": 12, "temperature": 0, "stream": stream, **extra}
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {key}", **(headers or {})}, timeout=120)
+
+
+def db(server: Server) -> apsw.Connection:
+    return apsw.Connection(str(server.home / "appliance.db"))
+
+
+def stored(server: Server, question: str, timeout: float = 10.0, count: int = 1) -> list[tuple]:
+    """Entries are written off the request path: wait for `count` of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = db(server).execute("SELECT id, tenant, role, model, state FROM cache_entries WHERE question = ?", (question,)).fetchall()
+        if len(rows) >= count or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)
+
+
+def eventually(server: Server, sql: str, *params: object, timeout: float = 10.0) -> tuple | None:
+    """A row written off the request path (settlements, the request log)."""
+    deadline = time.monotonic() + timeout
+    while (row := db(server).execute(sql, params).fetchone()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return row
+
+
+def test_a_reworded_question_gets_the_stored_answer(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    first = ask(server, keys["acme"], QUESTION)
+    assert first.status_code == 200 and first.headers["x-cache"] == "miss"
+    assert stored(server, QUESTION)
+    again = ask(server, keys["acme"], QUESTION)
+    assert again.headers["x-cache"] == "hit" and float(again.headers["x-cache-similarity"]) == 1.0
+    reworded = ask(server, keys["acme2"], PARAPHRASE)  # another user of the same tenant and role
+    assert reworded.headers["x-cache"] == "hit" and 0.7 <= float(reworded.headers["x-cache-similarity"]) < 1.0
+    answer = first.json()["choices"][0]["message"]["content"]
+    assert reworded.json()["choices"][0]["message"]["content"] == answer
+    assert reworded.json()["id"] != first.json()["id"]
+    trap = ask(server, keys["acme"], "How do I reset my password in 2 minutes?")
+    assert trap.headers["x-cache"] == "miss" and trap.headers["x-cache-reason"] == "guard:number"
+
+    streamed = ask(server, keys["acme"], PARAPHRASE, stream=True, stream_options={"include_usage": True})
+    assert streamed.headers["x-cache"] == "hit" and streamed.headers["content-type"].startswith("text/event-stream")
+    chunks = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    import json
+
+    bodies = [json.loads(c) for c in chunks[:-1]]
+    text = "".join(b["choices"][0]["delta"].get("content") or "" for b in bodies if b["choices"])
+    assert text == answer and len([b for b in bodies if b["choices"]]) > 3
+    assert bodies[-1]["usage"]["completion_tokens"] == first.json()["usage"]["completion_tokens"]
+
+
+def test_never_served_across_tenants_roles_prompt_versions_or_models(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    question = "What is the boiling point of water?"
+    assert ask(server, keys["acme"], question).headers["x-cache"] == "miss"
+    assert stored(server, question)
+    assert ask(server, keys["acme"], question).headers["x-cache"] == "hit"
+    for response in (
+        ask(server, keys["zeta"], question),  # another tenant
+        ask(server, keys["acme-support"], question),  # another role
+        ask(server, keys["acme"], question, system="Answer in French."),  # another prompt version
+        ask(server, keys["acme"], question, model=SECOND_MODEL),  # another model
+        ask(server, keys["acme"], question, max_tokens=13),  # another answer-changing setting
+    ):
+        assert response.status_code == 200 and response.headers["x-cache"] == "miss", response.headers
+    rows = stored(server, question, count=6)
+    assert len(rows) == 6 and len({(r[1], r[2], r[3]) for r in rows}) == 4
+
+
+def test_cache_control_and_uncacheable_requests(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    question = "Why is the sky blue?"
+    assert ask(server, keys["acme"], question, headers={"Cache-Control": "no-store"}).headers["x-cache"] == "miss"
+    time.sleep(0.5)
+    assert stored(server, question, timeout=0.5) == []  # no-store: nothing kept
+    assert ask(server, keys["acme"], question).headers["x-cache"] == "miss"
+    assert stored(server, question)
+    assert ask(server, keys["acme"], question, headers={"Cache-Control": "no-cache"}).headers["x-cache"] == "bypass"
+    assert ask(server, keys["acme"], question, temperature=1.0).headers["x-cache"] == "bypass"
+    assert ask(server, keys["acme"], question, logprobs=True).headers["x-cache"] == "bypass"
+    assert ask(server, keys["acme"], question).headers["x-cache"] == "hit"
+
+
+def test_a_hit_outside_the_freshness_window_is_a_miss(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    question = "What is the speed of light?"
+    ask(server, keys["acme"], question)
+    (entry_id, *_), = stored(server, question)
+    assert ask(server, keys["acme"], question).headers["x-cache"] == "hit"
+    conn = db(server)
+    conn.execute("UPDATE cache_entries SET created_at = created_at - 8 * 86400 WHERE id = ?", (entry_id,))  # past 7 days
+    conn.close()
+    late = ask(server, keys["acme"], question)
+    assert late.headers["x-cache"] == "miss" and late.headers["x-cache-reason"] == "stale"
+
+
+def test_a_rejected_answer_is_never_served_again(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    question = "How many legs does a spider have?"
+    ask(server, keys["acme"], question)
+    assert stored(server, question)
+    hit = ask(server, keys["acme2"], question)
+    assert hit.headers["x-cache"] == "hit"
+    c = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=keys["zeta"], max_retries=0)
+    response = httpx.post(f"{server.base_url}/v1/cache/feedback", json={"response_id": hit.json()["id"], "rating": "bad"},
+                          headers={"Authorization": f"Bearer {keys['zeta']}"})
+    assert response.status_code == 404  # another tenant cannot judge acme's answers
+    del c
+    response = httpx.post(f"{server.base_url}/v1/cache/feedback", json={"response_id": hit.json()["id"], "rating": "bad"},
+                          headers={"Authorization": f"Bearer {keys['acme2']}"})
+    assert response.status_code == 200 and response.json()["was_hit"] is True
+    for _ in range(2):
+        again = ask(server, keys["acme"], question)
+        assert again.headers["x-cache"] == "miss" and again.headers["x-cache-reason"] == "rejected"
+    assert stored(server, question)[0][4] == "rejected"
+    bad = httpx.post(f"{server.base_url}/v1/cache/feedback", json={"response_id": hit.json()["id"], "rating": "meh"},
+                     headers={"Authorization": f"Bearer {keys['acme2']}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "rating"
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert "appliance_cache_false_hits_total 1.0" in metrics
+
+
+def test_good_feedback_verifies_and_counts_in_the_cost_weighted_rate(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    question = "What is photosynthesis?"
+    miss = ask(server, keys["acme"], question)
+    assert stored(server, question)
+    ok = httpx.post(f"{server.base_url}/v1/cache/feedback", json={"response_id": miss.json()["id"], "rating": "good"},
+                    headers={"Authorization": f"Bearer {keys['acme']}"})
+    assert ok.status_code == 200 and ok.json()["was_hit"] is False
+    hit = ask(server, keys["acme"], "Explain photosynthesis")
+    assert hit.headers["x-cache"] == "hit" and hit.headers["x-cache-state"] == "verified"
+    stats = httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {keys['admin']}"}).json()
+    rate = stats["since_start"]["cost_weighted_verified_hit_rate"]
+    assert rate is not None and 0 < rate < 1
+    assert any(b["verified"] >= 1 for b in stats["buckets"])
+    found = httpx.get(f"{server.base_url}/admin/cache/entries", params={"q": "photosynthesis"},
+                      headers={"Authorization": f"Bearer {keys['admin']}"}).json()["entries"]
+    assert found and found[0]["state"] == "verified"
+
+
+def test_a_sweep_marks_a_changed_answer_stale_and_the_next_miss_replaces_it(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    question = "What is the largest ocean on Earth?"
+    original = ask(server, keys["zeta"], question).json()["choices"][0]["message"]["content"]
+    (entry_id, *_), = stored(server, question)
+    conn = db(server)
+    conn.execute("UPDATE cache_entries SET answer = 'Bananas are yellow and grow in bunches.', hits = 1000 WHERE id = ?", (entry_id,))
+    conn.close()
+    result = httpx.post(f"{server.base_url}/admin/cache/sweep", params={"limit": 1},
+                        headers={"Authorization": f"Bearer {keys['admin']}"}, timeout=120).json()
+    assert result["checked"] == 1 and result["drifted"] == 1
+    assert db(server).execute("SELECT state FROM cache_entries WHERE id = ?", (entry_id,)).fetchone()[0] == "stale"
+    replaced = ask(server, keys["zeta"], question)
+    assert replaced.headers["x-cache"] == "miss"
+    time.sleep(0.5)
+    state, answer = db(server).execute("SELECT state, answer FROM cache_entries WHERE id = ?", (entry_id,)).fetchone()
+    assert state == "unverified" and answer == original
+    agreed = httpx.post(f"{server.base_url}/admin/cache/sweep", params={"limit": 1},
+                        headers={"Authorization": f"Bearer {keys['admin']}"}, timeout=120).json()
+    assert agreed["agreed"] == 1  # the model still says the same: verified
+    assert db(server).execute("SELECT state FROM cache_entries WHERE id = ?", (entry_id,)).fetchone()[0] == "verified"
+
+
+def test_concurrent_identical_misses_store_one_entry(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    question = "What is the tallest animal?"
+
+    async def crowd() -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 12, "temperature": 0}
+            responses = await asyncio.gather(*(client.post(f"{server.base_url}/v1/chat/completions", json=body,
+                                                            headers={"Authorization": f"Bearer {keys['acme']}"}) for _ in range(6)))
+            return [r.headers["x-cache"] for r in responses]
+
+    results = asyncio.run(crowd())
+    assert all(r in ("miss", "hit") for r in results)
+    time.sleep(0.5)
+    assert len(stored(server, question)) == 1
+
+
+def test_a_hit_passes_the_budget_and_costs_nothing_without_a_judge(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    question = "What does HTTP stand for?"
+    ask(server, keys["acme"], question)
+    assert stored(server, question)
+    hit = ask(server, keys["acme"], question)
+    assert hit.headers["x-cache"] == "hit"
+    settled = eventually(server, "SELECT outcome, charged_nanos FROM settlements WHERE request_id = ?", hit.json()["id"])
+    assert settled == ("cache_hit", 0)
+    logged = eventually(server, "SELECT status, cost_nanos, tenant FROM request_log WHERE id = ?", hit.json()["id"])
+    assert logged == ("cache_hit", 0, "acme")
+    with pytest.raises(openai.AuthenticationError):  # a hit still needs a key
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="apl-wrong", max_retries=0).chat.completions.create(
+            model=CHAT_MODEL, messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0)
