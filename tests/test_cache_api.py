@@ -249,3 +249,30 @@ def test_a_hit_passes_the_budget_and_costs_nothing_without_a_judge(cached: tuple
     with pytest.raises(openai.AuthenticationError):  # a hit still needs a key
         openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="apl-wrong", max_retries=0).chat.completions.create(
             model=CHAT_MODEL, messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0)
+
+
+def test_invalidating_a_tenant_stops_its_hits(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    question = "What is the chemical symbol for gold?"
+    ask(server, keys["zeta"], question)
+    assert stored(server, question)
+    assert ask(server, keys["zeta"], question).headers["x-cache"] == "hit"
+    admin = {"Authorization": f"Bearer {keys['admin']}"}
+    assert httpx.post(f"{server.base_url}/admin/cache/invalidate", json={}, headers=admin).status_code == 400
+    assert httpx.post(f"{server.base_url}/admin/cache/invalidate", json={"tenant": "zeta"}, headers=admin).json()["invalidated"] >= 1
+    assert ask(server, keys["zeta"], question).headers["x-cache"] == "miss"
+    assert httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {keys['zeta']}"}).status_code == 403
+
+
+def test_an_embedding_model_of_the_fleet_can_be_the_embedder(tmp_path) -> None:
+    config = config_text(embeddings=True, cache='enabled = true\nsweep_interval_s = 0\nembedder = "smollm2-135m-embed"')
+    server = start_server(tmp_path / "engine-embedder", config)
+    try:
+        first = ask(server, "unused", QUESTION)
+        assert first.headers["x-cache"] == "miss"
+        assert stored(server, QUESTION)
+        assert ask(server, "unused", QUESTION).headers["x-cache"] == "hit"
+        tables = [r[0] for r in db(server).execute("SELECT name FROM sqlite_master WHERE name LIKE 'cache_vec_engine%'")]
+        assert tables, "the vectors live in the engine embedder's own space"
+    finally:
+        stop_server(server)
