@@ -24,6 +24,7 @@ from appliance.settings import Settings
 from appliance.store.db import connect, database_path, migrate
 from appliance.store.request_log import RequestLogWriter
 from appliance.store.worker import StoreWorker
+from appliance.tracing import Tracing
 
 log = logging.getLogger("appliance")
 
@@ -52,8 +53,9 @@ def build_services(settings: Settings, registry: Registry) -> Services:
     metrics_ = Metrics(lambda: {m.settings.alias: m.engine.stats() for m in registry.all()})
     store = StoreWorker(db_path, synchronous=settings.server.sqlite_synchronous)
     gate = Gate(settings, store, metrics_)
-    cache = SemanticCache(settings.cache, db_path, registry, metrics_, settings.server.sqlite_synchronous)
-    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate, cache)
+    tracing = Tracing(settings.tracing)
+    cache = SemanticCache(settings.cache, db_path, registry, metrics_, settings.server.sqlite_synchronous, tracing)
+    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate, cache, tracing)
 
 
 def create_app(services: Services) -> Litestar:
@@ -68,6 +70,7 @@ def create_app(services: Services) -> Litestar:
         await services.gate.close()
         await asyncio.to_thread(services.store.close)  # writes the settlements still queued
         await asyncio.to_thread(services.request_log.close)
+        await asyncio.to_thread(services.tracing.close)  # exports the spans still buffered
 
     return Litestar(
         route_handlers=[

@@ -23,8 +23,9 @@ import numpy as np
 from appliance.embedders import Embedder, EngineEmbedder
 from appliance.metrics import Metrics
 from appliance.registry import LoadedModel, Registry
-from appliance.settings import CacheSettings, ModelSettings
+from appliance.settings import CacheSettings, ModelSettings, TracingSettings
 from appliance.store.worker import StoreWorker
+from appliance.tracing import Tracing, annotate
 from engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from policy.cache import AskJudge, Cacheable, CachePolicy, Hit, Miss, judge_candidates, normalise, servable
 from policy.cache_store import CacheStore, Entry
@@ -96,8 +97,10 @@ async def ask_judge(model: LoadedModel, cached: str, asked: str) -> tuple[float,
 
 
 class SemanticCache:
-    def __init__(self, settings: CacheSettings, db_path: Path, registry: Registry, metrics: Metrics, synchronous: str = "normal") -> None:
+    def __init__(self, settings: CacheSettings, db_path: Path, registry: Registry, metrics: Metrics, synchronous: str = "normal",
+                 tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing or Tracing(TracingSettings())
         self.policy = policy_of(settings)
         self.registry = registry
         self.metrics = metrics
@@ -140,7 +143,7 @@ class SemanticCache:
 
     # -- the request path ----------------------------------------------------------------------
 
-    async def lookup(self, item: Cacheable, threshold: float | None = None) -> Lookup:
+    async def lookup(self, item: Cacheable, threshold: float | None = None, span: Any = None) -> Lookup:
         assert self.embedder is not None
         policy = policy_of(self.settings, threshold)
         now = time.time()
@@ -153,7 +156,7 @@ class SemanticCache:
         decision = judge_candidates(item.question, candidates, now, policy)
         judged, judge_tokens = False, (0, 0)
         if isinstance(decision, AskJudge):
-            probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question)
+            probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question, span)
             judged = True
             if probability >= policy.judge_min_probability:
                 decision = Hit(decision.candidate.entry_id, decision.candidate.similarity, judged=True)
@@ -202,13 +205,17 @@ class SemanticCache:
 
     # -- the judge -----------------------------------------------------------------------------
 
-    async def ask_judge(self, cached: str, asked: str) -> tuple[float, tuple[int, int]]:
-        """P(the two questions have the same answer); 0 when no judge is configured."""
+    async def ask_judge(self, cached: str, asked: str, parent: Any = None) -> tuple[float, tuple[int, int]]:
+        """P(the two questions have the same answer); 0 when no judge is configured. Traced and
+        costed (the caller settles its tokens) like any other model call."""
         model = self.registry.get(self.settings.judge_model) if self.settings.judge_model else None
         if model is None or model.template is None:
             return 0.0, (0, 0)
         self.metrics.cache_judge_calls.inc()
-        return await ask_judge(model, cached, asked)
+        with self.tracing.span("cache.judge", parent, model=model.settings.alias) as span:
+            probability, tokens = await ask_judge(model, cached, asked)
+            annotate(span, probability=probability, prompt_tokens=tokens[0], completion_tokens=tokens[1])
+        return probability, tokens
 
     # -- correctness over time -----------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from appliance.api.translate import Prepared
 from appliance.gate import Gate
 from appliance.semantic_cache import SemanticCache
+from appliance.tracing import Tracing
 from appliance.metrics import Metrics
 from appliance.registry import LoadedModel, Registry
 from appliance.settings import Settings
@@ -28,6 +29,7 @@ class Services:
     store: StoreWorker
     gate: Gate
     cache: SemanticCache
+    tracing: Tracing
 
     def record(
         self, prepared: Prepared, model: LoadedModel, endpoint: str, started: float, finish: FinishEvent | None, status: str | None,

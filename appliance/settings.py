@@ -124,6 +124,16 @@ class CacheSettings:
 
 
 @dataclass(frozen=True)
+class TracingSettings:
+    enabled: bool = False
+    # OTLP over HTTP (protobuf), e.g. a local OpenTelemetry Collector, Jaeger or Tempo.
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    service_name: str = "appliance"
+    sample_ratio: float = 1.0
+    export_interval_ms: int = 2000
+
+
+@dataclass(frozen=True)
 class Settings:
     file: Path
     server: ServerSettings
@@ -133,6 +143,7 @@ class Settings:
     budgets: BudgetSettings = field(default_factory=BudgetSettings)
     limits: tuple[LimitRule, ...] = ()
     cache: CacheSettings = field(default_factory=CacheSettings)
+    tracing: TracingSettings = field(default_factory=TracingSettings)
 
     def model(self, alias: str) -> ModelSettings | None:
         return next((m for m in self.models if m.alias == alias), None)
@@ -273,6 +284,20 @@ def _cache(file: str, table: dict[str, Any]) -> CacheSettings:
     )
 
 
+def _tracing(file: str, table: dict[str, Any]) -> TracingSettings:
+    r = _Reader(file, "tracing", table, {"enabled", "otlp_endpoint", "service_name", "sample_ratio", "export_interval_ms"})
+    endpoint = r.string("otlp_endpoint", "http://127.0.0.1:4318/v1/traces") or ""
+    if not endpoint.startswith(("http://", "https://")):
+        raise r.fail("otlp_endpoint", f"expected an http:// or https:// URL, got {endpoint!r}")
+    return TracingSettings(
+        enabled=r.boolean("enabled", False),
+        otlp_endpoint=endpoint,
+        service_name=r.string("service_name", "appliance") or "appliance",
+        sample_ratio=r.number("sample_ratio", 1.0, maximum=1.0),
+        export_interval_ms=r.integer("export_interval_ms", 2000, minimum=10),
+    )
+
+
 def _limits(file: str, raw: object) -> tuple[LimitRule, ...]:
     if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
         raise ConfigError(file, "limits", "expected an array of tables: [[limits]]")
@@ -353,7 +378,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(file, "(syntax)", str(exc)) from None
-    top = _Reader(file, "", raw, {"server", "defaults", "models", "auth", "budgets", "limits", "cache"})
+    top = _Reader(file, "", raw, {"server", "defaults", "models", "auth", "budgets", "limits", "cache", "tracing"})
     models_raw = raw.get("models", [])
     if not isinstance(models_raw, list) or not all(isinstance(m, dict) for m in models_raw):
         raise top.fail("models", "expected an array of tables: [[models]]")
@@ -374,6 +399,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         budgets=_budgets(file, top.subtable("budgets")),
         limits=_limits(file, raw.get("limits", [])),
         cache=_cache(file, top.subtable("cache")),
+        tracing=_tracing(file, top.subtable("tracing")),
     )
     cache = settings.cache
     if cache.enabled and cache.embedder != "minilm":

@@ -23,6 +23,7 @@ from appliance.api.translate import Prepared, prepare_chat, prepare_completion
 from appliance.gate import Admission
 from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
+from appliance.tracing import RequestTrace, annotate
 from engines.base import ContextLengthExceeded, EngineClosed, EngineError, EngineOverloaded, FinishEvent, TokenEvent
 from engines.stream import EventStream
 from policy.identity import Principal
@@ -121,38 +122,64 @@ async def retrieve_model(request: Request[Any, Any, Any], services: Services, mo
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    principal = await authenticate(request, services)
-    body = decode_body(await request.body(), ChatCompletionRequest)
-    model = _model(services, body.model, "chat", "chat")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    prepared = prepare_chat(body, model, services.settings.defaults, request_id)
-    plan = cache_plan(request.headers.get("cache-control"), services, principal, body, model, prepared)
-    if plan.read and plan.item is not None:
-        found = await services.cache.lookup(plan.item)
-        if found.entry is not None:
-            return await serve_hit(services, principal, model, prepared, found, body.stream, body.stream_options)
-        plan = dataclasses.replace(plan, lookup=found)
-    return await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "chat", plan)
+    traced = RequestTrace(services.tracing, "chat.completions", request__id=request_id)
+    try:
+        principal = await authenticate(request, services)
+        _annotate_principal(traced, principal)
+        body = decode_body(await request.body(), ChatCompletionRequest)
+        model = _model(services, body.model, "chat", "chat")
+        traced.annotate(model=model.settings.alias, stream=body.stream)
+        prepared = prepare_chat(body, model, services.settings.defaults, request_id)
+        plan = cache_plan(request.headers.get("cache-control"), services, principal, body, model, prepared)
+        if plan.read and plan.item is not None:
+            with traced.child("cache.lookup", cache__bucket=plan.item.bucket.key) as span:
+                found = await services.cache.lookup(plan.item, span=span)
+                annotate(span, cache__result="hit" if found.entry is not None else "miss", cache__similarity=found.similarity,
+                         cache__reason=found.reason, cache__judged=found.judged)
+            if found.entry is not None:
+                response = await serve_hit(services, principal, model, prepared, found, body.stream, body.stream_options)
+                traced.end(cache__result="hit", cache__entry_state=found.entry.state, http__status_code=200)
+                return response
+            plan = dataclasses.replace(plan, lookup=found)
+        traced.annotate(cache__result="miss" if plan.read and plan.item is not None else "bypass")
+        return await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "chat", plan, traced)
+    except BaseException as exc:
+        traced.fail(exc)
+        traced.end()
+        raise
+
+
+def _annotate_principal(traced: RequestTrace, principal: Principal) -> None:
+    traced.annotate(tenant=principal.tenant, app=principal.app, user=principal.user, role=principal.role, key__id=principal.key_id)
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    principal = await authenticate(request, services)
-    body = decode_body(await request.body(), CompletionRequest)
-    model = _model(services, body.model, "chat", "completion")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    prepared = prepare_completion(body, model, services.settings.defaults, request_id)
-    return await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "completion")
+    traced = RequestTrace(services.tracing, "completions", request__id=request_id)
+    try:
+        principal = await authenticate(request, services)
+        _annotate_principal(traced, principal)
+        body = decode_body(await request.body(), CompletionRequest)
+        model = _model(services, body.model, "chat", "completion")
+        traced.annotate(model=model.settings.alias, stream=body.stream)
+        prepared = prepare_completion(body, model, services.settings.defaults, request_id)
+        return await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "completion", None, traced)
+    except BaseException as exc:
+        traced.fail(exc)
+        traced.end()
+        raise
 
 
 async def _respond(
     request: Request[Any, Any, Any], services: Services, principal: Principal, model: LoadedModel, prepared: Prepared,
-    stream: bool, stream_options: Any, kind: str, plan: CachePlan | None = None,
+    stream: bool, stream_options: Any, kind: str, plan: CachePlan | None, traced: RequestTrace,
 ) -> Response[Any]:
     created = int(time.time())
     started = time.time()
     body_max_tokens = prepared.request.max_tokens
-    admission, events, prepared = await _admit_and_start(services, principal, model, prepared)
+    admission, events, prepared = await _admit_and_start(services, principal, model, prepared, traced)
     headers: dict[str, str] = plan.headers() if plan is not None else {}
     if admission.max_tokens != body_max_tokens:
         # The budget could not cover the asked max_tokens; the response says what it allowed.
@@ -164,7 +191,7 @@ async def _respond(
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
         return Stream(
-            _sse(events, fmt, include_usage, services, model, started, admission, remember),
+            _sse(events, fmt, include_usage, services, model, started, admission, traced, remember),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
         )
@@ -175,13 +202,13 @@ async def _respond(
         if remember is not None:
             remember(collected.text, finish)
     finally:
-        _finish(services, admission, fmt, model, started, finish, events)
+        _finish(services, admission, fmt, model, started, finish, events, traced)
     _raise_for_failure(collected.finish)
     return Response(fmt.full(collected.text, collected.logprobs, collected.finish), media_type="application/json", headers=headers)
 
 
 async def _admit_and_start(
-    services: Services, principal: Principal, model: LoadedModel, prepared: Prepared
+    services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, traced: RequestTrace,
 ) -> tuple[Admission, EventStream, Prepared]:
     """Rate limits, then the engine and the budget reservation together: the prompt's prefill
     overlaps the ledger's write, and no token is read before the reservation stands. A refusal
@@ -194,8 +221,11 @@ async def _admit_and_start(
     except BaseException:
         gate.abandon(pending)
         raise
+    traced.start_engine(prompt_tokens=len(prepared.request.prompt_tokens), max_tokens=prepared.request.max_tokens)
     try:
-        admission = await gate.admitted(pending)
+        with traced.child("budget.reserve") as span:
+            admission = await gate.admitted(pending)
+            annotate(span, reserved=admission.reserved, max_tokens=admission.max_tokens)
     except BaseException:
         events.close()
         raise
@@ -212,23 +242,29 @@ async def _admit_and_start(
 
 def _finish(
     services: Services, admission: Admission, fmt: render.Formatter, model: LoadedModel, started: float,
-    finish: FinishEvent | None, events: EventStream,
+    finish: FinishEvent | None, events: EventStream, traced: RequestTrace,
 ) -> None:
-    """Settle and record one generation, however it ended: a finish event carries the engine's
-    usage; without one (a client gone) the request pays for the tokens generated so far."""
+    """Settle, record and end the trace of one generation, however it ended: a finish event carries
+    the engine's usage; without one (a client gone) the request pays for the tokens generated so far."""
     if finish is not None:
-        usage = finish.usage
-        services.gate.settle(admission, usage.prompt_tokens, usage.completion_tokens, finish.reason)
+        prompt, completion, outcome = finish.usage.prompt_tokens, finish.usage.completion_tokens, finish.reason
         services.record(fmt.prepared, model, fmt.kind, started, finish, None, admission.principal)
-        return
-    prompt, completion = admission.progress() if admission.progress else (0, 0)
-    services.gate.settle(admission, prompt, completion, "cancelled")
-    services.record(fmt.prepared, model, fmt.kind, started, None, "cancelled", admission.principal, completion)
+    else:
+        prompt, completion = admission.progress() if admission.progress else (0, 0)
+        outcome = "cancelled"
+        services.record(fmt.prepared, model, fmt.kind, started, None, "cancelled", admission.principal, completion)
+    services.gate.settle(admission, prompt, completion, outcome)
+    if traced.engine is not None:
+        annotate(traced.engine, completion_tokens=completion, finish_reason=outcome,
+                 cached_prompt_tokens=finish.usage.cached_prompt_tokens if finish else None,
+                 time_to_first_token_s=finish.time_to_first_token_s if finish else None)
+    traced.end(prompt_tokens=prompt, completion_tokens=completion, finish_reason=outcome,
+               cost__nanousd=price_of(model).cost(prompt, completion) if admission.reserved else None)
 
 
 async def _sse(
     events: EventStream, fmt: render.Formatter, include_usage: bool, services: Services, model: LoadedModel, started: float,
-    admission: Admission, remember: Callable[[str, FinishEvent], None] | None = None,
+    admission: Admission, traced: RequestTrace, remember: Callable[[str, FinishEvent], None] | None = None,
 ) -> AsyncIterator[bytes]:
     finish: FinishEvent | None = None
     text: list[str] = []
@@ -255,12 +291,25 @@ async def _sse(
         yield b"data: [DONE]\n\n"
     finally:
         events.close()  # a client gone mid-stream lands here: the slot is freed at the next step
-        _finish(services, admission, fmt, model, started, finish, events)
+        _finish(services, admission, fmt, model, started, finish, events, traced)
 
 
 @post("/v1/embeddings", status_code=200)
 async def embeddings(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
+    traced = RequestTrace(services.tracing, "embeddings")
+    try:
+        response = await _embeddings(request, services, traced)
+    except BaseException as exc:
+        traced.fail(exc)
+        raise
+    finally:
+        traced.end()
+    return response
+
+
+async def _embeddings(request: Request[Any, Any, Any], services: Services, traced: RequestTrace) -> Response[Any]:
     principal = await authenticate(request, services)
+    _annotate_principal(traced, principal)
     body = decode_body(await request.body(), EmbeddingRequest)
     model = _model(services, body.model, "embedding", "embeddings")
     if body.dimensions is not None:
@@ -280,6 +329,7 @@ async def embeddings(request: Request[Any, Any, Any], services: Services) -> Res
     token_lists = [t if isinstance(t, list) else engine.tokenize(t, add_special=engine.add_bos(), parse_special=False) for t in texts]
     prompt_tokens = sum(len(t) for t in token_lists)
     request_id = f"emb-{uuid.uuid4().hex}"
+    traced.annotate(request__id=request_id, model=model.settings.alias, prompt_tokens=prompt_tokens, inputs=len(texts))
     admission = await services.gate.admit(principal, request_id, model.settings.alias, price_of(model), prompt_tokens, 0)
     outcome = "refused"
     try:

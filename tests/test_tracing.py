@@ -1,0 +1,92 @@
+"""Traces leave the real server over OTLP/HTTP: a small collector here decodes what arrives."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from tests.conftest import CHAT_MODEL, config_text, free_port, start_server, stop_server
+
+
+class Collector:
+    """An OTLP/HTTP trace receiver: every exported span, decoded, with its attributes."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        collector = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                for resource in request.resource_spans:
+                    for scope in resource.scope_spans:
+                        for span in scope.spans:
+                            attributes = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
+                            collector.spans.append({"name": span.name, "trace": span.trace_id.hex(), "id": span.span_id.hex(),
+                                                    "parent": span.parent_span_id.hex(), "attributes": attributes,
+                                                    "error": span.status.code == 2})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.port = free_port()
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def wait_for(self, name: str, count: int = 1, timeout: float = 15.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while len(found := [s for s in self.spans if s["name"] == name]) < count:
+            assert time.monotonic() < deadline, f"{name}: {[s['name'] for s in self.spans]}"
+            time.sleep(0.05)
+        return found
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.fixture()
+def collector() -> Iterator[Collector]:
+    c = Collector()
+    yield c
+    c.close()
+
+
+def test_a_miss_and_a_hit_are_traced_with_their_steps(tmp_path: Path, collector: Collector) -> None:
+    tracing = f'[tracing]\nenabled = true\notlp_endpoint = "http://127.0.0.1:{collector.port}/v1/traces"\nexport_interval_ms = 100\n'
+    server = start_server(tmp_path / "traced", config_text(embeddings=False, cache="enabled = true\nsweep_interval_s = 0", extra=tracing))
+    try:
+        body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "What is the capital of Italy?"}], "max_tokens": 8, "temperature": 0}
+        miss = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        time.sleep(0.5)  # the answer is stored off the request path
+        hit = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert (miss.headers["x-cache"], hit.headers["x-cache"]) == ("miss", "hit")
+        unknown = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "model": "nope"}, timeout=60)
+        assert unknown.status_code == 404
+        roots = {s["attributes"]["request.id"]: s for s in collector.wait_for("chat.completions", 3)}
+        first, second = roots[miss.json()["id"]], roots[hit.json()["id"]]
+        assert first["attributes"]["cache.result"] == "miss" and first["attributes"]["tenant"] == "local"
+        assert first["attributes"]["completion_tokens"] == miss.json()["usage"]["completion_tokens"]
+        assert second["attributes"]["cache.result"] == "hit"
+        children = {s["name"]: s for s in collector.spans if s["parent"] == first["id"]}
+        assert {"cache.lookup", "budget.reserve", "engine.generate"} <= set(children)
+        assert children["engine.generate"]["attributes"]["finish_reason"] in ("stop", "length")
+        lookups = [s for s in collector.spans if s["name"] == "cache.lookup" and s["parent"] == second["id"]]
+        assert lookups and lookups[0]["attributes"]["cache.similarity"] == 1.0
+        assert all(s["trace"] == first["trace"] for s in children.values())
+        failed = [s for s in collector.spans if s["name"] == "chat.completions" and s["error"]]
+        assert failed and failed[0]["attributes"]["http.status_code"] == 404
+    finally:
+        stop_server(server)
