@@ -36,6 +36,9 @@ class Metrics:
         self.cache_false_hits = Counter("appliance_cache_false_hits", "Hits reported bad through feedback", registry=r)
         self.cache_judge_calls = Counter("appliance_cache_judge_calls", "Borderline candidates sent to the equivalence judge", registry=r)
         self.cache_sweeps = Counter("appliance_cache_sweep_checks", "Entries re-asked by refresh sweeps, by outcome", ["outcome"], registry=r)
+        self.route_answers = Counter("appliance_route_answers", "Routed requests by route and the model that answered (or default)", ["route", "model"], registry=r)
+        self.route_escalations = Counter("appliance_route_escalations", "Routed attempts that failed validation, by model and reason", ["model", "reason"], registry=r)
+        self.route_injection_flags = Counter("appliance_route_injection_flags", "Routed requests whose text tried to steer the router or pose as the system", registry=r)
         r.register(_EngineCollector(engine_stats))
 
     def render(self) -> bytes:

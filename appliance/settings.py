@@ -124,6 +124,29 @@ class CacheSettings:
 
 
 @dataclass(frozen=True)
+class RouteSettings:
+    """A routed alias (for example `model: "auto"`): requests to it are classified and sent to the
+    smallest tier that does the job, escalating when an answer fails its validators."""
+
+    alias: str
+    tiers: tuple[str, ...]  # chat model aliases, cheapest first
+    default_response: str = "I can't give a reliable answer to that right now. Please try again later or rephrase."
+    min_confidence: float = 0.0  # geometric-mean token probability an answer needs
+    max_repetition: float = 0.5
+    classifier_model: str | None = None  # asked for a tier when the heuristics are unsure
+    classifier_below: float = 0.6
+    cooldown_s: float = 30.0  # a model that failed to serve is skipped this long
+    role_floor: tuple[tuple[str, str], ...] = ()  # (role, tier name)
+    role_ceiling: tuple[tuple[str, str], ...] = ()
+
+    def tier_index(self, name: str) -> int:
+        """small, mid, frontier onto this route's tiers (frontier is always the last)."""
+        if name == "frontier":
+            return len(self.tiers) - 1
+        return min(len(self.tiers) - 1, ("small", "mid").index(name))
+
+
+@dataclass(frozen=True)
 class TracingSettings:
     enabled: bool = False
     # OTLP over HTTP (protobuf), e.g. a local OpenTelemetry Collector, Jaeger or Tempo.
@@ -144,6 +167,10 @@ class Settings:
     limits: tuple[LimitRule, ...] = ()
     cache: CacheSettings = field(default_factory=CacheSettings)
     tracing: TracingSettings = field(default_factory=TracingSettings)
+    routes: tuple[RouteSettings, ...] = ()
+
+    def route(self, alias: str) -> RouteSettings | None:
+        return next((r for r in self.routes if r.alias == alias), None)
 
     def model(self, alias: str) -> ModelSettings | None:
         return next((m for m in self.models if m.alias == alias), None)
@@ -298,6 +325,55 @@ def _tracing(file: str, table: dict[str, Any]) -> TracingSettings:
     )
 
 
+def _routes(file: str, raw: object, models: tuple[ModelSettings, ...]) -> tuple[RouteSettings, ...]:
+    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
+        raise ConfigError(file, "routes", "expected an array of tables: [[routes]]")
+    chat = {m.alias for m in models if m.kind == "chat"}
+    routes = []
+    for i, table in enumerate(raw):
+        r = _Reader(file, f"routes[{i}]", table, {
+            "alias", "tiers", "default_response", "min_confidence", "max_repetition", "classifier_model", "classifier_below",
+            "cooldown_s", "role_floor", "role_ceiling"})
+        alias = r.string("alias")
+        if alias is None:
+            raise r.fail("alias", "missing: the name clients send as `model`, for example \"auto\"")
+        if alias in {m.alias for m in models}:
+            raise r.fail("alias", f"{alias!r} is already a model's alias")
+        tiers = table.get("tiers")
+        if not isinstance(tiers, list) or not tiers or not all(isinstance(t, str) for t in tiers):
+            raise r.fail("tiers", "expected a non-empty list of chat model aliases, cheapest first")
+        unknown = [t for t in tiers if t not in chat]
+        if unknown:
+            raise r.fail("tiers", f"{unknown[0]!r} is not the alias of a chat model in this file")
+        classifier = r.string("classifier_model")
+        if classifier is not None and classifier not in chat:
+            raise r.fail("classifier_model", f"{classifier!r} is not the alias of a chat model in this file")
+        bounds = {}
+        for key in ("role_floor", "role_ceiling"):
+            sub = r.subtable(key)
+            for role, tier in sub.items():
+                if tier not in TIERS:
+                    raise ConfigError(file, f"routes[{i}].{key}.{role}", f"expected one of {', '.join(TIERS)}, got {tier!r}")
+            bounds[key] = tuple(sorted(sub.items()))
+        routes.append(RouteSettings(
+            alias=alias,
+            tiers=tuple(tiers),
+            default_response=r.string("default_response", RouteSettings.default_response) or RouteSettings.default_response,
+            min_confidence=r.number("min_confidence", 0.0, maximum=1.0),
+            max_repetition=r.number("max_repetition", 0.5, maximum=1.0),
+            classifier_model=classifier,
+            classifier_below=r.number("classifier_below", 0.6, maximum=1.0),
+            cooldown_s=r.number("cooldown_s", 30.0),
+            role_floor=bounds["role_floor"],
+            role_ceiling=bounds["role_ceiling"],
+        ))
+    aliases = [r.alias for r in routes]
+    for i, a in enumerate(aliases):
+        if a in aliases[:i]:
+            raise ConfigError(file, f"routes[{i}].alias", f"duplicate route {a!r}")
+    return tuple(routes)
+
+
 def _limits(file: str, raw: object) -> tuple[LimitRule, ...]:
     if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
         raise ConfigError(file, "limits", "expected an array of tables: [[limits]]")
@@ -378,7 +454,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(file, "(syntax)", str(exc)) from None
-    top = _Reader(file, "", raw, {"server", "defaults", "models", "auth", "budgets", "limits", "cache", "tracing"})
+    top = _Reader(file, "", raw, {"server", "defaults", "models", "auth", "budgets", "limits", "cache", "tracing", "routes"})
     models_raw = raw.get("models", [])
     if not isinstance(models_raw, list) or not all(isinstance(m, dict) for m in models_raw):
         raise top.fail("models", "expected an array of tables: [[models]]")
@@ -400,6 +476,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         limits=_limits(file, raw.get("limits", [])),
         cache=_cache(file, top.subtable("cache")),
         tracing=_tracing(file, top.subtable("tracing")),
+        routes=_routes(file, raw.get("routes", []), models),
     )
     cache = settings.cache
     if cache.enabled and cache.embedder != "minilm":

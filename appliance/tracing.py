@@ -90,7 +90,21 @@ class RequestTrace:
         return self.tracing.span(name, self.root, **attributes)
 
     def start_engine(self, **attributes: Any) -> None:
+        """The model call's span; a routed request's next attempt ends the previous one."""
+        if self.engine is not None:
+            self.engine.end()
         self.engine = self.tracing.start("engine.generate", self.root, **attributes)
+
+    @property
+    def trace_id(self) -> str | None:
+        context = self.root.get_span_context()
+        return format(context.trace_id, "032x") if context.is_valid else None
+
+    def stamp(self, response: Any) -> Any:
+        """The trace id in a response header, so a caller can find its trace."""
+        if self.trace_id is not None:
+            response.headers["x-trace-id"] = self.trace_id
+        return response
 
     def fail(self, exc: BaseException) -> None:
         status = getattr(exc, "status", None)

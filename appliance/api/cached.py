@@ -119,14 +119,16 @@ async def serve_hit(services: Services, principal: Principal, model: LoadedModel
     if not stream:
         return Response(fmt.full(entry.answer, [], finish), media_type="application/json", headers=headers)
     include_usage = bool(stream_options and stream_options.include_usage)
+    return Stream(replay(fmt, entry.answer, finish, include_usage), media_type="text/event-stream",
+                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
-    async def chunks() -> AsyncIterator[bytes]:
-        yield render.sse(fmt.first_chunk(include_usage))
-        for piece in _pieces(entry.answer):
-            yield render.sse(fmt.delta_chunk(piece, None, include_usage))
-        yield render.sse(fmt.finish_chunk(finish, include_usage))
-        if include_usage:
-            yield render.sse(fmt.usage_chunk(finish))
-        yield b"data: [DONE]\n\n"
 
-    return Stream(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+async def replay(fmt: render.Formatter, text: str, finish: FinishEvent, include_usage: bool) -> AsyncIterator[bytes]:
+    """A known answer as the SSE stream a model would have sent."""
+    yield render.sse(fmt.first_chunk(include_usage))
+    for piece in _pieces(text):
+        yield render.sse(fmt.delta_chunk(piece, None, include_usage))
+    yield render.sse(fmt.finish_chunk(finish, include_usage))
+    if include_usage:
+        yield render.sse(fmt.usage_chunk(finish))
+    yield b"data: [DONE]\n\n"

@@ -17,6 +17,7 @@ from litestar.response import Stream
 from appliance.api import render
 from appliance.api.cached import CachePlan, cache_plan, serve_hit
 from appliance.api.common import authenticate, decode_body
+from appliance.api.routed import routed_chat
 from appliance.api.errors import APIError, invalid
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from appliance.api.translate import Prepared, prepare_chat, prepare_completion
@@ -108,7 +109,10 @@ def _raise_for_failure(finish: FinishEvent) -> None:
 @get("/v1/models")
 async def list_models(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
     await authenticate(request, services)
-    return render.model_list(services.registry.all(), services.started_at)
+    listing = render.model_list(services.registry.all(), services.started_at)
+    listing["data"] += [{"id": r.alias, "object": "model", "created": services.started_at, "owned_by": "appliance-route"}
+                        for r in services.settings.routes]
+    return listing
 
 
 @get("/v1/models/{model_id:str}")
@@ -128,8 +132,14 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
         principal = await authenticate(request, services)
         _annotate_principal(traced, principal)
         body = decode_body(await request.body(), ChatCompletionRequest)
+        route = services.settings.route(body.model)
+        if route is not None:
+            traced.annotate(model=route.alias, stream=body.stream, gen_ai__request__model=route.alias)
+            routed = await routed_chat(request, services, principal, body, route, request_id, traced)
+            traced.end(http__status_code=200)
+            return traced.stamp(routed)
         model = _model(services, body.model, "chat", "chat")
-        traced.annotate(model=model.settings.alias, stream=body.stream)
+        traced.annotate(model=model.settings.alias, stream=body.stream, gen_ai__request__model=model.settings.alias)
         prepared = prepare_chat(body, model, services.settings.defaults, request_id)
         plan = cache_plan(request.headers.get("cache-control"), services, principal, body, model, prepared)
         if plan.read and plan.item is not None:
@@ -140,10 +150,10 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
             if found.entry is not None:
                 response = await serve_hit(services, principal, model, prepared, found, body.stream, body.stream_options)
                 traced.end(cache__result="hit", cache__entry_state=found.entry.state, http__status_code=200)
-                return response
+                return traced.stamp(response)
             plan = dataclasses.replace(plan, lookup=found)
         traced.annotate(cache__result="miss" if plan.read and plan.item is not None else "bypass")
-        return await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "chat", plan, traced)
+        return traced.stamp(await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "chat", plan, traced))
     except BaseException as exc:
         traced.fail(exc)
         traced.end()
@@ -165,7 +175,7 @@ async def completions(request: Request[Any, Any, Any], services: Services) -> Re
         model = _model(services, body.model, "chat", "completion")
         traced.annotate(model=model.settings.alias, stream=body.stream)
         prepared = prepare_completion(body, model, services.settings.defaults, request_id)
-        return await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "completion", None, traced)
+        return traced.stamp(await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "completion", None, traced))
     except BaseException as exc:
         traced.fail(exc)
         traced.end()

@@ -1,0 +1,198 @@
+"""The router's decisions, pure: what a request needs (features), which tier of a cost-ordered
+fleet that calls for (with a confidence), the role's floor and ceiling, and whether an answer
+passes the validators that decide an escalation.
+
+Features are measured from what the request needs, never from what it says about itself: a user
+message that asks for a bigger model, poses as a system instruction, or is padded to look hard
+buys nothing, because none of that moves a feature.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+import jsonschema
+
+TIER_NAMES = ("small", "mid", "frontier")
+
+
+@dataclass(frozen=True)
+class Features:
+    words: int  # distinct words of the user's text, after removing repeats
+    code: bool
+    math: int  # maths signals: operators between numbers, equations, maths words
+    steps: int  # how many steps or parts the request asks for
+    structured_output: bool  # a JSON schema or object is required
+    turns: int  # earlier conversation turns
+    non_ascii_ratio: float
+    injection: bool  # text that poses as instructions to the system (recorded; buys nothing)
+
+
+@dataclass(frozen=True)
+class Decision:
+    tier: int  # index into the route's tiers, 0 = smallest
+    confidence: float  # 0..1: how sure the heuristics are
+    score: float
+    reason: str
+
+
+_CODE = re.compile(r"```|\bdef |\bclass |\bfunction\b|\breturn\b|=>|[{};]\s*$|\bimport |#include|\bSELECT\b|\bfn \w+\(", re.M)
+_MATH_WORDS = re.compile(
+    r"\b(solve|equation|integral|derivative|probability|prove|theorem|percent|percentage|average|sum of|product of|"
+    r"how many|how much|calculate|compute|total|remainder|ratio|fraction|times as many|per hour|per day)\b", re.I)
+_MATH_OPS = re.compile(r"\d\s*[-+*/×÷^=]\s*\d|\d+\s*%|\$\s*\d")
+_STEPS = re.compile(r"\b(step[- ]by[- ]step|steps|first\b.*\bthen\b|explain why|compare|analy[sz]e|design|plan|trade-?offs?|"
+                    r"pros and cons|in detail|reasoning|derive|justify|evaluate)\b", re.I | re.S)
+_ENUMERATION = re.compile(r"^\s*(\d+[.)]|[-*•])\s+", re.M)
+# Phrases that try to steer the router or pose as the system. Flagged and recorded, never obeyed.
+_INJECTION = re.compile(
+    r"(ignore (all |the )?(previous|prior|above) (instructions|rules)|you are now|system prompt|\bsystem:|<\|im_start\|>|"
+    r"\[/?inst\]|<\|system\|>|developer mode|use (the )?(biggest|largest|best|most expensive|frontier|gpt-?4|strongest) model|"
+    r"route (this|me) to|escalate (this|to)|this is (very )?(hard|difficult|complex)|requires? (the )?(frontier|large) model|"
+    r"tier\s*[:=]\s*\w+|priority\s*[:=]\s*(high|max))", re.I)
+
+
+def _distinct_text(text: str) -> str:
+    """Repeated lines and sentences count once: padding a prompt does not make it harder."""
+    seen: set[str] = set()
+    kept = []
+    for piece in re.split(r"(?<=[.!?\n])\s+", text):
+        key = re.sub(r"\s+", " ", piece.strip().lower())
+        if key and key not in seen:
+            seen.add(key)
+            kept.append(piece.strip())
+    return " ".join(kept)
+
+
+def features(messages: list[dict[str, str]], structured_output: bool) -> Features:
+    """From the user turns only: the system prompt is the operator's, not the caller's to game."""
+    user_text = "\n".join(m.get("content", "") for m in messages if m.get("role") == "user")
+    last = next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
+    injection = bool(_INJECTION.search(user_text))
+    cleaned = _INJECTION.sub(" ", _distinct_text(last))
+    words = len(set(re.findall(r"\w+", cleaned.lower())))
+    math_hits = len(_MATH_OPS.findall(cleaned)) + len(_MATH_WORDS.findall(cleaned))
+    steps = len(_STEPS.findall(cleaned)) + min(5, len(_ENUMERATION.findall(last)))
+    letters = [c for c in cleaned if c.isalpha()]
+    non_ascii = sum(1 for c in letters if ord(c) > 127) / len(letters) if letters else 0.0
+    turns = sum(1 for m in messages[:-1] if m.get("role") in ("user", "assistant"))
+    return Features(words, bool(_CODE.search(cleaned)), math_hits, steps, structured_output, turns, non_ascii, injection)
+
+
+def score(f: Features) -> float:
+    """A difficulty score: 0 trivial, ~1 mid, ~2 and more frontier."""
+    s = 0.0
+    s += min(1.0, f.words / 120)  # long asks need more model, up to a point (distinct words: padding is flat)
+    s += 0.8 if f.code else 0.0
+    s += min(1.2, 0.4 * f.math)
+    s += min(1.0, 0.35 * f.steps)
+    s += 0.3 if f.structured_output else 0.0
+    s += min(0.4, 0.1 * f.turns)
+    s += 0.3 if f.non_ascii_ratio > 0.3 else 0.0
+    return s
+
+
+def decide(f: Features, tiers: int, mid_at: float = 0.9, frontier_at: float = 1.8) -> Decision:
+    """Tier from the score; confidence falls near a boundary, where the cheap LLM may be asked."""
+    s = score(f)
+    bounds = [mid_at, frontier_at][: max(0, tiers - 1)]
+    tier = sum(1 for b in bounds if s >= b)
+    distance = min((abs(s - b) for b in bounds), default=1.0)
+    confidence = min(1.0, 0.5 + distance)
+    parts = [f"score {s:.2f}"]
+    if f.code:
+        parts.append("code")
+    if f.math:
+        parts.append(f"maths x{f.math}")
+    if f.steps:
+        parts.append(f"steps x{f.steps}")
+    if f.structured_output:
+        parts.append("structured output")
+    return Decision(tier, round(confidence, 3), round(s, 3), ", ".join(parts))
+
+
+def clamp_tier(tier: int, tiers: int, floor: int | None, ceiling: int | None) -> int:
+    """A role's floor and ceiling bound the tier (the ceiling wins if they cross)."""
+    if floor is not None:
+        tier = max(tier, floor)
+    if ceiling is not None:
+        tier = min(tier, ceiling)
+    return max(0, min(tiers - 1, tier))
+
+
+# -- validators ---------------------------------------------------------------------------------
+
+_REFUSAL = re.compile(
+    r"^\s*(i'?m sorry|i am sorry|sorry,|i cannot|i can't|i can not|i am unable|i'm unable|as an ai|i don't know|"
+    r"i do not know|unfortunately, i)", re.I)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str  # "ok" or why the answer fails
+    confidence: float | None = None
+
+
+def repetition(text: str) -> float:
+    """Share of the text taken by its most repeated 4-word sequence: degenerate loops score high."""
+    words = text.split()
+    if len(words) < 16:
+        return 0.0
+    grams: dict[tuple[str, ...], int] = {}
+    for i in range(len(words) - 3):
+        gram = tuple(words[i:i + 4])
+        grams[gram] = grams.get(gram, 0) + 1
+    top = max(grams.values())
+    return top * 4 / len(words) if top > 2 else 0.0
+
+
+def confidence_of(logprobs: list[float]) -> float | None:
+    """Geometric-mean token probability of the answer: low when the model was guessing."""
+    if not logprobs:
+        return None
+    return math.exp(sum(logprobs) / len(logprobs))
+
+
+def validate(text: str, finish_reason: str, logprobs: list[float], schema: dict | None, json_required: bool,
+             min_confidence: float, max_repetition: float = 0.5) -> Verdict:
+    confidence = confidence_of(logprobs)
+    if not text.strip():
+        return Verdict(False, "empty", confidence)
+    if finish_reason not in ("stop", "length"):
+        return Verdict(False, f"finish:{finish_reason}", confidence)
+    if _REFUSAL.search(text):
+        return Verdict(False, "refusal", confidence)
+    if repetition(text) > max_repetition:
+        return Verdict(False, "repetition", confidence)
+    if json_required or schema is not None:
+        if finish_reason == "length":
+            return Verdict(False, "json cut off at max_tokens", confidence)
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return Verdict(False, "invalid json", confidence)
+        if schema is not None:
+            problem = schema_problem(value, schema)
+            if problem:
+                return Verdict(False, f"schema: {problem}", confidence)
+    if confidence is not None and confidence < min_confidence:
+        return Verdict(False, f"low confidence {confidence:.2f}", confidence)
+    return Verdict(True, "ok", confidence)
+
+
+def schema_problem(value: object, schema: dict) -> str | None:
+    """The first way `value` breaks the JSON Schema, or None."""
+    validator_class = jsonschema.validators.validator_for(schema)
+    try:
+        validator_class.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        return f"the schema itself is invalid: {exc.message}"
+    error = jsonschema.exceptions.best_match(validator_class(schema).iter_errors(value))
+    if error is None:
+        return None
+    where = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+    return f"{where}: {error.message}"
