@@ -42,7 +42,8 @@ class Decision:
 _CODE = re.compile(r"```|\bdef |\bclass |\bfunction\b|\breturn\b|=>|[{};]\s*$|\bimport |#include|\bSELECT\b|\bfn \w+\(", re.M)
 _MATH_WORDS = re.compile(
     r"\b(solve|equation|integral|derivative|probability|prove|theorem|percent|percentage|average|sum of|product of|"
-    r"how many|how much|calculate|compute|total|remainder|ratio|fraction|times as many|per hour|per day)\b", re.I)
+    r"how many|how much|calculat\w*|compute|total|remainder|ratio|fraction|times as many|per hour|per day)\b", re.I)
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)?(?![\w.])")
 _MATH_OPS = re.compile(r"\d\s*[-+*/×÷^=]\s*\d|\d+\s*%|\$\s*\d")
 _STEPS = re.compile(r"\b(step[- ]by[- ]step|steps|first\b.*\bthen\b|explain why|compare|analy[sz]e|design|plan|trade-?offs?|"
                     r"pros and cons|in detail|reasoning|derive|justify|evaluate)\b", re.I | re.S)
@@ -74,7 +75,8 @@ def features(messages: list[dict[str, str]], structured_output: bool) -> Feature
     injection = bool(_INJECTION.search(user_text))
     cleaned = _INJECTION.sub(" ", _distinct_text(last))
     words = len(set(re.findall(r"\w+", cleaned.lower())))
-    math_hits = len(_MATH_OPS.findall(cleaned)) + len(_MATH_WORDS.findall(cleaned))
+    numbers = len(_NUMBER.findall(cleaned))  # a word problem states several quantities
+    math_hits = len(_MATH_OPS.findall(cleaned)) + len(_MATH_WORDS.findall(cleaned)) + (min(3, numbers // 2) if numbers >= 2 else 0)
     steps = len(_STEPS.findall(cleaned)) + min(5, len(_ENUMERATION.findall(last)))
     letters = [c for c in cleaned if c.isalpha()]
     non_ascii = sum(1 for c in letters if ord(c) > 127) / len(letters) if letters else 0.0

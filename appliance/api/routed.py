@@ -104,6 +104,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     last = len(route.tiers) - 1
     top = min(last, ceiling) if ceiling is not None else last
     attempts: list[dict[str, Any]] = []
+    too_long: APIError | None = None
     for index in range(bounded, top + 1):
         alias = route.tiers[index]
         if _cooling.get(alias, 0) > time.monotonic():
@@ -114,6 +115,8 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
         outcome = await _attempt(request, services, principal, body, model, route, f"{request_id}.{len(attempts) + 1}",
                                  index, traced, schema, wants_json)
         attempts.append({"model": alias, "outcome": outcome[0]})
+        if outcome[0] == "context too small":
+            too_long = outcome[1]
         if outcome[0] == "ok":
             _, prepared, text, logprobs, finish = outcome
             services.metrics.route_answers.labels(route.alias, alias).inc()
@@ -122,6 +125,9 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
             return _respond(prepared, model.settings.alias, text, logprobs, finish, body, request_id, started,
                             {"x-route": route.alias, "x-route-model": alias, "x-route-tier": str(index),
                              "x-route-attempts": json.dumps(attempts)})
+    if attempts and all(a["outcome"] == "context too small" for a in attempts):
+        assert too_long is not None
+        raise too_long  # no tier can take this prompt: the caller's to shorten, not a default's to paper over
     # Every tier failed: the route's deterministic default, marked as such.
     services.metrics.route_answers.labels(route.alias, "default").inc()
     traced.annotate(route__default=True, route__attempts=len(attempts))
@@ -140,7 +146,12 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
     validate. Returns ("ok", prepared, text, logprobs, finish) or (why it failed,)."""
     from appliance.api.openai_routes import _admit_and_start, _collect, _until_disconnect
 
-    prepared = prepare_chat(body, model, services.settings.defaults, attempt_id)
+    try:
+        prepared = prepare_chat(body, model, services.settings.defaults, attempt_id)
+    except APIError as exc:
+        if exc.code == "context_length_exceeded":  # a bigger tier may have the room
+            return ("context too small", exc)
+        raise
     engine_view = prepared
     if route.min_confidence > 0 and not prepared.request.sampling.logprobs:
         sampling = dataclasses.replace(prepared.request.sampling, logprobs=True)
@@ -149,6 +160,9 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
         try:
             admission, events, engine_view = await _admit_and_start(services, principal, model, engine_view, traced)
         except APIError as exc:
+            if exc.code == "context_length_exceeded":
+                annotate(span, outcome="context too small")
+                return ("context too small", exc)
             if exc.status in (503,):  # overloaded or unloaded: cool down and fall back
                 _cooling[model.settings.alias] = time.monotonic() + route.cooldown_s
                 annotate(span, outcome=f"unavailable: {exc.message[:80]}")

@@ -1,0 +1,246 @@
+"""The router: pure decisions and validators, then routed requests through the real server with the
+bundled model under three aliases and prices standing in for the three tiers."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import apsw
+import httpx
+import pytest
+
+from policy.router import Features, clamp_tier, confidence_of, decide, features, repetition, validate
+from tests.conftest import MODEL_FILE, Server, config_text, start_server, stop_server
+from tests.test_gate_api import new_key
+from tests.test_tracing import Collector
+
+DATA = Path(__file__).resolve().parent / "data" / "router_adversarial.jsonl"
+
+
+def _tier(text: str, structured: bool = False) -> int:
+    return decide(features([{"role": "user", "content": text}], structured), 3).tier
+
+
+def test_heuristics_send_easy_requests_small_and_hard_ones_up() -> None:
+    assert _tier("What is the capital of France?") == 0
+    assert _tier("Say hello.") == 0
+    assert _tier("A train travels 120 km in 1.5 hours, then 80 km in 2 hours. What is its average speed? Show the calculation.") >= 1
+    hard = ("Write a Python function that parses a CSV file with quoted fields, then explain step by step how it "
+            "handles escapes, compare it with the csv module, and analyze the trade-offs in detail.")
+    assert _tier(hard) == 2
+
+
+def test_the_adversarial_set_buys_no_tier() -> None:
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    assert len(rows) >= 100
+    for row in rows:
+        base = features([{"role": "user", "content": row["base"]}], False)
+        attack = features([{"role": "user", "content": row["attack"]}], False)
+        assert decide(attack, 3).tier <= decide(base, 3).tier, row
+        if row["kind"] in ("claims", "system", "mixed"):
+            assert attack.injection, row
+
+
+def test_the_system_prompt_is_not_the_callers_to_game() -> None:
+    plain = features([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], False)
+    assert not plain.injection and plain.words == 1
+
+
+def test_role_bounds() -> None:
+    assert clamp_tier(0, 3, floor=1, ceiling=None) == 1
+    assert clamp_tier(2, 3, floor=None, ceiling=0) == 0
+    assert clamp_tier(2, 3, floor=2, ceiling=1) == 1  # the ceiling wins
+    assert clamp_tier(5, 2, None, None) == 1
+
+
+def test_validators() -> None:
+    ok = validate("Paris is the capital.", "stop", [-0.1, -0.2], None, False, 0.5)
+    assert ok.ok and ok.confidence is not None and ok.confidence > 0.8
+    assert validate("  ", "stop", [], None, False, 0.0).reason == "empty"
+    assert validate("I'm sorry, I cannot help with that.", "stop", [], None, False, 0.0).reason == "refusal"
+    assert validate("the cat sat on " * 20, "stop", [], None, False, 0.0).reason == "repetition"
+    assert validate('{"a": 1', "length", [], None, True, 0.0).reason == "json cut off at max_tokens"
+    assert validate("not json", "stop", [], None, True, 0.0).reason == "invalid json"
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    assert validate('{"age": "ten"}', "stop", [], schema, True, 0.0).reason.startswith("schema: $.age")
+    assert validate('{"age": 10}', "stop", [], schema, True, 0.0).ok
+    assert validate("An answer.", "stop", [-3.0, -2.0], None, False, 0.5).reason.startswith("low confidence")
+    assert repetition("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen") == 0.0
+    assert confidence_of([]) is None
+
+
+# -- through the server ---------------------------------------------------------------------------
+
+SYSTEM_PAD = "You are a helpful assistant for the Example Company. " * 22  # leaves the small tier a few tokens
+
+
+def router_config(collector_port: int) -> str:
+    text = config_text(embeddings=False, auth="keys", price_in=3.0, price_out=6.0,
+                       extra=f'[tracing]\nenabled = true\notlp_endpoint = "http://127.0.0.1:{collector_port}/v1/traces"\nexport_interval_ms = 100\n')
+    text = text.replace('[auth]\nmode = "keys"\n\n[auth.open_principal]\nadmin = true\n', '[auth]\nmode = "keys"\n')
+    for alias, ctx, price in (("tier-small", 256, 0.1), ("tier-mid", 1024, 1.0)):
+        text += f"""
+[[models]]
+alias = "{alias}"
+package_file = "{MODEL_FILE}"
+context_length = {ctx}
+slots = 2
+threads = 2
+price_input_per_mtok = {price}
+price_output_per_mtok = {price * 2}
+"""
+    return text + """
+[[routes]]
+alias = "auto"
+tiers = ["tier-small", "tier-mid", "smollm2-135m"]
+
+[routes.role_floor]
+analyst = "mid"
+
+[routes.role_ceiling]
+intern = "small"
+
+[[routes]]
+alias = "strict"
+tiers = ["tier-small", "tier-mid"]
+min_confidence = 0.999
+default_response = "No reliable answer: this is the route's default."
+"""
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, str], Collector]]:
+    collector = Collector()
+    server = start_server(tmp_path_factory.mktemp("routed"), router_config(collector.port))
+    keys = {"dev": new_key(server, "acme"), "analyst": "", "intern": ""}
+    for role in ("analyst", "intern"):
+        out = __import__("tests.test_gate_api", fromlist=["cli"]).cli(
+            server, "keys", "create", "--tenant", "acme", "--app", "web", "--user", role, "--role", role)
+        keys[role] = out.strip().splitlines()[-1]
+    yield server, keys, collector
+    stop_server(server)
+    collector.close()
+
+
+def ask(server: Server, key: str, content: str, model: str = "auto", system: str | None = None, **extra: object) -> httpx.Response:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": model, "messages": messages, "temperature": 0, **extra},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=180)
+
+
+def settled(server: Server, request_id: str, count: int, timeout: float = 10.0) -> list[tuple]:
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = apsw.Connection(str(server.home / "appliance.db")).execute(
+            "SELECT request_id, model, outcome, charged_nanos FROM settlements WHERE request_id LIKE ? ORDER BY request_id",
+            (f"{request_id}.%",)).fetchall()
+        if len(rows) >= count or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)
+
+
+def spans_of(collector: Collector, trace_id: str, timeout: float = 10.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while not any(s["trace"] == trace_id and s["name"] == "chat.completions" for s in collector.spans):
+        assert time.monotonic() < deadline, "no root span"
+        time.sleep(0.05)
+    return [s for s in collector.spans if s["trace"] == trace_id]
+
+
+def test_an_easy_request_is_answered_by_the_small_tier(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, collector = routed
+    response = ask(server, keys["dev"], "What is the capital of France?", max_tokens=12)
+    assert response.status_code == 200
+    assert response.headers["x-route-model"] == "tier-small" and response.json()["model"] == "tier-small"
+    spans = spans_of(collector, response.headers["x-trace-id"])
+    names = {s["name"] for s in spans}
+    assert {"chat.completions", "route.decide", "route.attempt", "budget.reserve", "engine.generate", "route.validate"} <= names
+    decide_span = next(s for s in spans if s["name"] == "route.decide")
+    assert decide_span["attributes"]["route.tier"] == 0 and "route.features" in decide_span["attributes"]
+    root = next(s for s in spans if s["name"] == "chat.completions")
+    assert root["attributes"]["gen_ai.response.model"] == "tier-small"
+
+
+def test_a_failed_validation_escalates_and_each_attempt_pays_for_itself(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, collector = routed
+    # The small tier's context leaves too little room: its JSON is cut off, so the mid tier answers.
+    response = ask(server, keys["dev"], "Return a JSON object with keys name and age for Ann, aged 30.", system=SYSTEM_PAD,
+                   response_format={"type": "json_object"})
+    assert response.status_code == 200, response.text
+    attempts = json.loads(response.headers["x-route-attempts"])
+    assert attempts[0] == {"model": "tier-small", "outcome": "json cut off at max_tokens"}
+    assert attempts[-1]["outcome"] == "ok" and response.headers["x-route-model"] == attempts[-1]["model"] != "tier-small"
+    json.loads(response.json()["choices"][0]["message"]["content"])
+    rows = settled(server, response.json()["id"], len(attempts))
+    assert [r[1] for r in rows] == [a["model"] for a in attempts]
+    assert all(r[3] > 0 for r in rows), rows  # the failed attempt was charged for what it generated
+    assert rows[0][2] == "length" and rows[-1][2] == "stop"
+    spans = spans_of(collector, response.headers["x-trace-id"])
+    assert len([s for s in spans if s["name"] == "route.attempt"]) == len(attempts)
+    assert len([s for s in spans if s["name"] == "engine.generate"]) == len(attempts)
+
+
+def test_a_prompt_too_long_for_the_small_tier_goes_to_one_that_fits(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, _ = routed
+    response = ask(server, keys["dev"], "Hi!", system=SYSTEM_PAD * 2, max_tokens=8)
+    assert response.status_code == 200
+    attempts = json.loads(response.headers["x-route-attempts"])
+    assert attempts[0] == {"model": "tier-small", "outcome": "context too small"} and attempts[-1]["outcome"] == "ok"
+    far_too_long = ask(server, keys["dev"], "Hi!", system=SYSTEM_PAD * 50, max_tokens=8, model="strict")
+    assert far_too_long.status_code == 400 and far_too_long.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_every_tier_failing_gives_the_marked_default(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, collector = routed
+    response = ask(server, keys["dev"], "Hi there!", model="strict", max_tokens=8)
+    assert response.status_code == 200
+    assert response.headers["x-route-default"] == "true"
+    assert response.json()["choices"][0]["message"]["content"] == "No reliable answer: this is the route's default."
+    attempts = json.loads(response.headers["x-route-attempts"])
+    assert [a["model"] for a in attempts] == ["tier-small", "tier-mid"]
+    assert all(a["outcome"].startswith("low confidence") for a in attempts)
+    root = next(s for s in spans_of(collector, response.headers["x-trace-id"]) if s["name"] == "chat.completions")
+    assert root["attributes"]["route.default"] is True
+
+
+def test_adversarial_prompts_do_not_buy_a_tier(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, collector = routed
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    for row in (rows[0], rows[4], rows[5], rows[8]):  # claims, fake system, chat-template tags, padding
+        response = ask(server, keys["dev"], row["attack"], max_tokens=8)
+        assert response.status_code == 200
+        decided = next(s for s in spans_of(collector, response.headers["x-trace-id"]) if s["name"] == "route.decide")
+        assert decided["attributes"]["route.tier"] == 0, row
+        if row["kind"] != "padding":  # a padded prompt may outgrow the small tier's context: it pays for that
+            assert response.headers["x-route-tier"] == "0", (row, response.headers)
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert "appliance_route_injection_flags_total 3.0" in metrics
+
+
+def test_a_role_floor_and_ceiling_bound_the_tier(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, _ = routed
+    assert ask(server, keys["analyst"], "What is the capital of France?", max_tokens=8).headers["x-route-tier"] == "1"
+    hard = ("Write a Python function that parses a CSV file with quoted fields, then explain step by step how it "
+            "handles escapes, compare it with the csv module, and analyze the trade-offs in detail.")
+    assert ask(server, keys["dev"], hard, max_tokens=8).headers["x-route-tier"] == "2"
+    capped = ask(server, keys["intern"], hard, max_tokens=8)
+    assert capped.headers["x-route-tier"] == "0"
+    models = [m["id"] for m in httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {keys['dev']}"}).json()["data"]]
+    assert "auto" in models and "strict" in models
+
+
+def test_a_routed_stream_replays_the_validated_answer(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, _ = routed
+    whole = ask(server, keys["dev"], "Name a colour.", max_tokens=8).json()["choices"][0]["message"]["content"]
+    streamed = ask(server, keys["dev"], "Name a colour.", max_tokens=8, stream=True)
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == whole
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_features_are_plain_values() -> None:
+    f = features([{"role": "user", "content": "Solve 3 + 4 * 2 and explain step by step."}], False)
+    assert isinstance(f, Features) and f.math >= 1 and f.steps >= 1
