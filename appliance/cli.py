@@ -295,6 +295,44 @@ def cmd_budgets_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_router(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.progress import Progress
+
+    from appliance import evaluate
+    from policy.budgets import Price
+
+    db = _ledger_db(args.config)
+    try:
+        if args.history:
+            for run in evaluate.history(db):
+                comparison = run["summary"].get("_comparison", {})
+                print(json.dumps({"id": run["id"], "at": _when(run["at"]), "questions": run["questions"], **comparison}))
+            return 0
+        settings = _settings(args.config)
+        route = settings.route(args.route)
+        if route is None:
+            print(f"error: {settings.file}: routes: no route with alias {args.route!r}", file=sys.stderr)
+            return 2
+        prices = {m.alias: Price.per_million(m.price_input_per_mtok, m.price_output_per_mtok) for m in settings.models}
+        questions = evaluate.gsm8k(args.limit, args.file)
+        url = args.url or f"http://{settings.server.host}:{settings.server.port}"
+        with Progress() as progress:
+            task = progress.add_task(f"{len(questions)} questions x {len(route.tiers) + 1} targets", total=len(questions))
+            summary = evaluate.run(url, args.key or "unused", route.alias, list(route.tiers), prices, questions, args.max_tokens,
+                                   lambda done: progress.update(task, completed=done))
+        run_id = evaluate.store(db, "gsm8k", len(questions), summary)
+    finally:
+        db.close()
+    header = ("target", "accuracy", "cost_usd", "p50_latency_s", "answered_by", "errors")
+    rows = [(name, f"{s['accuracy']:.1%}", f"{s['cost_usd']:.6f}", f"{s['p50_latency_s']:.2f}", json.dumps(s["answered_by"]), str(s["errors"]))
+            for name, s in summary.items() if not name.startswith("_")]
+    _print_rows(header, rows)
+    print(json.dumps({"run": run_id, **summary["_comparison"]}, indent=2))
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from appliance.doctor import run_doctor
 
@@ -367,6 +405,18 @@ def build_parser() -> argparse.ArgumentParser:
     bshow.add_argument("--json", action="store_true")
     bshow.add_argument("--config", type=Path)
     bshow.set_defaults(func=cmd_budgets_show)
+
+    evaluation = sub.add_parser("eval", help="evaluations").add_subparsers(dest="eval_command", required=True)
+    router = evaluation.add_parser("router", help="GSM8K through a route and each of its tiers, over HTTP")
+    router.add_argument("--route", default="auto")
+    router.add_argument("--limit", type=int, default=50, help="questions (the first N of the test split)")
+    router.add_argument("--max-tokens", type=int, default=384)
+    router.add_argument("--url", help="the appliance (default: the config's host and port)")
+    router.add_argument("--key", help="an API key (not needed in open mode)")
+    router.add_argument("--file", type=Path, help="JSONL with question and answer ('#### N') instead of GSM8K")
+    router.add_argument("--history", action="store_true", help="list earlier runs")
+    router.add_argument("--config", type=Path)
+    router.set_defaults(func=cmd_eval_router)
 
     doctor = sub.add_parser("doctor", help="check this machine, the engines and the models")
     doctor.add_argument("--config", type=Path)

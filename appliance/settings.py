@@ -148,8 +148,12 @@ class RouteSettings:
 
 @dataclass(frozen=True)
 class TracingSettings:
+    # Spans are kept in the appliance's database (GET /admin/traces) ...
+    store: bool = True
+    retention_days: float = 7.0
+    max_spans: int = 500_000
+    # ... and, when enabled, exported over OTLP/HTTP (protobuf) to a collector, Jaeger or Tempo.
     enabled: bool = False
-    # OTLP over HTTP (protobuf), e.g. a local OpenTelemetry Collector, Jaeger or Tempo.
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     service_name: str = "appliance"
     sample_ratio: float = 1.0
@@ -312,11 +316,15 @@ def _cache(file: str, table: dict[str, Any]) -> CacheSettings:
 
 
 def _tracing(file: str, table: dict[str, Any]) -> TracingSettings:
-    r = _Reader(file, "tracing", table, {"enabled", "otlp_endpoint", "service_name", "sample_ratio", "export_interval_ms"})
+    r = _Reader(file, "tracing", table, {"enabled", "otlp_endpoint", "service_name", "sample_ratio", "export_interval_ms",
+                                         "store", "retention_days", "max_spans"})
     endpoint = r.string("otlp_endpoint", "http://127.0.0.1:4318/v1/traces") or ""
     if not endpoint.startswith(("http://", "https://")):
         raise r.fail("otlp_endpoint", f"expected an http:// or https:// URL, got {endpoint!r}")
     return TracingSettings(
+        store=r.boolean("store", True),
+        retention_days=r.number("retention_days", 7.0, minimum=0.01),
+        max_spans=r.integer("max_spans", 500_000, minimum=100),
         enabled=r.boolean("enabled", False),
         otlp_endpoint=endpoint,
         service_name=r.string("service_name", "appliance") or "appliance",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from opentelemetry import trace
@@ -23,10 +24,11 @@ log = logging.getLogger("appliance.tracing")
 
 
 class Tracing:
-    def __init__(self, settings: TracingSettings) -> None:
+    def __init__(self, settings: TracingSettings, db_path: Path | None = None, synchronous: str = "normal") -> None:
         self.settings = settings
         self._provider: Any = None
-        if not settings.enabled:
+        store = settings.store and db_path is not None
+        if not settings.enabled and not store:
             self.tracer: trace.Tracer = trace.NoOpTracer()
             return
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -37,9 +39,16 @@ class Tracing:
 
         resource = Resource.create({"service.name": settings.service_name, "service.version": __version__})
         self._provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)))
-        # Spans leave in batches from the processor's own thread: the request path never waits on export.
-        self._provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=settings.otlp_endpoint, timeout=5), schedule_delay_millis=settings.export_interval_ms))
+        # Spans leave in batches from each processor's own thread: the request path never waits on export.
+        if store:
+            from appliance.store.traces import SqliteSpanExporter
+
+            assert db_path is not None
+            exporter = SqliteSpanExporter(db_path, settings.retention_days * 86400, settings.max_spans, synchronous)
+            self._provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=min(500, settings.export_interval_ms)))
+        if settings.enabled:
+            self._provider.add_span_processor(BatchSpanProcessor(
+                OTLPSpanExporter(endpoint=settings.otlp_endpoint, timeout=5), schedule_delay_millis=settings.export_interval_ms))
         self.tracer = self._provider.get_tracer("appliance", __version__)
 
     def start(self, name: str, parent: Span | None = None, **attributes: Any) -> Span:

@@ -90,3 +90,26 @@ def test_a_miss_and_a_hit_are_traced_with_their_steps(tmp_path: Path, collector:
         assert failed and failed[0]["attributes"]["http.status_code"] == 404
     finally:
         stop_server(server)
+
+
+def test_traces_are_kept_in_the_database_and_read_back(tmp_path: Path) -> None:
+    """No collector configured: the spans still land in SQLite, behind the admin API."""
+    server = start_server(tmp_path / "stored", config_text(embeddings=False, extra="[tracing]\nretention_days = 1\n"))
+    try:
+        body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Name a planet."}], "max_tokens": 6, "temperature": 0}
+        response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        trace_id = response.headers["x-trace-id"]
+        assert len(trace_id) == 32
+        deadline = time.monotonic() + 15
+        while (found := httpx.get(f"{server.base_url}/admin/traces/{trace_id}", timeout=10)).status_code == 404:
+            assert time.monotonic() < deadline, found.text
+            time.sleep(0.1)
+        tree = found.json()
+        (root,) = tree["spans"]
+        assert root["name"] == "chat.completions" and root["attributes"]["request.id"] == response.json()["id"]
+        assert {"budget.reserve", "engine.generate"} <= {c["name"] for c in root["children"]}
+        listed = httpx.get(f"{server.base_url}/admin/traces", params={"limit": 5}, timeout=10).json()["traces"]
+        assert any(t["trace_id"] == trace_id for t in listed)
+        assert httpx.get(f"{server.base_url}/admin/traces/{'0' * 32}", timeout=10).status_code == 404
+    finally:
+        stop_server(server)

@@ -180,4 +180,24 @@ async def auth_failures(request: Request[Any, Any, Any], services: Services) -> 
     return {"failures": await services.store.run(lambda db: KeyStore(db).failures())}
 
 
-ROUTES = [get_budgets, put_budget, delete_budget, reset_budget, check_ledger, list_keys, create_key, revoke_key, auth_failures]
+@get("/admin/traces")
+async def list_traces(request: Request[Any, Any, Any], services: Services, limit: int = 50, name: str | None = None) -> dict[str, Any]:
+    await _admin(request, services)
+    from appliance.store.traces import recent_traces
+
+    return {"traces": await services.store.run(lambda db: recent_traces(db, max(1, min(limit, 1000)), name))}
+
+
+@get("/admin/traces/{trace_id:str}")
+async def get_trace(request: Request[Any, Any, Any], services: Services, trace_id: str) -> dict[str, Any]:
+    await _admin(request, services)
+    from appliance.store.traces import trace_tree
+
+    tree = await services.store.run(lambda db: trace_tree(db, trace_id.lower()))
+    if tree is None:
+        raise APIError(404, f"There is no stored trace {trace_id} (traces are kept {services.settings.tracing.retention_days:g} days).",
+                       type="not_found_error", code="trace_not_found")
+    return tree
+
+
+ROUTES = [list_traces, get_trace, get_budgets, put_budget, delete_budget, reset_budget, check_ledger, list_keys, create_key, revoke_key, auth_failures]

@@ -82,12 +82,26 @@ def _request_log_principal(db: apsw.Connection) -> None:
         db.execute(f"ALTER TABLE request_log ADD COLUMN {column}")
 
 
+def _create_spans(db: apsw.Connection) -> None:
+    from appliance.store.traces import create_tables
+
+    create_tables(db)
+
+
+def _create_eval_runs(db: apsw.Connection) -> None:
+    from appliance.evaluate import create_tables
+
+    create_tables(db)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     ("0001_request_log", _create_request_log),
     ("0002_api_keys", keystore.create_tables),
     ("0003_budget_ledger", ledger.create_tables),
     ("0004_request_log_principal", _request_log_principal),
     ("0005_semantic_cache", cache_store.create_tables),
+    ("0006_spans", _create_spans),
+    ("0007_eval_runs", _create_eval_runs),
 )
 
 
