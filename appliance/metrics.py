@@ -39,6 +39,8 @@ class Metrics:
         self.route_answers = Counter("appliance_route_answers", "Routed requests by route and the model that answered (or default)", ["route", "model"], registry=r)
         self.route_escalations = Counter("appliance_route_escalations", "Routed attempts that failed validation, by model and reason", ["model", "reason"], registry=r)
         self.route_injection_flags = Counter("appliance_route_injection_flags", "Routed requests whose text tried to steer the router or pose as the system", registry=r)
+        self.guard_pii = Counter("appliance_guard_pii", "Requests with personal data found, by kind and what was done", ["kind", "action"], registry=r)
+        self.guard_injection = Counter("appliance_guard_injection_flags", "Requests with text posing as instructions to the system", registry=r)
         r.register(_EngineCollector(engine_stats))
 
     def render(self) -> bytes:

@@ -172,6 +172,8 @@ class Settings:
     cache: CacheSettings = field(default_factory=CacheSettings)
     tracing: TracingSettings = field(default_factory=TracingSettings)
     routes: tuple[RouteSettings, ...] = ()
+    # Personal data in a request: "off", "flag" (traced and counted), or "block" (refused, 400).
+    guard_pii: str = "flag"
 
     def route(self, alias: str) -> RouteSettings | None:
         return next((r for r in self.routes if r.alias == alias), None)
@@ -462,7 +464,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(file, "(syntax)", str(exc)) from None
-    top = _Reader(file, "", raw, {"server", "defaults", "models", "auth", "budgets", "limits", "cache", "tracing", "routes"})
+    top = _Reader(file, "", raw, {"server", "defaults", "models", "auth", "budgets", "limits", "cache", "tracing", "routes", "guardrails"})
     models_raw = raw.get("models", [])
     if not isinstance(models_raw, list) or not all(isinstance(m, dict) for m in models_raw):
         raise top.fail("models", "expected an array of tables: [[models]]")
@@ -485,6 +487,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         cache=_cache(file, top.subtable("cache")),
         tracing=_tracing(file, top.subtable("tracing")),
         routes=_routes(file, raw.get("routes", []), models),
+        guard_pii=_Reader(file, "guardrails", top.subtable("guardrails"), {"pii"}).string("pii", "flag", ("off", "flag", "block")) or "flag",
     )
     cache = settings.cache
     if cache.enabled and cache.embedder != "minilm":

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import jsonschema
 
+from policy.guardrails import INJECTION as _INJECTION
+
 TIER_NAMES = ("small", "mid", "frontier")
 
 
@@ -48,14 +50,6 @@ _MATH_OPS = re.compile(r"\d\s*[-+*/×÷^=]\s*\d|\d+\s*%|\$\s*\d")
 _STEPS = re.compile(r"\b(step[- ]by[- ]step|steps|first\b.*\bthen\b|explain why|compare|analy[sz]e|design|plan|trade-?offs?|"
                     r"pros and cons|in detail|reasoning|derive|justify|evaluate)\b", re.I | re.S)
 _ENUMERATION = re.compile(r"^\s*(\d+[.)]|[-*•])\s+", re.M)
-# Phrases that try to steer the router or pose as the system. Flagged and recorded, never obeyed.
-_INJECTION = re.compile(
-    r"(ignore (all |the )?(previous|prior|above) (instructions|rules)|you are now|system prompt|\bsystem:|<\|im_start\|>|"
-    r"\[/?inst\]|<\|system\|>|developer mode|use (the )?(biggest|largest|best|most expensive|frontier|gpt-?4|strongest) model|"
-    r"route (this|me) to|escalate (this|to)|this is (very )?(hard|difficult|complex)|requires? (the )?(frontier|large) model|"
-    r"tier\s*[:=]\s*\w+|priority\s*[:=]\s*(high|max))", re.I)
-
-
 def _distinct_text(text: str) -> str:
     """Repeated lines and sentences count once: padding a prompt does not make it harder."""
     seen: set[str] = set()

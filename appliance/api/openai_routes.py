@@ -20,13 +20,14 @@ from appliance.api.common import authenticate, decode_body
 from appliance.api.routed import routed_chat
 from appliance.api.errors import APIError, invalid
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from appliance.api.translate import Prepared, prepare_chat, prepare_completion
+from appliance.api.translate import Prepared, chat_messages, prepare_chat, prepare_completion
 from appliance.gate import Admission
 from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
 from appliance.tracing import RequestTrace, annotate
 from engines.base import ContextLengthExceeded, EngineClosed, EngineError, EngineOverloaded, FinishEvent, TokenEvent
 from engines.stream import EventStream
+from policy.guardrails import check_input
 from policy.identity import Principal
 from policy.pipeline import Refusal, RequestFacts, decide
 
@@ -132,6 +133,7 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
         principal = await authenticate(request, services)
         _annotate_principal(traced, principal)
         body = decode_body(await request.body(), ChatCompletionRequest)
+        guard(services, traced, [m.get("content", "") for m in chat_messages(body) if m.get("role") == "user"])
         route = services.settings.route(body.model)
         if route is not None:
             traced.annotate(model=route.alias, stream=body.stream, gen_ai__request__model=route.alias)
@@ -160,6 +162,25 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
         raise
 
 
+def guard(services: Services, traced: RequestTrace, texts: list[str]) -> None:
+    """Cheap local input checks before any model: personal data flagged or refused, as configured;
+    text posing as system instructions flagged. Findings are named, never echoed."""
+    outcome = check_input(texts, services.settings.guard_pii)
+    if outcome.injection:
+        services.metrics.guard_injection.inc()
+        traced.annotate(guard__injection=True)
+    if not outcome.pii:
+        return
+    kinds = [f.kind for f in outcome.pii]
+    action = "blocked" if outcome.refuse else "flagged"
+    for kind in kinds:
+        services.metrics.guard_pii.labels(kind, action).inc()
+    traced.annotate(guard__pii=",".join(kinds), guard__action=action)
+    if outcome.refuse:
+        raise APIError(400, f"This server does not accept personal data in requests; found: {', '.join(kinds)}.",
+                       param="messages", code="pii_detected")
+
+
 def _annotate_principal(traced: RequestTrace, principal: Principal) -> None:
     traced.annotate(tenant=principal.tenant, app=principal.app, user=principal.user, role=principal.role, key__id=principal.key_id)
 
@@ -172,6 +193,7 @@ async def completions(request: Request[Any, Any, Any], services: Services) -> Re
         principal = await authenticate(request, services)
         _annotate_principal(traced, principal)
         body = decode_body(await request.body(), CompletionRequest)
+        guard(services, traced, [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)])
         model = _model(services, body.model, "chat", "completion")
         traced.annotate(model=model.settings.alias, stream=body.stream)
         prepared = prepare_completion(body, model, services.settings.defaults, request_id)
