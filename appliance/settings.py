@@ -136,6 +136,7 @@ class RouteSettings:
     classifier_model: str | None = None  # asked for a tier when the heuristics are unsure
     classifier_below: float = 0.6
     cooldown_s: float = 30.0  # a model that failed to serve is skipped this long
+    attempt_timeout_s: float = 120.0  # an attempt slower than this is abandoned for the next tier
     role_floor: tuple[tuple[str, str], ...] = ()  # (role, tier name)
     role_ceiling: tuple[tuple[str, str], ...] = ()
 
@@ -343,7 +344,7 @@ def _routes(file: str, raw: object, models: tuple[ModelSettings, ...]) -> tuple[
     for i, table in enumerate(raw):
         r = _Reader(file, f"routes[{i}]", table, {
             "alias", "tiers", "default_response", "min_confidence", "max_repetition", "classifier_model", "classifier_below",
-            "cooldown_s", "role_floor", "role_ceiling"})
+            "cooldown_s", "role_floor", "role_ceiling", "attempt_timeout_s"})
         alias = r.string("alias")
         if alias is None:
             raise r.fail("alias", "missing: the name clients send as `model`, for example \"auto\"")
@@ -374,6 +375,7 @@ def _routes(file: str, raw: object, models: tuple[ModelSettings, ...]) -> tuple[
             classifier_model=classifier,
             classifier_below=r.number("classifier_below", 0.6, maximum=1.0),
             cooldown_s=r.number("cooldown_s", 30.0),
+            attempt_timeout_s=r.number("attempt_timeout_s", 120.0, minimum=0.1),
             role_floor=bounds["role_floor"],
             role_ceiling=bounds["role_ceiling"],
         ))

@@ -104,6 +104,12 @@ analyst = "mid"
 intern = "small"
 
 [[routes]]
+alias = "slow"
+tiers = ["tier-small", "tier-mid"]
+attempt_timeout_s = 0.3
+cooldown_s = 1
+
+[[routes]]
 alias = "strict"
 tiers = ["tier-small", "tier-mid"]
 min_confidence = 0.999
@@ -244,3 +250,17 @@ def test_a_routed_stream_replays_the_validated_answer(routed: tuple[Server, dict
 def test_features_are_plain_values() -> None:
     f = features([{"role": "user", "content": "Solve 3 + 4 * 2 and explain step by step."}], False)
     assert isinstance(f, Features) and f.math >= 1 and f.steps >= 1
+
+
+def test_a_slow_attempt_is_abandoned_and_its_slot_freed(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, _ = routed
+    time.sleep(1.1)  # other tests' cooldowns are over
+    response = ask(server, keys["dev"], "Write a long story about a lighthouse keeper.", model="slow", max_tokens=150)
+    assert response.status_code == 200
+    attempts = json.loads(response.headers["x-route-attempts"])
+    assert [a["outcome"] for a in attempts] == ["timeout", "timeout"] and response.headers["x-route-default"] == "true"
+    for alias in ("tier-small", "tier-mid"):
+        server.wait_idle(alias)
+    rows = settled(server, response.json()["id"], 2)
+    assert [r[2] for r in rows] == ["cancelled", "cancelled"]
+    time.sleep(1.1)  # let the cooldown pass for the tests after this one

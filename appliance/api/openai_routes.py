@@ -69,6 +69,9 @@ async def _until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T])
     watcher = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()  # our caller gave up (a timeout): the work, and the generation it reads, stop too
+        raise
     finally:
         watcher.cancel()
     if not task.done():

@@ -9,6 +9,7 @@ is known good: the answer is then replayed as SSE chunks.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -171,8 +172,13 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
         started = time.time()
         finish: FinishEvent | None = None
         try:
-            collected = await _until_disconnect(request, _collect(events))
+            collected = await asyncio.wait_for(_until_disconnect(request, _collect(events)), route.attempt_timeout_s)
             finish = collected.finish
+        except asyncio.TimeoutError:
+            # Too slow: the stream is closed (the engine drops the request), the model cools down.
+            _cooling[model.settings.alias] = time.monotonic() + route.cooldown_s
+            annotate(span, outcome="timeout")
+            return ("timeout",)
         finally:
             usage = finish.usage if finish is not None else Usage(len(engine_view.request.prompt_tokens), events.tokens_pushed)
             services.gate.settle(admission, usage.prompt_tokens, usage.completion_tokens, finish.reason if finish else "cancelled")
