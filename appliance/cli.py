@@ -333,6 +333,21 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tui(args: argparse.Namespace) -> int:
+    from tui.app import run
+
+    if args.url:
+        url = args.url
+    else:
+        try:
+            server = _settings(args.config).server
+            url = f"http://{server.host}:{server.port}"
+        except ConfigError:
+            url = "http://127.0.0.1:8080"
+    run(url, args.key)
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from appliance.doctor import run_doctor
 
@@ -417,6 +432,12 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--history", action="store_true", help="list earlier runs")
     router.add_argument("--config", type=Path)
     router.set_defaults(func=cmd_eval_router)
+
+    tui = sub.add_parser("tui", help="the operator's terminal UI, over the admin API")
+    tui.add_argument("--url", help="the appliance (default: the config's host and port)")
+    tui.add_argument("--key", help="an admin key (not needed when the open principal is admin)")
+    tui.add_argument("--config", type=Path)
+    tui.set_defaults(func=cmd_tui)
 
     doctor = sub.add_parser("doctor", help="check this machine, the engines and the models")
     doctor.add_argument("--config", type=Path)

@@ -1,0 +1,118 @@
+"""The TUI driven by Textual's pilot against a real server: every screen shows real data, and each
+action changes the server's state (checked through the API)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from textual.widgets import DataTable, Static, Tree
+
+from tests.conftest import CHAT_MODEL, Server, config_text, free_port, start_server, stop_server
+from tui import views
+from tui.app import ApplianceTUI
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(tmp_path_factory.mktemp("tui"), config_text(embeddings=False, cache="enabled = true\nsweep_interval_s = 0"))
+    body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "What is the capital of Peru?"}], "max_tokens": 6, "temperature": 0}
+    for _ in range(2):
+        httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    yield server
+    stop_server(server)
+
+
+async def settle(pilot, app: ApplianceTUI, until, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout / 0.1)):
+        await pilot.pause(0.1)
+        if until():
+            return
+    raise AssertionError("the screen never showed it")
+
+
+def keys(text: str) -> list[str]:
+    return ["space" if c == " " else c for c in text]
+
+
+def text_of(app: ApplianceTUI, selector: str) -> str:
+    return str(app.query_one(selector, Static).render())
+
+
+async def test_overview_budgets_and_traces_show_real_data(served: Server) -> None:
+    app = ApplianceTUI(served.base_url, None, interval_s=0.5)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app, lambda: CHAT_MODEL in text_of(app, "#overview-body"))
+        assert "connected to" in text_of(app, "#status")
+        assert "cache hit rate 50%" in text_of(app, "#overview-body")
+        await pilot.press("e")
+        await pilot.press(*keys("tenant acme 5 day"), "enter")
+        await pilot.press("2")
+        await settle(pilot, app, lambda: "acme" in str([n.label for n in app.query_one("#budget-tree", Tree).root.children[0].children]))
+        budgets = httpx.get(f"{served.base_url}/admin/budgets").json()["budgets"]
+        assert {"level": "tenant", "name": "acme", "limit_usd": 5.0} .items() <= next(b for b in budgets if b["name"] == "acme").items()
+        await pilot.press("4")
+        table = app.query_one("#trace-table", DataTable)
+        await settle(pilot, app, lambda: table.row_count >= 2)
+        table.focus()
+        await pilot.press("enter")
+        await settle(pilot, app, lambda: "chat.completions" in text_of(app, "#trace-timeline"))
+        assert "engine.generate" in text_of(app, "#trace-timeline") or "cache.lookup" in text_of(app, "#trace-timeline")
+
+
+async def test_keys_are_created_and_revoked(served: Server) -> None:
+    app = ApplianceTUI(served.base_url, None, interval_s=0.5)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("5", "n")
+        await pilot.press(*keys("acme web ann dev"), "enter")
+        await settle(pilot, app, lambda: "shown once: apl-" in text_of(app, "#key-secret"))
+        listed = httpx.get(f"{served.base_url}/admin/keys").json()["keys"]
+        made = [k for k in listed if k["user"] == "ann" and k["tenant"] == "acme"]
+        assert len(made) == 1 and made[0]["revoked_at"] is None
+        table = app.query_one("#key-table", DataTable)
+        await settle(pilot, app, lambda: table.row_count >= 1)
+        table.focus()
+        await pilot.press("d")
+        await settle(pilot, app, lambda: httpx.get(f"{served.base_url}/admin/keys").json()["keys"][0]["revoked_at"] is not None)
+
+
+async def test_cache_entries_are_searched_and_marked(served: Server) -> None:
+    app = ApplianceTUI(served.base_url, None, interval_s=0.5)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("3")
+        buckets = app.query_one("#cache-buckets", DataTable)
+        await settle(pilot, app, lambda: buckets.row_count >= 1)
+        await pilot.press("slash", *keys("Peru"), "enter")
+        entries = app.query_one("#cache-entries", DataTable)
+        await settle(pilot, app, lambda: entries.row_count == 1)
+        entries.focus()
+        await pilot.press("v")
+        await settle(pilot, app, lambda: httpx.get(f"{served.base_url}/admin/cache/entries", params={"q": "Peru"}).json()["entries"][0]["state"] == "verified")
+
+
+async def test_a_server_that_is_down_is_shown_and_retried() -> None:
+    port = free_port()
+    app = ApplianceTUI(f"http://127.0.0.1:{port}", None, interval_s=0.3)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app, lambda: "unreachable" in text_of(app, "#status"))
+        assert not app.connected
+        await asyncio.sleep(0)
+
+
+def test_views_are_plain_functions() -> None:
+    text = ("# TYPE appliance_requests_total counter\nappliance_requests_total{model=\"m\",endpoint=\"chat\",status=\"ok\"} 10.0\n"
+            "# TYPE appliance_slots_busy gauge\nappliance_slots_busy{model=\"m\"} 1.0\n"
+            "# TYPE appliance_slots_total gauge\nappliance_slots_total{model=\"m\"} 8.0\n")
+    then, now = views.parse_metrics(text.replace("10.0", "4.0"), 0.0), views.parse_metrics(text, 2.0)
+    shown = views.overview(now, then, None)
+    assert shown.requests_per_s == 3.0 and shown.models == [("m", "1/8", 0)]
+    assert views.sparkline([0, 1, 2, 4]) == "▁▂▄█"
+    tree = views.budget_tree({"budgets": [{"level": "tenant", "name": "acme", "limit_usd": 5, "spent_usd": 1, "held_usd": 0, "period": "day"}],
+                              "reservations": []})
+    assert tree.children[0].children[0].label == "acme" and "$1.0000 of $5.00 per day" in tree.children[0].children[0].detail
+    rows = views.trace_rows({"traces": [{"trace_id": "t", "name": "chat.completions", "duration_ms": 5, "error": True,
+                                         "attributes": {"tenant": "acme", "model": "m"}}]}, "ok")
+    assert rows == []

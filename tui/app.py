@@ -1,0 +1,286 @@
+"""The operator's terminal UI (Textual): overview, budgets, cache, traces and keys, over the admin
+HTTP API. Data is polled by one exclusive worker, so a slow refresh never piles up; when the
+server is down the banner says so and the next poll reconnects."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widgets import DataTable, Footer, Header, Input, Static, TabbedContent, TabPane, Tree
+
+from tui import views
+from tui.client import AdminClient, AdminError
+
+PROMPTS = {
+    "key": "new key: TENANT APP USER ROLE",
+    "budget": "budget: LEVEL NAME USD PERIOD   (LEVEL user|tenant|app|global, PERIOD day|month|total; NAME - for global)",
+    "search": "search cache entries: TEXT",
+}
+
+
+class ApplianceTUI(App[None]):
+    CSS_PATH = "app.tcss"
+    TITLE = "appliance"
+    BINDINGS = [
+        Binding("1", "show('overview')", "Overview"),
+        Binding("2", "show('budgets')", "Budgets"),
+        Binding("3", "show('cache')", "Cache"),
+        Binding("4", "show('traces')", "Traces"),
+        Binding("5", "show('keys')", "Keys"),
+        Binding("n", "ask('key')", "New key"),
+        Binding("d", "revoke", "Revoke key"),
+        Binding("e", "ask('budget')", "Edit budget"),
+        Binding("slash", "ask('search')", "Search cache"),
+        Binding("i", "invalidate", "Invalidate bucket"),
+        Binding("v", "mark('verified')", "Verify entry"),
+        Binding("x", "mark('rejected')", "Reject entry"),
+        Binding("f", "cycle_filter", "Trace filter"),
+        Binding("r", "refresh", "Refresh"),
+        Binding("q", "quit", "Quit"),
+        Binding("escape", "cancel_prompt", "Cancel", show=False),
+    ]
+
+    def __init__(self, base_url: str, key: str | None, interval_s: float = 2.0) -> None:
+        super().__init__()
+        self.client = AdminClient(base_url, key)
+        self.interval_s = interval_s
+        self.samples: list[views.Sample] = []
+        self.rates: list[float] = []
+        self.asking: str | None = None
+        self.trace_filter = "all"
+        self.entries: list[dict[str, Any]] = []
+        self.connected = False
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Static("connecting…", id="status")
+        with TabbedContent(initial="overview"):
+            with TabPane("Overview", id="overview"):
+                yield Static(id="overview-body")
+            with TabPane("Budgets", id="budgets"):
+                yield Tree("budgets", id="budget-tree")
+            with TabPane("Cache", id="cache"):
+                yield Static(id="cache-summary")
+                yield DataTable(id="cache-buckets", cursor_type="row")
+                yield DataTable(id="cache-entries", cursor_type="row")
+            with TabPane("Traces", id="traces"):
+                yield DataTable(id="trace-table", cursor_type="row")
+                yield Static(id="trace-timeline")
+            with TabPane("Keys", id="keys"):
+                yield DataTable(id="key-table", cursor_type="row")
+                yield Static(id="key-secret")
+        yield Input(id="prompt", classes="hidden", disabled=True)  # disabled while hidden: never takes focus or keys
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#cache-buckets", DataTable).add_columns("bucket", "tenant", "role", "model", "entries", "hits", "verified", "rejected", "stale")
+        self.query_one("#cache-entries", DataTable).add_columns("id", "state", "hits", "question")
+        self.query_one("#trace-table", DataTable).add_columns("trace", "call", "tenant", "model", "cache", "time", "status")
+        self.query_one("#key-table", DataTable).add_columns("id", "tenant", "app", "user", "role", "admin", "state")
+        self.poll()
+        self.set_interval(self.interval_s, self.poll)
+
+    # -- data ----------------------------------------------------------------------------------
+
+    @work(exclusive=True, group="poll")
+    async def poll(self) -> None:
+        try:
+            text = await self.client.metrics()
+            budgets = await self.client.budgets()
+            self._connected(True)
+            sample = views.parse_metrics(text, time.monotonic())
+            previous = self.samples[-1] if self.samples else None
+            self.samples = (self.samples + [sample])[-120:]
+            shown = views.overview(sample, previous, budgets)
+            self.rates = (self.rates + [shown.tokens_per_s])[-60:]
+            self._render_overview(shown)
+            self._render_budgets(budgets)
+            active = self.query_one(TabbedContent).active
+            if active == "cache":
+                self._render_cache(await self.client.cache())
+            elif active == "traces":
+                self._render_traces(await self.client.traces())
+            elif active == "keys":
+                self._render_keys(await self.client.keys())
+        except httpx.HTTPError:
+            self._connected(False)
+        except AdminError as exc:
+            self.query_one("#status", Static).update(f"[b]{exc.message}[/b]")
+
+    def _connected(self, ok: bool) -> None:
+        status = self.query_one("#status", Static)
+        if ok:
+            status.update(f"connected to {self.client.base_url}")
+            status.set_class(False, "down")
+        else:
+            status.update(f"[b]server unreachable at {self.client.base_url}[/b]: retrying every {self.interval_s:g} s")
+            status.set_class(True, "down")
+        self.connected = ok
+
+    def _render_overview(self, o: views.Overview) -> None:
+        ms = lambda s: "–" if s is None else f"{s * 1000:.0f} ms"  # noqa: E731
+        pct = lambda v: "–" if v is None else f"{v:.0%}"  # noqa: E731
+        lines = [
+            f"requests/s {o.requests_per_s:6.2f}   tokens/s {o.tokens_per_s:7.1f}   errors/s {o.errors_per_s:5.2f}",
+            f"tokens/s   {views.sparkline(self.rates, 50)}",
+            f"TTFT p50 {ms(o.ttft_p50_s)}   p95 {ms(o.ttft_p95_s)}",
+            "",
+            "model                     slots  queue",
+            *[f"{m:<24} {busy:>6} {queue:>6}" for m, busy, queue in o.models],
+            "",
+            f"cache hit rate {pct(o.hit_rate)}   cost-weighted verified hit rate {pct(o.verified_cost_hit_rate)}",
+        ]
+        if o.global_limit_usd is not None:
+            lines.append(f"spend ${o.spend_today_usd or 0:.4f} of the global ${o.global_limit_usd:.2f} per {o.global_period}")
+        else:
+            lines.append(f"spend today ${o.spend_today_usd or 0:.4f} (no global budget)")
+        self.query_one("#overview-body", Static).update("\n".join(lines))
+
+    def _render_budgets(self, budgets: dict[str, Any]) -> None:
+        tree = self.query_one("#budget-tree", Tree)
+        root = views.budget_tree(budgets)
+        tree.clear()
+        tree.root.set_label(f"{root.label}: {root.detail}")
+
+        def add(parent: Any, node: views.BudgetNode) -> None:
+            branch = parent.add(f"{node.label}: {node.detail}", expand=True) if node.children else parent.add_leaf(f"{node.label}: {node.detail}")
+            for child in node.children:
+                add(branch, child)
+
+        for child in root.children:
+            add(tree.root, child)
+        tree.root.expand()
+
+    def _render_cache(self, stats: dict[str, Any]) -> None:
+        s = stats["since_start"]
+        rate = "–" if s["hit_rate"] is None else f"{s['hit_rate']:.0%}"
+        verified = "–" if s["cost_weighted_verified_hit_rate"] is None else f"{s['cost_weighted_verified_hit_rate']:.0%}"
+        self.query_one("#cache-summary", Static).update(
+            f"hits {s['lookups']['hit']:.0f}  misses {s['lookups']['miss']:.0f}  hit rate {rate}  verified cost-weighted {verified}  "
+            f"false hits {s['false_hits_reported']:.0f}")
+        _fill(self.query_one("#cache-buckets", DataTable), views.cache_rows(stats))
+
+    def _render_traces(self, traces: dict[str, Any]) -> None:
+        _fill(self.query_one("#trace-table", DataTable), views.trace_rows(traces, self.trace_filter))
+
+    def _render_keys(self, keys: dict[str, Any]) -> None:
+        _fill(self.query_one("#key-table", DataTable), views.key_rows(keys))
+
+    # -- actions -------------------------------------------------------------------------------
+
+    def action_show(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+        self.poll()
+
+    def action_refresh(self) -> None:
+        self.poll()
+
+    def action_ask(self, what: str) -> None:
+        prompt = self.query_one("#prompt", Input)
+        self.asking = what
+        prompt.placeholder = PROMPTS[what]
+        prompt.value = ""
+        prompt.disabled = False
+        prompt.remove_class("hidden")
+        prompt.focus()
+
+    def action_cancel_prompt(self) -> None:
+        prompt = self.query_one("#prompt", Input)
+        prompt.add_class("hidden")
+        prompt.disabled = True
+        self.asking = None
+
+    def action_cycle_filter(self) -> None:
+        self.trace_filter = {"all": "error", "error": "ok", "ok": "all"}[self.trace_filter]
+        self.notify(f"traces: {self.trace_filter}")
+        self.poll()
+
+    @on(Input.Submitted, "#prompt")
+    async def submitted(self, event: Input.Submitted) -> None:
+        what, words = self.asking, event.value.split()
+        self.action_cancel_prompt()
+        try:
+            if what == "key" and len(words) == 4:
+                made = await self.client.create_key(*words)
+                self.query_one("#key-secret", Static).update(f"new key {made['id']}, shown once: {made['secret']}")
+                self.action_show("keys")
+            elif what == "budget" and len(words) == 4:
+                level, name, usd, period = words
+                await self.client.set_budget(level, "*" if name == "-" else name, float(usd), period)
+                self.notify(f"{level} {name}: ${float(usd):g} per {period}")
+            elif what == "search" and words:
+                found = await self.client.cache_entries(" ".join(words))
+                self.entries = found["entries"]
+                _fill(self.query_one("#cache-entries", DataTable),
+                      [(str(e["id"]), e["state"], str(e["hits"]), e["question"][:60]) for e in self.entries])
+                self.action_show("cache")
+            else:
+                self.notify(f"expected: {PROMPTS.get(what or '', '')}", severity="warning")
+        except (AdminError, ValueError) as exc:
+            self.notify(str(exc), severity="error")
+        self.poll()
+
+    async def action_revoke(self) -> None:
+        table = self.query_one("#key-table", DataTable)
+        if self.query_one(TabbedContent).active != "keys" or table.row_count == 0:
+            return
+        key_id = str(table.get_row_at(table.cursor_row)[0])
+        try:
+            await self.client.revoke_key(key_id)
+            self.notify(f"revoked {key_id}")
+        except AdminError as exc:
+            self.notify(exc.message, severity="error")
+        self.poll()
+
+    async def action_invalidate(self) -> None:
+        table = self.query_one("#cache-buckets", DataTable)
+        if self.query_one(TabbedContent).active != "cache" or table.row_count == 0:
+            return
+        stats = await self.client.cache()
+        bucket = stats["buckets"][table.cursor_row]["bucket"]
+        done = await self.client.invalidate(bucket=bucket)
+        self.notify(f"invalidated {done['invalidated']} entries")
+        self.poll()
+
+    async def action_mark(self, state: str) -> None:
+        table = self.query_one("#cache-entries", DataTable)
+        if self.query_one(TabbedContent).active != "cache" or table.row_count == 0:
+            return
+        entry_id = int(str(table.get_row_at(table.cursor_row)[0]))
+        try:
+            await self.client.mark_entry(entry_id, state)
+            self.notify(f"entry {entry_id}: {state}")
+        except AdminError as exc:
+            self.notify(exc.message, severity="error")
+
+    @on(DataTable.RowSelected, "#trace-table")
+    async def open_trace(self, event: DataTable.RowSelected) -> None:
+        trace_id = str(event.data_table.get_row_at(event.cursor_row)[0])
+        try:
+            tree = await self.client.trace(trace_id)
+        except AdminError as exc:
+            self.notify(exc.message, severity="error")
+            return
+        self.query_one("#trace-timeline", Static).update("\n".join([f"trace {trace_id}", *views.timeline(tree, 30)]))
+
+    async def on_unmount(self) -> None:
+        await self.client.close()
+
+
+def _fill(table: DataTable, rows: list[tuple[str, ...]]) -> None:
+    """Replace the rows, keeping the cursor where it was."""
+    cursor = table.cursor_row
+    table.clear()
+    for row in rows:
+        table.add_row(*row)
+    if rows:
+        table.move_cursor(row=min(cursor, len(rows) - 1))
+
+
+def run(base_url: str, key: str | None) -> None:
+    ApplianceTUI(base_url, key).run()

@@ -1,0 +1,75 @@
+"""The admin HTTP API, as the TUI uses it: the same endpoints scripts use, so it works against a
+remote appliance too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class AdminClient:
+    def __init__(self, base_url: str, key: str | None, timeout: float = 10.0) -> None:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout)
+
+    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = await self._http.request(method, path, **kwargs)
+        if response.status_code >= 400:
+            try:
+                message = response.json()["error"]["message"]
+            except Exception:
+                message = response.text[:200]
+            raise AdminError(response.status_code, message)
+        return response.json()
+
+    async def health(self) -> dict[str, Any]:
+        return await self._json("GET", "/health")
+
+    async def metrics(self) -> str:
+        response = await self._http.get("/metrics")
+        response.raise_for_status()
+        return response.text
+
+    async def budgets(self) -> dict[str, Any]:
+        return await self._json("GET", "/admin/budgets")
+
+    async def set_budget(self, level: str, name: str, usd: float, period: str) -> dict[str, Any]:
+        return await self._json("PUT", "/admin/budgets", json={"level": level, "name": name, "usd": usd, "period": period})
+
+    async def cache(self) -> dict[str, Any]:
+        return await self._json("GET", "/admin/cache")
+
+    async def cache_entries(self, text: str) -> dict[str, Any]:
+        return await self._json("GET", "/admin/cache/entries", params={"q": text})
+
+    async def mark_entry(self, entry_id: int, state: str) -> dict[str, Any]:
+        return await self._json("POST", f"/admin/cache/entries/{entry_id}", json={"state": state})
+
+    async def invalidate(self, **which: str) -> dict[str, Any]:
+        return await self._json("POST", "/admin/cache/invalidate", json=which)
+
+    async def keys(self) -> dict[str, Any]:
+        return await self._json("GET", "/admin/keys")
+
+    async def create_key(self, tenant: str, app: str, user: str, role: str) -> dict[str, Any]:
+        return await self._json("POST", "/admin/keys", json={"tenant": tenant, "app": app, "user": user, "role": role})
+
+    async def revoke_key(self, key_id: str) -> dict[str, Any]:
+        return await self._json("DELETE", f"/admin/keys/{key_id}")
+
+    async def traces(self, limit: int = 100) -> dict[str, Any]:
+        return await self._json("GET", "/admin/traces", params={"limit": limit})
+
+    async def trace(self, trace_id: str) -> dict[str, Any]:
+        return await self._json("GET", f"/admin/traces/{trace_id}")
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+class AdminError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status, self.message = status, message

@@ -1,0 +1,207 @@
+"""What each screen shows, as pure functions of the admin API's answers: no IO, no widgets, so they
+are tested with plain values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One scrape of /metrics, reduced to what the overview needs."""
+
+    at: float
+    requests: float
+    errors: float
+    completion_tokens: float
+    ttft_buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count)
+    slots_busy: dict[str, float]
+    slots_total: dict[str, float]
+    queue: dict[str, float]
+    cache: dict[str, float]
+    cache_saved_verified: float
+    cache_request_cost: float
+
+
+def parse_metrics(text: str, at: float) -> Sample:
+    requests = errors = tokens = saved_verified = request_cost = 0.0
+    buckets: dict[float, float] = {}
+    busy: dict[str, float] = {}
+    total: dict[str, float] = {}
+    queue: dict[str, float] = {}
+    cache: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name, labels, value = s.name, s.labels, s.value
+            if name == "appliance_requests_total":
+                requests += value
+                if labels.get("status") not in ("ok", "cache_hit", "cancelled", "stop", "length"):
+                    errors += value
+            elif name == "appliance_completion_tokens_total":
+                tokens += value
+            elif name == "appliance_time_to_first_token_seconds_bucket":
+                bound = float(labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + value
+            elif name == "appliance_slots_busy":
+                busy[labels["model"]] = value
+            elif name == "appliance_slots_total":
+                total[labels["model"]] = value
+            elif name == "appliance_queue_depth":
+                queue[labels["model"]] = value
+            elif name == "appliance_cache_lookups_total":
+                cache[labels["result"]] = value
+            elif name == "appliance_cache_saved_nanousd_total" and labels.get("state") == "verified":
+                saved_verified += value
+            elif name == "appliance_cache_request_cost_nanousd_total":
+                request_cost += value
+    return Sample(at, requests, errors, tokens, tuple(sorted(buckets.items())), busy, total, queue, cache, saved_verified, request_cost)
+
+
+def quantile(buckets: tuple[tuple[float, float], ...], q: float) -> float | None:
+    """A histogram quantile (upper bound of the bucket it falls in), as Prometheus estimates one."""
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    target = q * buckets[-1][1]
+    for bound, count in buckets:
+        if count >= target:
+            return bound
+    return None
+
+
+def window(buckets_now: tuple[tuple[float, float], ...], buckets_then: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+    then = dict(buckets_then)
+    return tuple((b, c - then.get(b, 0.0)) for b, c in buckets_now)
+
+
+@dataclass(frozen=True)
+class Overview:
+    requests_per_s: float
+    tokens_per_s: float
+    errors_per_s: float
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    models: list[tuple[str, str, int]]  # (model, "busy/total", queue)
+    hit_rate: float | None
+    verified_cost_hit_rate: float | None
+    spend_today_usd: float | None
+    global_limit_usd: float | None
+    global_period: str | None
+
+
+def overview(now: Sample, then: Sample | None, budgets: dict[str, Any] | None) -> Overview:
+    dt = (now.at - then.at) if then is not None else 0.0
+    rate = (lambda a, b: max(0.0, (a - b) / dt)) if then is not None and dt > 0 else (lambda a, b: 0.0)
+    recent = window(now.ttft_buckets, then.ttft_buckets) if then is not None else now.ttft_buckets
+    if not recent or recent[-1][1] == 0:
+        recent = now.ttft_buckets  # nothing new: show since start
+    hits, misses = now.cache.get("hit", 0.0), now.cache.get("miss", 0.0)
+    spend = limit = period = None
+    if budgets is not None:
+        top = budgets.get("top_spenders_today", {}).get("tenant", [])
+        spend = sum(t["spent_usd"] for t in top)
+        for b in budgets.get("budgets", []):
+            if b["level"] == "global":
+                limit, period, spend = b["limit_usd"], b["period"], b["spent_usd"]
+    models = [(m, f"{int(now.slots_busy.get(m, 0))}/{int(now.slots_total.get(m, 0))}", int(now.queue.get(m, 0)))
+              for m in sorted(now.slots_total)]
+    return Overview(
+        requests_per_s=rate(now.requests, then.requests if then else 0),
+        tokens_per_s=rate(now.completion_tokens, then.completion_tokens if then else 0),
+        errors_per_s=rate(now.errors, then.errors if then else 0),
+        ttft_p50_s=quantile(recent, 0.5), ttft_p95_s=quantile(recent, 0.95), models=models,
+        hit_rate=hits / (hits + misses) if hits + misses else None,
+        verified_cost_hit_rate=now.cache_saved_verified / now.cache_request_cost if now.cache_request_cost else None,
+        spend_today_usd=spend, global_limit_usd=limit, global_period=period,
+    )
+
+
+@dataclass(frozen=True)
+class BudgetNode:
+    label: str
+    detail: str
+    children: list[BudgetNode] = field(default_factory=list)
+
+
+def budget_tree(budgets: dict[str, Any]) -> BudgetNode:
+    """global → tenants → apps → users, each with spend against its limit; reservations in flight."""
+    by_level: dict[str, list[dict[str, Any]]] = {}
+    for b in budgets.get("budgets", []):
+        by_level.setdefault(b["level"], []).append(b)
+
+    def line(b: dict[str, Any]) -> str:
+        held = f" (+${b['held_usd']:.4f} held)" if b["held_usd"] else ""
+        return f"${b['spent_usd']:.4f} of ${b['limit_usd']:.2f} per {b['period']}{held}"
+
+    glob = next(iter(by_level.get("global", [])), None)
+    root = BudgetNode("global", line(glob) if glob else "no limit")
+    for level in ("tenant", "app", "user"):
+        group = BudgetNode(f"{level}s", f"{len(by_level.get(level, []))} with a limit")
+        group.children.extend(BudgetNode(b["name"], line(b)) for b in by_level.get(level, []))
+        root.children.append(group)
+    reservations = budgets.get("reservations", [])
+    flight = BudgetNode("in flight", f"{len(reservations)} reservation{'s' if len(reservations) != 1 else ''}")
+    flight.children.extend(BudgetNode(r["request_id"], f"{r['tenant']}/{r['user']} ${r['amount_usd']:.6f}") for r in reservations[:20])
+    root.children.append(flight)
+    return root
+
+
+def key_rows(keys: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [(k["id"], k["tenant"], k["app"], k["user"], k["role"], "admin" if k["admin"] else "",
+             "revoked" if k["revoked_at"] else "active") for k in keys.get("keys", [])]
+
+
+def trace_rows(traces: dict[str, Any], status: str = "all", text: str = "") -> list[tuple[str, ...]]:
+    """Newest first; `status` all|ok|error, `text` matched against tenant and model."""
+    rows = []
+    for t in traces.get("traces", []):
+        attributes = t["attributes"]
+        if status == "error" and not t["error"] or status == "ok" and t["error"]:
+            continue
+        tenant, model = str(attributes.get("tenant", "")), str(attributes.get("model", ""))
+        if text and text.lower() not in f"{tenant} {model}".lower():
+            continue
+        rows.append((t["trace_id"], t["name"], tenant, model, str(attributes.get("cache.result", "")),
+                     f"{t['duration_ms']:.0f} ms", "error" if t["error"] else "ok"))
+    return rows
+
+
+def timeline(tree: dict[str, Any], width: int = 40) -> list[str]:
+    """A trace's spans as indented bars on one time axis."""
+    spans: list[tuple[int, dict[str, Any]]] = []
+
+    def walk(nodes: list[dict[str, Any]], depth: int) -> None:
+        for node in nodes:
+            spans.append((depth, node))
+            walk(node["children"], depth + 1)
+
+    walk(tree["spans"], 0)
+    if not spans:
+        return []
+    start = min(n["start_ns"] for _, n in spans)
+    end = max(n["start_ns"] + n["duration_ms"] * 1e6 for _, n in spans)
+    total = max(1.0, end - start)
+    lines = []
+    for depth, node in spans:
+        left = int((node["start_ns"] - start) / total * width)
+        length = max(1, int(node["duration_ms"] * 1e6 / total * width))
+        bar = " " * left + "█" * min(length, width - left)
+        lines.append(f"{'  ' * depth}{node['name']:<{24 - 2 * depth}} {bar:<{width}} {node['duration_ms']:8.1f} ms"
+                     + (" ✗" if node["error"] else ""))
+    return lines
+
+
+def cache_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [(b["bucket"][:12], b["tenant"], b["role"], b["model"], str(b["entries"]), str(b["hits"] or 0),
+             str(b["verified"] or 0), str(b["rejected"] or 0), str(b["stale"] or 0)) for b in stats.get("buckets", [])]
+
+
+def sparkline(values: list[float], width: int = 30) -> str:
+    bars = "▁▂▃▄▅▆▇█"
+    values = values[-width:]
+    if not values:
+        return ""
+    top = max(values) or 1.0
+    return "".join(bars[min(len(bars) - 1, int(v / top * (len(bars) - 1)))] for v in values)
