@@ -116,3 +116,40 @@ def test_views_are_plain_functions() -> None:
     rows = views.trace_rows({"traces": [{"trace_id": "t", "name": "chat.completions", "duration_ms": 5, "error": True,
                                          "attributes": {"tenant": "acme", "model": "m"}}]}, "ok")
     assert rows == []
+
+
+def test_the_tui_in_tmux_as_a_person_would(served: Server) -> None:
+    """The real command in a real terminal: keys sent with send-keys, the screen read back."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    session = f"appliance-tui-{os.getpid()}"
+    command = f"cd {ROOT} && {sys.executable} -m appliance.cli tui --url {served.base_url}"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", command], check=True)
+
+    def screen() -> str:
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+
+    def wait_for(text: str) -> str:
+        deadline = time.monotonic() + 20
+        while text not in (shown := screen()):
+            assert time.monotonic() < deadline, f"{text!r} never appeared:\n{shown}"
+            time.sleep(0.2)
+        return shown
+
+    try:
+        shown = wait_for("connected to")
+        assert CHAT_MODEL in wait_for(CHAT_MODEL) and "requests/s" in shown
+        subprocess.run(["tmux", "send-keys", "-t", session, "5"], check=True)
+        wait_for("role")  # the keys table's header
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        deadline = time.monotonic() + 10
+        while subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "q did not quit"
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
