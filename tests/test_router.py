@@ -78,7 +78,7 @@ SYSTEM_PAD = "You are a helpful assistant for the Example Company. " * 22  # lea
 
 
 def router_config(collector_port: int) -> str:
-    text = config_text(embeddings=False, auth="keys", price_in=3.0, price_out=6.0,
+    text = config_text(embeddings=False, auth="keys", price_in=3.0, price_out=6.0, cache="enabled = true\nsweep_interval_s = 0",
                        extra=f'[tracing]\nenabled = true\notlp_endpoint = "http://127.0.0.1:{collector_port}/v1/traces"\nexport_interval_ms = 100\n')
     text = text.replace('[auth]\nmode = "keys"\n\n[auth.open_principal]\nadmin = true\n', '[auth]\nmode = "keys"\n')
     for alias, ctx, price in (("tier-small", 256, 0.1), ("tier-mid", 1024, 1.0)):
@@ -131,10 +131,11 @@ def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, d
     collector.close()
 
 
-def ask(server: Server, key: str, content: str, model: str = "auto", system: str | None = None, **extra: object) -> httpx.Response:
+def ask(server: Server, key: str, content: str, model: str = "auto", system: str | None = None, headers: dict[str, str] | None = None,
+        **extra: object) -> httpx.Response:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
     return httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": model, "messages": messages, "temperature": 0, **extra},
-                      headers={"Authorization": f"Bearer {key}"}, timeout=180)
+                      headers={"Authorization": f"Bearer {key}", **(headers or {})}, timeout=180)
 
 
 def settled(server: Server, request_id: str, count: int, timeout: float = 10.0) -> list[tuple]:
@@ -264,3 +265,24 @@ def test_a_slow_attempt_is_abandoned_and_its_slot_freed(routed: tuple[Server, di
     rows = settled(server, response.json()["id"], 2)
     assert [r[2] for r in rows] == ["cancelled", "cancelled"]
     time.sleep(1.1)  # let the cooldown pass for the tests after this one
+
+
+def test_a_routed_answer_is_cached_for_the_route(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, _ = routed
+    first = ask(server, keys["dev"], "What is the opposite of cold?", max_tokens=8)
+    assert first.headers["x-cache"] == "miss" and first.headers["x-route-model"] == "tier-small"
+    deadline = time.monotonic() + 10
+    while (again := ask(server, keys["dev"], "What's the opposite of cold?", max_tokens=8)).headers["x-cache"] != "hit":
+        assert time.monotonic() < deadline, again.headers
+        time.sleep(0.1)
+    assert again.headers["x-route"] == "auto"
+    assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    fresh = ask(server, keys["dev"], "What is the opposite of cold?", max_tokens=8, headers=None)
+    assert fresh.headers["x-cache"] == "hit"
+    bypass = httpx.post(f"{server.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {keys['dev']}", "Cache-Control": "no-cache"},
+                        json={"model": "auto", "messages": [{"role": "user", "content": "What is the opposite of cold?"}], "max_tokens": 8, "temperature": 0},
+                        timeout=60)
+    assert bypass.headers["x-cache"] == "bypass" and bypass.headers["x-route-model"] == "tier-small"
+    feedback = httpx.post(f"{server.base_url}/v1/cache/feedback", json={"response_id": first.json()["id"], "rating": "good"},
+                          headers={"Authorization": f"Bearer {keys['dev']}"})
+    assert feedback.status_code == 200

@@ -20,6 +20,7 @@ from appliance.api.translate import Prepared, chat_messages
 from appliance.registry import LoadedModel
 from appliance.semantic_cache import Lookup, model_version
 from appliance.services import Services, price_of
+from appliance.settings import RouteSettings
 from engines.base import FinishEvent, Usage
 from policy.cache import Cacheable, NotCacheable, classify
 from policy.identity import Principal
@@ -84,6 +85,42 @@ def cache_plan(header: str | None, services: Services, principal: Principal, bod
         tenant=principal.tenant, role=principal.role, model=model.settings.alias, model_version=model_version(model.settings),
         messages=chat_messages(body), settings=settings, temperature=sampling.temperature, n=body.n or 1,
         wants_logprobs=body.logprobs, has_tools=bool(body.tools), policy=cache.policy,
+    )
+    if isinstance(decision, NotCacheable):
+        services.metrics.cache_lookups.labels("bypass").inc()
+        return CachePlan(None, False, False, decision.reason)
+    read, write = "no-cache" not in directives, "no-store" not in directives
+    if not read:
+        services.metrics.cache_lookups.labels("bypass").inc()
+    return CachePlan(decision, read, write)
+
+
+def route_cache_plan(header: str | None, services: Services, principal: Principal, body: ChatCompletionRequest,
+                     route: RouteSettings) -> CachePlan:
+    """A routed request's place in the cache: its bucket names the route and a digest of its tiers'
+    versions, so any tier's validated answer serves the same question, and changing the fleet
+    changes the bucket."""
+    directives = set(_DIRECTIVE.findall((header or "").lower()))
+    if not services.cache.ready:
+        services.metrics.cache_lookups.labels("bypass").inc()
+        return CachePlan(None, False, False, "disabled")
+    defaults = services.settings.defaults
+    temperature = defaults.temperature if body.temperature is None else body.temperature
+    settings = {
+        "endpoint": "chat", "route": route.alias,
+        "max_tokens": body.max_completion_tokens or body.max_tokens or defaults.max_tokens,
+        "stop": body.stop, "temperature": temperature, "top_p": defaults.top_p if body.top_p is None else body.top_p,
+        "seed": body.seed,
+        "response_format": msgspec.to_builtins(body.response_format) if body.response_format is not None else None,
+    }
+    versions = []
+    for alias in route.tiers:
+        model = services.registry.get(alias)
+        versions.append(f"{alias}={model_version(model.settings) if model else '?'}")
+    decision = classify(
+        tenant=principal.tenant, role=principal.role, model=route.alias, model_version=";".join(versions),
+        messages=chat_messages(body), settings=settings, temperature=temperature, n=body.n or 1,
+        wants_logprobs=body.logprobs, has_tools=bool(body.tools), policy=services.cache.policy,
     )
     if isinstance(decision, NotCacheable):
         services.metrics.cache_lookups.labels("bypass").inc()

@@ -19,7 +19,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from appliance.api import render
-from appliance.api.cached import replay
+from appliance.api.cached import replay, route_cache_plan, serve_hit
 from appliance.api.errors import APIError
 from appliance.api.schemas import ChatCompletionRequest
 from appliance.api.translate import Prepared, chat_messages, prepare_chat
@@ -82,6 +82,22 @@ def _role_bounds(route: RouteSettings, role: str) -> tuple[int | None, int | Non
 async def routed_chat(request: Request[Any, Any, Any], services: Services, principal: Principal, body: ChatCompletionRequest,
                       route: RouteSettings, request_id: str, traced: RequestTrace) -> Response[Any]:
     started = time.time()
+    plan = route_cache_plan(request.headers.get("cache-control"), services, principal, body, route)
+    if plan.read and plan.item is not None:
+        with traced.child("cache.lookup", cache__bucket=plan.item.bucket.key) as span:
+            found = await services.cache.lookup(plan.item, span=span)
+            annotate(span, cache__result="hit" if found.entry is not None else "miss", cache__similarity=found.similarity,
+                     cache__reason=found.reason)
+        if found.entry is not None:
+            first = services.registry.get(route.tiers[0])
+            assert first is not None
+            prepared = prepare_chat(body, first, services.settings.defaults, request_id)
+            traced.annotate(cache__result="hit", route__model="cache")
+            response = await serve_hit(services, principal, first, prepared, found, body.stream, body.stream_options)
+            response.headers["x-route"] = route.alias
+            return response
+        plan = dataclasses.replace(plan, lookup=found)
+    cache_headers = plan.headers()
     messages = chat_messages(body)
     wants_json = body.response_format is not None and body.response_format.type in ("json_object", "json_schema")
     schema = None
@@ -123,9 +139,13 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
             services.metrics.route_answers.labels(route.alias, alias).inc()
             traced.annotate(route__model=alias, route__tier=index, route__attempts=len(attempts),
                             gen_ai__response__model=alias, gen_ai__usage__output_tokens=finish.usage.completion_tokens)
+            as_answered = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, id=request_id))
+            remember = plan.remember(services, model, as_answered)
+            if remember is not None:
+                remember(text, finish)
             return _respond(prepared, model.settings.alias, text, logprobs, finish, body, request_id, started,
                             {"x-route": route.alias, "x-route-model": alias, "x-route-tier": str(index),
-                             "x-route-attempts": json.dumps(attempts)})
+                             "x-route-attempts": json.dumps(attempts), **cache_headers})
     if attempts and all(a["outcome"] == "context too small" for a in attempts):
         assert too_long is not None
         raise too_long  # no tier can take this prompt: the caller's to shorten, not a default's to paper over
