@@ -106,11 +106,12 @@ def run(base_url: str, key: str, route: str, tiers: list[str], prices: dict[str,
                 served = response.headers.get("x-route-model") or ("default" if response.headers.get("x-route-default") else data["model"])
                 target.models[served] = target.models.get(served, 0) + 1
                 target.correct += same_number(extract(data["choices"][0]["message"]["content"]), gold)
-                # A routed answer also paid for its failed attempts: x-route-attempts lists them, but
-                # their usage is not in the body, so the router's cost here is a lower bound.
+                # A routed answer also paid for its failed attempts (and its classifier call is settled
+                # apart): x-route-cost-nanousd sums every attempt.
                 usage = data["usage"]
                 price = prices.get(served) or prices.get(data["model"]) or Price(0, 0)
-                target.cost_nanos += price.cost(usage["prompt_tokens"], usage["completion_tokens"])
+                routed_cost = response.headers.get("x-route-cost-nanousd")
+                target.cost_nanos += int(routed_cost) if routed_cost is not None else price.cost(usage["prompt_tokens"], usage["completion_tokens"])
             if progress is not None:
                 progress(i + 1)
     n = len(questions)

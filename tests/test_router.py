@@ -183,6 +183,7 @@ def test_a_failed_validation_escalates_and_each_attempt_pays_for_itself(routed: 
     json.loads(response.json()["choices"][0]["message"]["content"])
     rows = settled(server, response.json()["id"], len(attempts))
     assert [r[1] for r in rows] == [a["model"] for a in attempts]
+    assert int(response.headers["x-route-cost-nanousd"]) == sum(r[3] for r in rows)
     assert all(r[3] > 0 for r in rows), rows  # the failed attempt was charged for what it generated
     assert rows[0][2] == "length" and rows[-1][2] == "stop"
     spans = spans_of(collector, response.headers["x-trace-id"])

@@ -121,6 +121,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     last = len(route.tiers) - 1
     top = min(last, ceiling) if ceiling is not None else last
     attempts: list[dict[str, Any]] = []
+    spent: list[int] = []  # each model attempt's cost, failed ones included
     too_long: APIError | None = None
     for index in range(bounded, top + 1):
         alias = route.tiers[index]
@@ -130,7 +131,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
         model = services.registry.get(alias)
         assert model is not None  # settings checked the tiers
         outcome = await _attempt(request, services, principal, body, model, route, f"{request_id}.{len(attempts) + 1}",
-                                 index, traced, schema, wants_json)
+                                 index, traced, schema, wants_json, spent)
         attempts.append({"model": alias, "outcome": outcome[0]})
         if outcome[0] == "context too small":
             too_long = outcome[1]
@@ -145,7 +146,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
                 remember(text, finish)
             return _respond(prepared, model.settings.alias, text, logprobs, finish, body, request_id, started,
                             {"x-route": route.alias, "x-route-model": alias, "x-route-tier": str(index),
-                             "x-route-attempts": json.dumps(attempts), **cache_headers})
+                             "x-route-attempts": json.dumps(attempts), "x-route-cost-nanousd": str(sum(spent)), **cache_headers})
     if attempts and all(a["outcome"] == "context too small" for a in attempts):
         assert too_long is not None
         raise too_long  # no tier can take this prompt: the caller's to shorten, not a default's to paper over
@@ -157,12 +158,13 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     prepared = prepare_chat(body, model, services.settings.defaults, request_id)
     finish = FinishEvent("stop", Usage(len(prepared.request.prompt_tokens), 0))
     return _respond(prepared, route.alias, route.default_response, [], finish, body, request_id, started,
-                    {"x-route": route.alias, "x-route-default": "true", "x-route-attempts": json.dumps(attempts)})
+                    {"x-route": route.alias, "x-route-default": "true", "x-route-attempts": json.dumps(attempts),
+                     "x-route-cost-nanousd": str(sum(spent))})
 
 
 async def _attempt(request: Request[Any, Any, Any], services: Services, principal: Principal, body: ChatCompletionRequest,
                    model: LoadedModel, route: RouteSettings, attempt_id: str, index: int, traced: RequestTrace,
-                   schema: dict | None, wants_json: bool) -> tuple:
+                   schema: dict | None, wants_json: bool, spent: list[int]) -> tuple:
     """One tier: reserve, generate (with log-probabilities when confidence is checked), settle,
     validate. Returns ("ok", prepared, text, logprobs, finish) or (why it failed,)."""
     from appliance.api.openai_routes import _admit_and_start, _collect, _until_disconnect
@@ -211,7 +213,9 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
             verdict: Verdict = validate(collected.text, finish.reason, token_logprobs, schema, wants_json, route.min_confidence,
                                         route.max_repetition)
             annotate(check, ok=verdict.ok, reason=verdict.reason, confidence=verdict.confidence)
-        annotate(span, outcome=verdict.reason, cost__nanousd=price_of(model).cost(usage.prompt_tokens, usage.completion_tokens))
+        cost = price_of(model).cost(usage.prompt_tokens, usage.completion_tokens)
+        spent.append(cost)
+        annotate(span, outcome=verdict.reason, cost__nanousd=cost)
         if not verdict.ok:
             services.metrics.route_escalations.labels(model.settings.alias, verdict.reason.split(":")[0].split(" ")[0]).inc()
             return (verdict.reason,)
