@@ -81,7 +81,7 @@ def test_a_miss_and_a_hit_are_traced_with_their_steps(tmp_path: Path, collector:
         assert first["attributes"]["completion_tokens"] == miss.json()["usage"]["completion_tokens"]
         assert second["attributes"]["cache.result"] == "hit"
         children = {s["name"]: s for s in collector.spans if s["parent"] == first["id"]}
-        assert {"cache.lookup", "budget.reserve", "engine.generate"} <= set(children)
+        assert {"auth", "cache.lookup", "budget.reserve", "engine.generate", "budget.settle", "cache.store"} <= set(children)
         assert children["engine.generate"]["attributes"]["finish_reason"] in ("stop", "length")
         lookups = [s for s in collector.spans if s["name"] == "cache.lookup" and s["parent"] == second["id"]]
         assert lookups and lookups[0]["attributes"]["cache.similarity"] == 1.0

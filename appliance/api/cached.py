@@ -42,7 +42,8 @@ class CachePlan:
             headers["x-cache-reason"] = self.lookup.reason
         return headers
 
-    def remember(self, services: Services, model: LoadedModel, prepared: Prepared) -> Callable[[str, FinishEvent], None] | None:
+    def remember(self, services: Services, model: LoadedModel, prepared: Prepared,
+                 traced: Any = None) -> Callable[[str, FinishEvent], None] | None:
         """What to do with the answer once the model has given it."""
         item, lookup = self.item, self.lookup
         if item is None:
@@ -54,6 +55,9 @@ class CachePlan:
             if self.read:
                 services.cache.count_miss(cost, lookup.reason if lookup else "")
             if self.write:
+                if traced is not None:
+                    with traced.child("cache.store", cache__bucket=item.bucket.key, completion_tokens=finish.usage.completion_tokens):
+                        pass  # queued to the cache's store thread
                 services.cache.remember(item, lookup.vector if lookup else None, text, finish.reason, finish.usage.prompt_tokens,
                                         finish.usage.completion_tokens, cost, prepared.request.id, prepared.prompt_text,
                                         prepared.request.max_tokens, prepared.request.stop)

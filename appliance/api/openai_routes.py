@@ -133,7 +133,8 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     traced = RequestTrace(services.tracing, "chat.completions", request__id=request_id)
     try:
-        principal = await authenticate(request, services)
+        with traced.child("auth"):
+            principal = await authenticate(request, services)
         _annotate_principal(traced, principal)
         body = decode_body(await request.body(), ChatCompletionRequest)
         guard(services, traced, [m.get("content", "") for m in chat_messages(body) if m.get("role") == "user"])
@@ -222,7 +223,7 @@ async def _respond(
     prompt_len = len(prepared.request.prompt_tokens)
     admission.progress = lambda: (prompt_len, events.tokens_pushed)
     fmt = render.Formatter(kind, prepared, model.settings.alias, created)
-    remember = plan.remember(services, model, prepared) if plan is not None else None
+    remember = plan.remember(services, model, prepared, traced) if plan is not None else None
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
         return Stream(
@@ -289,6 +290,8 @@ def _finish(
         outcome = "cancelled"
         services.record(fmt.prepared, model, fmt.kind, started, None, "cancelled", admission.principal, completion)
     services.gate.settle(admission, prompt, completion, outcome)
+    with traced.child("budget.settle", outcome=outcome, prompt_tokens=prompt, completion_tokens=completion, reserved=admission.reserved):
+        pass  # the write itself is queued to the store thread; this marks what was settled, and when
     if traced.engine is not None:
         annotate(traced.engine, completion_tokens=completion, finish_reason=outcome,
                  cached_prompt_tokens=finish.usage.cached_prompt_tokens if finish else None,

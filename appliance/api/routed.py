@@ -141,7 +141,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
             traced.annotate(route__model=alias, route__tier=index, route__attempts=len(attempts),
                             gen_ai__response__model=alias, gen_ai__usage__output_tokens=finish.usage.completion_tokens)
             as_answered = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, id=request_id))
-            remember = plan.remember(services, model, as_answered)
+            remember = plan.remember(services, model, as_answered, traced)
             if remember is not None:
                 remember(text, finish)
             return _respond(prepared, model.settings.alias, text, logprobs, finish, body, request_id, started,
@@ -204,6 +204,9 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
         finally:
             usage = finish.usage if finish is not None else Usage(len(engine_view.request.prompt_tokens), events.tokens_pushed)
             services.gate.settle(admission, usage.prompt_tokens, usage.completion_tokens, finish.reason if finish else "cancelled")
+            with traced.child("budget.settle", attempt__id=attempt_id, prompt_tokens=usage.prompt_tokens,
+                              completion_tokens=usage.completion_tokens, outcome=finish.reason if finish else "cancelled"):
+                pass
             services.record(engine_view, model, "chat", started, finish, None if finish else "cancelled", principal, usage.completion_tokens)
             if traced.engine is not None:
                 annotate(traced.engine, gen_ai__usage__input_tokens=usage.prompt_tokens, gen_ai__usage__output_tokens=usage.completion_tokens,
