@@ -101,7 +101,10 @@ def test_traces_are_kept_in_the_database_and_read_back(tmp_path: Path) -> None:
         trace_id = response.headers["x-trace-id"]
         assert len(trace_id) == 32
         deadline = time.monotonic() + 15
-        while (found := httpx.get(f"{server.base_url}/admin/traces/{trace_id}", timeout=10)).status_code == 404:
+        while True:  # children are exported before their root ends: wait for the whole tree
+            found = httpx.get(f"{server.base_url}/admin/traces/{trace_id}", timeout=10)
+            if found.status_code == 200 and [s["name"] for s in found.json()["spans"]] == ["chat.completions"]:
+                break
             assert time.monotonic() < deadline, found.text
             time.sleep(0.1)
         tree = found.json()
