@@ -11,10 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,6 +22,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import appliance_server  # noqa: E402
 from appliance.store.db import connect, migrate  # noqa: E402
 from appliance.store.worker import StoreWorker  # noqa: E402
 from policy.budgets import Price, Reserve, ReservationPolicy  # noqa: E402
@@ -91,15 +88,11 @@ async def roundtrip(path: Path, n: int) -> list[float]:
     return times
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 CONFIG = """
 [auth]
 mode = "keys"
+[cache]
+enabled = false  # every request must reach the model: this measures the ledger, not cache hits
 [budgets]
 enabled = {enabled}
 [defaults]
@@ -119,31 +112,12 @@ class Served:
     """One `appliance serve` on the bundled model with a key; budgets set at all four levels when on."""
 
     def __init__(self, enabled: bool, workdir: Path) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        cfg = workdir / "models.toml"
-        cfg.write_text(CONFIG.format(enabled=str(enabled).lower()))
-        env = {**os.environ, "APPLIANCE_HOME": str(workdir / "home")}
-        cli = [sys.executable, "-m", "appliance.cli"]
-        created = subprocess.run([*cli, "keys", "create", "--tenant", "acme", "--app", "web", "--user", "ann", "--role", "dev",
-                                  "--config", str(cfg)], env=env, capture_output=True, text=True, check=True)
-        self.secret = created.stdout.strip().splitlines()[-1]
+        appliance_server.write_config(workdir, CONFIG.format(enabled=str(enabled).lower()))
+        self.secret = appliance_server.cli(workdir, "keys", "create", "--tenant", "acme", "--app", "web", "--user", "ann",
+                                           "--role", "dev").strip().splitlines()[-1]
         for level, name in (("user", "ann"), ("tenant", "acme"), ("app", "web"), ("global", "")):
-            subprocess.run([*cli, "budgets", "set", level, *([name] if name else []), "--usd", "1000", "--period", "month",
-                            "--config", str(cfg)], env=env, capture_output=True, check=True)
-        port = free_port()
-        self.proc = subprocess.Popen([*cli, "serve", "--config", str(cfg), "--port", str(port)], env=env, cwd=ROOT,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("server did not start")
-            time.sleep(0.2)
+            appliance_server.cli(workdir, "budgets", "set", level, *([name] if name else []), "--usd", "1000", "--period", "month")
+        self.proc, self.base = appliance_server.start(workdir)
         self.client = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {self.secret}"}, timeout=30)
 
     def one(self) -> float:
@@ -156,8 +130,7 @@ class Served:
 
     def close(self) -> None:
         self.client.close()
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=30)
+        appliance_server.stop(self.proc)
 
 
 def http_pair(n: int, workdir: Path) -> tuple[list[float], list[float]]:

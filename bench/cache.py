@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +19,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import appliance_server  # noqa: E402
 from appliance.semantic_cache import bundled_minilm  # noqa: E402
 from appliance.store.db import connect, migrate  # noqa: E402
 from policy.cache import Bucket, CachePolicy, judge_candidates, question_hash  # noqa: E402
@@ -78,12 +75,6 @@ def lookups(store: CacheStore, keys: list[str], n: int, rng: np.random.Generator
     return times
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 CONFIG = """
 [auth]
 mode = "open"
@@ -99,24 +90,9 @@ threads = 2
 
 
 def http(n: int, workdir: Path, max_tokens: int) -> dict[str, list[float]]:
-    cfg = workdir / "models.toml"
-    cfg.write_text(CONFIG)
-    port = free_port()
-    env = {**os.environ, "APPLIANCE_HOME": str(workdir / "home")}
-    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--config", str(cfg), "--port", str(port)],
-                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
+    appliance_server.write_config(workdir, CONFIG)
+    proc, base = appliance_server.start(workdir)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("server did not start")
-            time.sleep(0.2)
         client = httpx.Client(base_url=base, timeout=60)
 
         def ask(question: str, headers: dict[str, str] | None = None) -> tuple[float, str]:
@@ -142,8 +118,7 @@ def http(n: int, workdir: Path, max_tokens: int) -> dict[str, list[float]]:
             out["model call (no-cache)"].append(elapsed)
         return out
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        appliance_server.stop(proc)
 
 
 def main() -> int:

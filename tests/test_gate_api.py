@@ -258,11 +258,10 @@ def test_a_client_gone_mid_stream_pays_for_the_tokens_generated_and_no_more(gate
     server.wait_idle()
 
 
-def test_kill_9_mid_stream_leaves_nothing_held_after_the_lease(tmp_path: Path) -> None:
-    workdir = tmp_path / "crash"
-    server = start_server(workdir, gate_config(lease_s=2.0))
-    key = new_key(server, "t-crash")
-    started = threading.Barrier(4)
+def long_streams(server: Server, key: str, count: int) -> list[threading.Thread]:
+    """`count` long streamed requests, returned once every one has its first tokens (and so its
+    reservation); each thread ends when its stream does, or breaks."""
+    started = threading.Barrier(count + 1)
     body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Count from one to five hundred."}],
             "max_tokens": 1000, "temperature": 0, "stream": True}
 
@@ -276,10 +275,17 @@ def test_kill_9_mid_stream_leaves_nothing_held_after_the_lease(tmp_path: Path) -
         except (httpx.HTTPError, threading.BrokenBarrierError):
             pass
 
-    threads = [threading.Thread(target=stream) for _ in range(3)]
+    threads = [threading.Thread(target=stream) for _ in range(count)]
     for t in threads:
         t.start()
     started.wait(timeout=30)
+    return threads
+
+
+def test_kill_9_mid_stream_leaves_nothing_held_after_the_lease(tmp_path: Path) -> None:
+    workdir = tmp_path / "crash"
+    server = start_server(workdir, gate_config(lease_s=2.0))
+    threads = long_streams(server, new_key(server, "t-crash"), 3)
     assert db(server).execute("SELECT count(*) FROM reservations").fetchone()[0] == 3
     server.process.send_signal(signal.SIGKILL)
     server.process.wait()
@@ -319,25 +325,7 @@ def test_sigterm_mid_stream_loses_no_spend(tmp_path: Path) -> None:
     workdir = tmp_path / "term"
     config = gate_config().replace("[server]\n", "[server]\nshutdown_grace_s = 1\n")
     server = start_server(workdir, config)
-    key = new_key(server, "t-term")
-    started = threading.Barrier(3)
-    body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Count from one to five hundred."}],
-            "max_tokens": 1000, "temperature": 0, "stream": True}
-
-    def stream() -> None:
-        try:
-            with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body,
-                              headers={"Authorization": f"Bearer {key}"}, timeout=60) as r:
-                for n, _ in enumerate(r.iter_lines()):
-                    if n == 3:
-                        started.wait(timeout=30)
-        except (httpx.HTTPError, threading.BrokenBarrierError):
-            pass
-
-    threads = [threading.Thread(target=stream) for _ in range(2)]
-    for t in threads:
-        t.start()
-    started.wait(timeout=30)
+    threads = long_streams(server, new_key(server, "t-term"), 2)
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
     for t in threads:

@@ -71,8 +71,7 @@ _DIRECTIVE = re.compile(r"[a-z-]+")
 def cache_plan(header: str | None, services: Services, principal: Principal, body: ChatCompletionRequest, model: LoadedModel,
                prepared: Prepared) -> CachePlan:
     directives = set(_DIRECTIVE.findall((header or "").lower()))
-    cache = services.cache
-    if not cache.ready:
+    if not services.cache.ready:
         services.metrics.cache_lookups.labels("bypass").inc()
         return CachePlan(None, False, False, "disabled")
     sampling = prepared.request.sampling
@@ -85,10 +84,15 @@ def cache_plan(header: str | None, services: Services, principal: Principal, bod
         "seed": sampling.seed,
         "response_format": msgspec.to_builtins(body.response_format) if body.response_format is not None else None,
     }
+    return _plan(services, directives, principal, body, model.settings.alias, model_version(model.settings), settings, sampling.temperature)
+
+
+def _plan(services: Services, directives: set[str], principal: Principal, body: ChatCompletionRequest, model: str,
+          version: str, settings: dict[str, Any], temperature: float) -> CachePlan:
     decision = classify(
-        tenant=principal.tenant, role=principal.role, model=model.settings.alias, model_version=model_version(model.settings),
-        messages=chat_messages(body), settings=settings, temperature=sampling.temperature, n=body.n or 1,
-        wants_logprobs=body.logprobs, has_tools=bool(body.tools), policy=cache.policy,
+        tenant=principal.tenant, role=principal.role, model=model, model_version=version, messages=chat_messages(body),
+        settings=settings, temperature=temperature, n=body.n or 1, wants_logprobs=body.logprobs, has_tools=bool(body.tools),
+        policy=services.cache.policy,
     )
     if isinstance(decision, NotCacheable):
         services.metrics.cache_lookups.labels("bypass").inc()
@@ -121,18 +125,7 @@ def route_cache_plan(header: str | None, services: Services, principal: Principa
     for alias in route.tiers:
         model = services.registry.get(alias)
         versions.append(f"{alias}={model_version(model.settings) if model else '?'}")
-    decision = classify(
-        tenant=principal.tenant, role=principal.role, model=route.alias, model_version=";".join(versions),
-        messages=chat_messages(body), settings=settings, temperature=temperature, n=body.n or 1,
-        wants_logprobs=body.logprobs, has_tools=bool(body.tools), policy=services.cache.policy,
-    )
-    if isinstance(decision, NotCacheable):
-        services.metrics.cache_lookups.labels("bypass").inc()
-        return CachePlan(None, False, False, decision.reason)
-    read, write = "no-cache" not in directives, "no-store" not in directives
-    if not read:
-        services.metrics.cache_lookups.labels("bypass").inc()
-    return CachePlan(decision, read, write)
+    return _plan(services, directives, principal, body, route.alias, ";".join(versions), settings, temperature)
 
 
 def _pieces(text: str) -> list[str]:

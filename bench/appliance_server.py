@@ -1,0 +1,59 @@
+"""Start and stop `appliance serve` for a bench: a config written to a work folder, its own data
+directory, a free port, and a wait until /health answers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cli(workdir: Path, *args: str) -> str:
+    """An `appliance` command against the work folder's config and data directory."""
+    env = {**os.environ, "APPLIANCE_HOME": str(workdir / "home")}
+    done = subprocess.run([sys.executable, "-m", "appliance.cli", *args, "--config", str(workdir / "models.toml")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def write_config(workdir: Path, config: str) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "models.toml").write_text(config)
+
+
+def start(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, "APPLIANCE_HOME": str(workdir / "home")}
+    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--config", str(workdir / "models.toml"), "--port", str(port)],
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError("the appliance did not start")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
