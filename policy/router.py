@@ -31,6 +31,7 @@ class Features:
     turns: int  # earlier conversation turns
     non_ascii_ratio: float
     injection: bool  # text that poses as instructions to the system (recorded; buys nothing)
+    word_problem: bool = False  # several stated quantities and a question about a quantity: multi-step arithmetic
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ _CODE = re.compile(r"```|\bdef |\bclass |\bfunction\b|\breturn\b|=>|[{};]\s*$|\b
 _MATH_WORDS = re.compile(
     r"\b(solve|equation|integral|derivative|probability|prove|theorem|percent|percentage|average|sum of|product of|"
     r"how many|how much|calculat\w*|compute|total|remainder|ratio|fraction|times as many|per hour|per day)\b", re.I)
+_QUANTITY_QUESTION = re.compile(r"\b(how (many|much|long|far|old)|what (is|was) the (total|number|amount|cost|price|difference)|"
+                                r"in total|altogether|left over|remain)\b", re.I)
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)?(?![\w.])")
 _MATH_OPS = re.compile(r"\d\s*[-+*/×÷^=]\s*\d|\d+\s*%|\$\s*\d")
 _STEPS = re.compile(r"\b(step[- ]by[- ]step|steps|first\b.*\bthen\b|explain why|compare|analy[sz]e|design|plan|trade-?offs?|"
@@ -75,7 +78,8 @@ def features(messages: list[dict[str, str]], structured_output: bool) -> Feature
     letters = [c for c in cleaned if c.isalpha()]
     non_ascii = sum(1 for c in letters if ord(c) > 127) / len(letters) if letters else 0.0
     turns = sum(1 for m in messages[:-1] if m.get("role") in ("user", "assistant"))
-    return Features(words, bool(_CODE.search(cleaned)), math_hits, steps, structured_output, turns, non_ascii, injection)
+    word_problem = numbers >= 3 and bool(_QUANTITY_QUESTION.search(cleaned))
+    return Features(words, bool(_CODE.search(cleaned)), math_hits, steps, structured_output, turns, non_ascii, injection, word_problem)
 
 
 def score(f: Features) -> float:
@@ -86,6 +90,7 @@ def score(f: Features) -> float:
     s += min(1.2, 0.4 * f.math)
     s += min(1.0, 0.35 * f.steps)
     s += 0.3 if f.structured_output else 0.0
+    s += 0.8 if f.word_problem else 0.0  # measured: a 0.5B model solves 17% of GSM8K, a 1.5B 57%
     s += min(0.4, 0.1 * f.turns)
     s += 0.3 if f.non_ascii_ratio > 0.3 else 0.0
     return s
@@ -107,6 +112,8 @@ def decide(f: Features, tiers: int, mid_at: float = 0.9, frontier_at: float = 1.
         parts.append(f"steps x{f.steps}")
     if f.structured_output:
         parts.append("structured output")
+    if f.word_problem:
+        parts.append("word problem")
     return Decision(tier, round(confidence, 3), round(s, 3), ", ".join(parts))
 
 
