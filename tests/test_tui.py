@@ -56,6 +56,10 @@ async def test_overview_budgets_and_traces_show_real_data(served: Server) -> Non
         await pilot.press("4")
         table = app.query_one("#trace-table", DataTable)
         await settle(pilot, app, lambda: table.row_count >= 2)
+        await pilot.press("t", *keys("nobody-has-this"), "enter")
+        await settle(pilot, app, lambda: table.row_count == 0)
+        await pilot.press("t", *keys("local"), "enter")  # the open principal's tenant
+        await settle(pilot, app, lambda: table.row_count >= 2)
         table.focus()
         await pilot.press("enter")
         await settle(pilot, app, lambda: "chat.completions" in text_of(app, "#trace-timeline"))

@@ -20,6 +20,7 @@ PROMPTS = {
     "key": "new key: TENANT APP USER ROLE",
     "budget": "budget: LEVEL NAME USD PERIOD   (LEVEL user|tenant|app|global, PERIOD day|month|total; NAME - for global)",
     "search": "search cache entries: TEXT",
+    "traces": "show traces whose tenant or model contains: TEXT (empty: all)",
 }
 
 
@@ -39,7 +40,8 @@ class ApplianceTUI(App[None]):
         Binding("i", "invalidate", "Invalidate bucket"),
         Binding("v", "mark('verified')", "Verify entry"),
         Binding("x", "mark('rejected')", "Reject entry"),
-        Binding("f", "cycle_filter", "Trace filter"),
+        Binding("f", "cycle_filter", "Trace status"),
+        Binding("t", "ask('traces')", "Trace text"),
         Binding("r", "refresh", "Refresh"),
         Binding("q", "quit", "Quit"),
         Binding("escape", "cancel_prompt", "Cancel", show=False),
@@ -53,6 +55,7 @@ class ApplianceTUI(App[None]):
         self.rates: list[float] = []
         self.asking: str | None = None
         self.trace_filter = "all"
+        self.trace_text = ""
         self.entries: list[dict[str, Any]] = []
         self.connected = False
 
@@ -166,7 +169,7 @@ class ApplianceTUI(App[None]):
         _fill(self.query_one("#cache-buckets", DataTable), views.cache_rows(stats))
 
     def _render_traces(self, traces: dict[str, Any]) -> None:
-        _fill(self.query_one("#trace-table", DataTable), views.trace_rows(traces, self.trace_filter))
+        _fill(self.query_one("#trace-table", DataTable), views.trace_rows(traces, self.trace_filter, self.trace_text))
 
     def _render_keys(self, keys: dict[str, Any]) -> None:
         _fill(self.query_one("#key-table", DataTable), views.key_rows(keys))
@@ -213,6 +216,9 @@ class ApplianceTUI(App[None]):
                 level, name, usd, period = words
                 await self.client.set_budget(level, "*" if name == "-" else name, float(usd), period)
                 self.notify(f"{level} {name}: ${float(usd):g} per {period}")
+            elif what == "traces":
+                self.trace_text = " ".join(words)
+                self.action_show("traces")
             elif what == "search" and words:
                 found = await self.client.cache_entries(" ".join(words))
                 self.entries = found["entries"]
