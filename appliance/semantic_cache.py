@@ -198,7 +198,7 @@ class SemanticCache:
 
         self.worker.submit(write)
 
-    def count_miss(self, cost_nanos: int, reason: str) -> None:
+    def count_miss(self, cost_nanos: int) -> None:
         self.metrics.cache_lookups.labels("miss").inc()
         self.metrics.cache_request_cost_nanos.inc(cost_nanos)
 

@@ -31,7 +31,6 @@ class CachePlan:
     item: Cacheable | None  # None: this request bypasses the cache
     read: bool
     write: bool
-    why_not: str = ""
     lookup: Lookup | None = None
 
     def headers(self) -> dict[str, str]:
@@ -53,7 +52,7 @@ class CachePlan:
         def done(text: str, finish: FinishEvent) -> None:
             cost = price.cost(finish.usage.prompt_tokens, finish.usage.completion_tokens)
             if self.read:
-                services.cache.count_miss(cost, lookup.reason if lookup else "")
+                services.cache.count_miss(cost)
             if self.write:
                 if traced is not None:
                     with traced.child("cache.store", cache__bucket=item.bucket.key, completion_tokens=finish.usage.completion_tokens):
@@ -73,7 +72,7 @@ def cache_plan(header: str | None, services: Services, principal: Principal, bod
     directives = set(_DIRECTIVE.findall((header or "").lower()))
     if not services.cache.ready:
         services.metrics.cache_lookups.labels("bypass").inc()
-        return CachePlan(None, False, False, "disabled")
+        return CachePlan(None, False, False)
     sampling = prepared.request.sampling
     settings = {
         "endpoint": "chat",
@@ -96,7 +95,7 @@ def _plan(services: Services, directives: set[str], principal: Principal, body: 
     )
     if isinstance(decision, NotCacheable):
         services.metrics.cache_lookups.labels("bypass").inc()
-        return CachePlan(None, False, False, decision.reason)
+        return CachePlan(None, False, False)
     read, write = "no-cache" not in directives, "no-store" not in directives
     if not read:
         services.metrics.cache_lookups.labels("bypass").inc()
@@ -111,7 +110,7 @@ def route_cache_plan(header: str | None, services: Services, principal: Principa
     directives = set(_DIRECTIVE.findall((header or "").lower()))
     if not services.cache.ready:
         services.metrics.cache_lookups.labels("bypass").inc()
-        return CachePlan(None, False, False, "disabled")
+        return CachePlan(None, False, False)
     defaults = services.settings.defaults
     temperature = defaults.temperature if body.temperature is None else body.temperature
     settings = {

@@ -238,7 +238,7 @@ async def _respond(
         if remember is not None:
             remember(collected.text, finish)
     finally:
-        _finish(services, admission, fmt, model, started, finish, events, traced)
+        _finish(services, admission, fmt, model, started, finish, traced)
     _raise_for_failure(collected.finish)
     return Response(fmt.full(collected.text, collected.logprobs, collected.finish), media_type="application/json", headers=headers)
 
@@ -276,26 +276,36 @@ async def _admit_and_start(
     return admission, events, prepared
 
 
-def _finish(
-    services: Services, admission: Admission, fmt: render.Formatter, model: LoadedModel, started: float,
-    finish: FinishEvent | None, events: EventStream, traced: RequestTrace,
-) -> None:
-    """Settle, record and end the trace of one generation, however it ended: a finish event carries
-    the engine's usage; without one (a client gone) the request pays for the tokens generated so far."""
+def account(
+    services: Services, admission: Admission, prepared: Prepared, kind: str, model: LoadedModel, started: float,
+    finish: FinishEvent | None, traced: RequestTrace,
+) -> tuple[int, int, str]:
+    """Settle and record one generation, however it ended, and note it on its engine span: a finish
+    event carries the engine's usage; without one (a client gone, a timeout) the request pays for
+    the tokens generated so far. Returns (prompt, completion, outcome)."""
     if finish is not None:
         prompt, completion, outcome = finish.usage.prompt_tokens, finish.usage.completion_tokens, finish.reason
-        services.record(fmt.prepared, model, fmt.kind, started, finish, None, admission.principal)
+        services.record(prepared, model, kind, started, finish, None, admission.principal)
     else:
         prompt, completion = admission.progress() if admission.progress else (0, 0)
         outcome = "cancelled"
-        services.record(fmt.prepared, model, fmt.kind, started, None, "cancelled", admission.principal, completion)
+        services.record(prepared, model, kind, started, None, "cancelled", admission.principal, completion)
     services.gate.settle(admission, prompt, completion, outcome)
     with traced.child("budget.settle", outcome=outcome, prompt_tokens=prompt, completion_tokens=completion, reserved=admission.reserved):
         pass  # the write itself is queued to the store thread; this marks what was settled, and when
     if traced.engine is not None:
-        annotate(traced.engine, completion_tokens=completion, finish_reason=outcome,
+        annotate(traced.engine, gen_ai__usage__input_tokens=prompt, gen_ai__usage__output_tokens=completion, finish_reason=outcome,
                  cached_prompt_tokens=finish.usage.cached_prompt_tokens if finish else None,
                  time_to_first_token_s=finish.time_to_first_token_s if finish else None)
+    return prompt, completion, outcome
+
+
+def _finish(
+    services: Services, admission: Admission, fmt: render.Formatter, model: LoadedModel, started: float,
+    finish: FinishEvent | None, traced: RequestTrace,
+) -> None:
+    """Account for the generation and end its call's trace."""
+    prompt, completion, outcome = account(services, admission, fmt.prepared, fmt.kind, model, started, finish, traced)
     traced.end(prompt_tokens=prompt, completion_tokens=completion, finish_reason=outcome,
                cost__nanousd=price_of(model).cost(prompt, completion) if admission.reserved else None)
 
@@ -329,7 +339,7 @@ async def _sse(
         yield b"data: [DONE]\n\n"
     finally:
         events.close()  # a client gone mid-stream lands here: the slot is freed at the next step
-        _finish(services, admission, fmt, model, started, finish, events, traced)
+        _finish(services, admission, fmt, model, started, finish, traced)
 
 
 @post("/v1/embeddings", status_code=200)

@@ -167,7 +167,7 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
                    schema: dict | None, wants_json: bool, spent: list[int]) -> tuple:
     """One tier: reserve, generate (with log-probabilities when confidence is checked), settle,
     validate. Returns ("ok", prepared, text, logprobs, finish) or (why it failed,)."""
-    from appliance.api.openai_routes import _admit_and_start, _collect, _until_disconnect
+    from appliance.api.openai_routes import _admit_and_start, _collect, _until_disconnect, account
 
     try:
         prepared = prepare_chat(body, model, services.settings.defaults, attempt_id)
@@ -182,6 +182,8 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
     with traced.child("route.attempt", gen_ai__request__model=model.settings.alias, route__tier=index, attempt__id=attempt_id) as span:
         try:
             admission, events, engine_view = await _admit_and_start(services, principal, model, engine_view, traced)
+            prompt_len = len(engine_view.request.prompt_tokens)
+            admission.progress = lambda: (prompt_len, events.tokens_pushed)
         except APIError as exc:
             if exc.code == "context_length_exceeded":
                 annotate(span, outcome="context too small")
@@ -202,21 +204,13 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
             annotate(span, outcome="timeout")
             return ("timeout",)
         finally:
-            usage = finish.usage if finish is not None else Usage(len(engine_view.request.prompt_tokens), events.tokens_pushed)
-            services.gate.settle(admission, usage.prompt_tokens, usage.completion_tokens, finish.reason if finish else "cancelled")
-            with traced.child("budget.settle", attempt__id=attempt_id, prompt_tokens=usage.prompt_tokens,
-                              completion_tokens=usage.completion_tokens, outcome=finish.reason if finish else "cancelled"):
-                pass
-            services.record(engine_view, model, "chat", started, finish, None if finish else "cancelled", principal, usage.completion_tokens)
-            if traced.engine is not None:
-                annotate(traced.engine, gen_ai__usage__input_tokens=usage.prompt_tokens, gen_ai__usage__output_tokens=usage.completion_tokens,
-                         finish_reason=finish.reason if finish else "cancelled")
+            prompt_tokens, completion_tokens, _ = account(services, admission, engine_view, "chat", model, started, finish, traced)
         token_logprobs = [lp.logprob for lp in collected.logprobs]
         with traced.child("route.validate") as check:
             verdict: Verdict = validate(collected.text, finish.reason, token_logprobs, schema, wants_json, route.min_confidence,
                                         route.max_repetition)
             annotate(check, ok=verdict.ok, reason=verdict.reason, confidence=verdict.confidence)
-        cost = price_of(model).cost(usage.prompt_tokens, usage.completion_tokens)
+        cost = price_of(model).cost(prompt_tokens, completion_tokens)
         spent.append(cost)
         annotate(span, outcome=verdict.reason, cost__nanousd=cost)
         if not verdict.ok:
