@@ -205,13 +205,13 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
             return ("timeout",)
         finally:
             prompt_tokens, completion_tokens, _ = account(services, admission, engine_view, "chat", model, started, finish, traced)
+            cost = price_of(model).cost(prompt_tokens, completion_tokens)
+            spent.append(cost)  # a timed-out attempt paid too
         token_logprobs = [lp.logprob for lp in collected.logprobs]
         with traced.child("route.validate") as check:
             verdict: Verdict = validate(collected.text, finish.reason, token_logprobs, schema, wants_json, route.min_confidence,
                                         route.max_repetition)
             annotate(check, ok=verdict.ok, reason=verdict.reason, confidence=verdict.confidence)
-        cost = price_of(model).cost(prompt_tokens, completion_tokens)
-        spent.append(cost)
         annotate(span, outcome=verdict.reason, cost__nanousd=cost)
         if not verdict.ok:
             services.metrics.route_escalations.labels(model.settings.alias, verdict.reason.split(":")[0].split(" ")[0]).inc()
