@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engines.base import EngineStats
 
@@ -57,8 +57,26 @@ class _EngineCollector:
         busy = GaugeMetricFamily("appliance_slots_busy", "Slots generating or prefilling", labels=["model"])
         total = GaugeMetricFamily("appliance_slots_total", "Slots configured", labels=["model"])
         queue = GaugeMetricFamily("appliance_queue_depth", "Requests waiting for a slot", labels=["model"])
+        prompt = CounterMetricFamily("appliance_prefix_prompt_tokens", "Prompt tokens admitted to the engine", labels=["model"])
+        reused = CounterMetricFamily("appliance_prefix_reused_tokens", "Prompt tokens whose KV was reused, by where it came from: the slot itself, a copy from another slot, host RAM", labels=["model", "source"])
+        ratio = GaugeMetricFamily("appliance_prefix_cache_hit_ratio", "Prompt tokens reused / prompt tokens, since the model loaded", labels=["model"])
+        host_bytes = GaugeMetricFamily("appliance_prefix_host_bytes", "Bytes of KV held in host RAM for evicted prefixes", labels=["model"])
+        host_entries = GaugeMetricFamily("appliance_prefix_host_entries", "Sequences held in host RAM", labels=["model"])
+        host_saves = CounterMetricFamily("appliance_prefix_host_saves", "Evicted sequences saved to host RAM", labels=["model"])
+        host_evictions = CounterMetricFamily("appliance_prefix_host_evictions", "Host-RAM sequences dropped to stay under the limit", labels=["model"])
         for alias, stats in self._stats().items():
             busy.add_metric([alias], stats.slots_busy)
             total.add_metric([alias], stats.slots_total)
             queue.add_metric([alias], stats.queue_depth)
-        yield from (busy, total, queue)
+            p = stats.prefix
+            if p is None:
+                continue
+            prompt.add_metric([alias], p.prompt_tokens)
+            for source, value in (("slot", p.reused_in_slot), ("copy", p.reused_by_copy), ("host", p.reused_from_host)):
+                reused.add_metric([alias, source], value)
+            ratio.add_metric([alias], p.hit_ratio)
+            host_bytes.add_metric([alias], p.host_bytes)
+            host_entries.add_metric([alias], p.host_entries)
+            host_saves.add_metric([alias], p.host_saves)
+            host_evictions.add_metric([alias], p.host_evictions)
+        yield from (busy, total, queue, prompt, reused, ratio, host_bytes, host_entries, host_saves, host_evictions)

@@ -38,6 +38,8 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
             batch_invariant=model.batch_invariant,
             kv_type=model.kv_cache_type,
             embeddings=model.kind == "embedding",
+            prefix_cache=model.prefix_cache,
+            prefix_host_bytes=model.prefix_cache_host_mb << 20,
         )
     )
 

@@ -70,6 +70,10 @@ class ModelSettings:
     # Batch invariance: identical greedy output whatever shares the batch. Costs some speed.
     batch_invariant: bool = True
     kv_cache_type: str = "q8_0"
+    # Reuse KV of earlier prompts' prefixes across requests and slots (docs/architecture.md).
+    prefix_cache: bool = True
+    # Host RAM for prefixes evicted from the KV cache, LRU by bytes; 0 turns that tier off.
+    prefix_cache_host_mb: int = 256
 
 
 @dataclass(frozen=True)
@@ -411,7 +415,7 @@ def _limits(file: str, raw: object) -> tuple[LimitRule, ...]:
 _MODEL_KEYS = {
     "alias", "engine", "kind", "path", "package_file", "hf_repo", "hf_file", "sha256", "context_length",
     "slots", "threads", "batch_tokens", "chat_template", "price_input_per_mtok", "price_output_per_mtok",
-    "tier", "batch_invariant", "kv_cache_type",
+    "tier", "batch_invariant", "kv_cache_type", "prefix_cache", "prefix_cache_host_mb",
 }
 
 
@@ -456,6 +460,8 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
         tier=r.string("tier", "small", TIERS) or "small",
         batch_invariant=r.boolean("batch_invariant", True),
         kv_cache_type=r.string("kv_cache_type", "q8_0", KV_CACHE_TYPES) or "q8_0",
+        prefix_cache=r.boolean("prefix_cache", True),
+        prefix_cache_host_mb=r.integer("prefix_cache_host_mb", 256, minimum=0, maximum=1 << 20),
     )
 
 

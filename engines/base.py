@@ -148,8 +148,31 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass
+class PrefixStats:
+    """Counters since the model was loaded, read by /metrics."""
+
+    prompt_tokens: int = 0
+    reused_in_slot: int = 0  # the slot already held them
+    reused_by_copy: int = 0  # copied from another slot's sequence
+    reused_from_host: int = 0  # restored from host RAM
+    host_saves: int = 0
+    host_evictions: int = 0
+    host_bytes: int = 0
+    host_entries: int = 0
+
+    @property
+    def reused(self) -> int:
+        return self.reused_in_slot + self.reused_by_copy + self.reused_from_host
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.reused / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
 @dataclass(frozen=True)
 class EngineStats:
     slots_total: int
     slots_busy: int
     queue_depth: int
+    prefix: PrefixStats | None = None

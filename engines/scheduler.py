@@ -6,6 +6,7 @@ prompt; then prompt chunks of admitted slots, oldest first, under a per-step tok
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 
@@ -54,22 +55,54 @@ def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 
 @dataclass(frozen=True)
-class Placement:
+class Source:
+    """Somewhere else the prompt's prefix lives: another slot, or a sequence saved in host RAM."""
+
+    holder: Hashable
+    length: int  # leading prompt tokens it shares
+    ready: int  # of those, how many it holds now (a slot still prefilling holds fewer)
+
+    @property
+    def usable(self) -> int:
+        return min(self.length, self.ready)
+
+
+@dataclass(frozen=True)
+class Admission:
     slot: int
-    reuse: int  # prompt tokens whose KV the slot already holds
+    reuse: int  # prompt tokens the chosen slot already holds
+    # Copy this source's prefix into the slot (ready), or park until it is ready (wait).
+    source: Source | None = None
+    wait: bool = False
 
 
-def place(free: dict[int, tuple[int, ...]], prompt: tuple[int, ...], min_gain: int = 16) -> Placement:
-    """Picks a free slot for a prompt, given the tokens each free slot still holds in its KV.
+def plan_admission(
+    free: dict[int, int], sources: list[Source], prompt_len: int, *, min_gain: int = 16, copy_min: int = 64
+) -> Admission:
+    """Picks a free slot and where its prompt's prefix comes from.
 
-    The lowest free slot keeps active sequences contiguous (llama.cpp batches consecutive
-    sequences together); another slot wins only if it saves at least `min_gain` prompt tokens.
-    At least one prompt token is always recomputed, so there are logits to sample from.
+    `free` maps each free slot to the prompt tokens its KV already shares. The lowest free slot
+    keeps active sequences contiguous (llama.cpp batches consecutive sequences together); another
+    wins only by saving `min_gain` tokens. A copy from elsewhere must save `copy_min` tokens to pay
+    for moving the KV; waiting for a slot that is still prefilling the same prefix wins when it
+    will save `copy_min` more than anything available now. At least one prompt token is always
+    recomputed, so there are logits to sample from.
     """
-    def reuse(slot: int) -> int:
-        return min(common_prefix(free[slot], prompt), len(prompt) - 1)
+    cap = max(0, prompt_len - 1)
+
+    def own(slot: int) -> int:
+        return min(free[slot], cap)
 
     lowest = min(free)
-    best = max(sorted(free), key=reuse)
-    chosen = best if reuse(best) - reuse(lowest) >= min_gain else lowest
-    return Placement(chosen, reuse(chosen))
+    best = max(sorted(free), key=own)
+    slot = best if own(best) - own(lowest) >= min_gain else lowest
+    reuse = own(slot)
+    capped = [Source(s.holder, min(s.length, cap), s.ready) for s in sources]
+    now = max(capped, key=lambda s: s.usable, default=None)
+    now_len = max(reuse, now.usable if now else 0)
+    later = max((s for s in capped if s.ready < s.length), key=lambda s: s.length, default=None)
+    if later is not None and later.length - now_len >= copy_min:
+        return Admission(slot, reuse, later, wait=True)
+    if now is not None and now.usable - reuse >= copy_min:
+        return Admission(slot, reuse, Source(now.holder, now.usable, now.usable))
+    return Admission(slot, reuse)

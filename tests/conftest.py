@@ -37,7 +37,7 @@ def free_port() -> int:
 
 def config_text(*, slots: int = 8, context_length: int = 2048, max_queue: int = 64, embeddings: bool = True,
                 max_body_bytes: int = 1 << 20, batch_tokens: int = 512, auth: str = "open", extra: str = "",
-                price_in: float = 0.0, price_out: float = 0.0, cache: str = "enabled = false") -> str:
+                price_in: float = 0.0, price_out: float = 0.0, cache: str = "enabled = false", model_extra: str = "") -> str:
     text = f"""
 [server]
 max_queue = {max_queue}
@@ -65,6 +65,7 @@ threads = 2
 batch_tokens = {batch_tokens}
 price_input_per_mtok = {price_in}
 price_output_per_mtok = {price_out}
+{model_extra}
 """
     if embeddings:
         text += f"""

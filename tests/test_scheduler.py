@@ -58,12 +58,46 @@ def test_context_layout_keeps_invariance_rules():
     assert context_layout(False, "f16") == (True, True)
 
 
-def test_place_prefers_lowest_slot_unless_a_prefix_saves_enough():
-    from engines.scheduler import Placement, place
+def test_admission_prefers_lowest_slot_unless_a_prefix_saves_enough():
+    from engines.scheduler import Admission, plan_admission
 
-    prompt = tuple(range(100))
-    assert place({0: (), 3: tuple(range(50))}, prompt) == Placement(3, 50)
-    assert place({0: tuple(range(10)), 3: tuple(range(20))}, prompt, min_gain=16) == Placement(0, 10)
+    assert plan_admission({0: 0, 3: 50}, [], 100) == Admission(3, 50)
+    assert plan_admission({0: 10, 3: 20}, [], 100, min_gain=16) == Admission(0, 10)
     # a fully cached prompt still recomputes its last token
-    assert place({2: tuple(range(100)) + (7, 8)}, prompt) == Placement(2, 99)
-    assert place({1: (5, 6)}, prompt) == Placement(1, 0)
+    assert plan_admission({2: 102}, [], 100) == Admission(2, 99)
+    assert plan_admission({1: 0}, [], 100) == Admission(1, 0)
+
+
+def test_admission_copies_waits_or_computes():
+    from engines.scheduler import Admission, Source, plan_admission
+
+    busy_done = Source("slot 5", length=1500, ready=1700)  # holds the prefix already
+    busy_prefilling = Source("slot 6", length=1500, ready=300)
+    host = Source("host 1", length=800, ready=800)
+    # copy what is there now
+    assert plan_admission({0: 0}, [busy_done, host], 1600) == Admission(0, 0, Source("slot 5", 1500, 1500))
+    # the slot still prefilling the same prompt will save more than the host entry: wait for it
+    assert plan_admission({0: 0}, [busy_prefilling, host], 1600) == Admission(0, 0, busy_prefilling, wait=True)
+    # not worth moving KV for a few tokens
+    assert plan_admission({0: 40}, [Source("slot 1", 90, 90)], 1600, copy_min=64) == Admission(0, 40)
+    # the copied length never covers the prompt's last token
+    got = plan_admission({0: 0}, [Source("slot 1", 500, 500)], 500)
+    assert got.source is not None and got.source.usable == 499
+
+
+@given(
+    st.dictionaries(st.integers(0, 7), st.integers(0, 3000), min_size=1),
+    st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 3000)), max_size=6),
+    st.integers(1, 3000),
+)
+def test_admission_never_plans_past_the_prompt(free, raw_sources, prompt_len):
+    from engines.scheduler import Source, plan_admission
+
+    sources = [Source(i, length, ready) for i, (length, ready) in enumerate(raw_sources)]
+    got = plan_admission(free, sources, prompt_len)
+    assert got.slot in free
+    assert got.reuse <= min(free[got.slot], prompt_len - 1)
+    if got.source is not None:
+        assert got.source.length <= prompt_len - 1
+        assert got.wait == (got.source.ready < got.source.length)
+        assert (got.source.length if got.wait else got.source.usable) > got.reuse

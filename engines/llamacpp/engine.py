@@ -14,9 +14,9 @@ import queue
 import signal
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ from engines.base import (
     EngineEvent,
     EngineOverloaded,
     EngineStats,
+    PrefixStats,
     FinishEvent,
     FinishReason,
     GenerationRequest,
@@ -37,7 +38,8 @@ from engines.base import (
     Usage,
 )
 from engines.llamacpp.runtime import Context, ContextShape, Model, Sampler
-from engines.scheduler import BatchItem, SlotView, place, plan_batch
+from engines.prefix import PrefixIndex
+from engines.scheduler import Admission, BatchItem, Source, SlotView, plan_admission, plan_batch
 from engines.stream import EventStream
 from engines.text import StopMatcher, Utf8Stream
 
@@ -57,6 +59,20 @@ class LlamaCppConfig:
     batch_invariant: bool = True
     kv_type: str = "q8_0"
     embeddings: bool = False
+    prefix_cache: bool = True
+    # Host-RAM tier for prefixes evicted from the KV cache; 0 turns it off.
+    prefix_host_bytes: int = 256 << 20
+    # Save an evicted sequence only if it holds this many tokens no other holder has.
+    prefix_host_min_tokens: int = 256
+    # Copying KV between sequences must save at least this many tokens of prefill.
+    prefix_copy_min_tokens: int = 64
+
+
+@dataclass
+class _HostEntry:
+    key: tuple
+    tokens: tuple[int, ...]
+    data: bytes
 
 
 def context_layout(batch_invariant: bool, kv_type: str) -> tuple[bool, bool]:
@@ -82,7 +98,8 @@ class _Job:
         self.pending_token: int | None = None
         self.generated = 0
         self.decoded: list[int] = []  # generated tokens whose KV is in the slot
-        self.reused = 0  # prompt tokens served from the slot's KV
+        self.reused = 0  # prompt tokens served from KV computed earlier
+        self.parked: tuple[Source, _Job] | None = None  # waiting for another slot's prefill
         self.utf8 = Utf8Stream()
         self.stops = StopMatcher(request.stop)
         self.submitted_at = time.perf_counter()
@@ -120,9 +137,13 @@ class LlamaCppEngine:
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting: deque[_Job] = deque()
         self._active: dict[int, _Job] = {}
-        # What each slot's KV sequence holds, kept after a request ends so the next prompt that
-        # shares its prefix (a system prompt, a chat template's preamble) skips recomputing it.
-        self._slot_tokens: dict[int, tuple[int, ...]] = {s: () for s in range(config.slots)}
+        # Which slot (or host-RAM copy) holds which tokens, kept after a request ends so the next
+        # prompt that shares a prefix (a system prompt, a chat template's preamble) skips
+        # recomputing it. An active slot is listed with its whole prompt from admission on.
+        self._index = PrefixIndex()
+        self._host: OrderedDict[int, _HostEntry] = OrderedDict()  # LRU first
+        self._host_ids = itertools.count()
+        self.prefix_stats = PrefixStats()
         self._admissions = itertools.count()
         self._closing = False
         self._queued = 0  # submitted but not yet admitted; read by other threads for stats
@@ -201,7 +222,7 @@ class LlamaCppEngine:
         return await future
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.config.slots, len(self._active), max(0, self._queued))
+        return EngineStats(self.config.slots, len(self._active), max(0, self._queued), replace(self.prefix_stats))
 
     def close(self) -> None:
         self._closing = True
@@ -267,22 +288,152 @@ class LlamaCppEngine:
         for job in [j for j in self._active.values() if j.cancelled]:
             self._release(job, "cancelled")
 
+    # ---- admission and the prefix cache ----------------------------------------------------------
+
     def _admit(self) -> None:
+        # Slots whose stream another slot copies at the next decode: nothing may overwrite them
+        # before then (llama.cpp copies whole streams when the step begins).
+        copying_from: set[int] = set()
+        self._unpark(copying_from)
         while self._waiting and len(self._active) < self.config.slots:
-            job = self._waiting.popleft()
+            job = self._waiting[0]
+            admission = self._plan(job)
+            if admission.slot in copying_from:
+                break  # admit it next step, once the copy has happened
+            self._waiting.popleft()
             with self._lock:
                 self._queued -= 1
-            free = {s: self._slot_tokens[s] for s in range(self.config.slots) if s not in self._active}
-            placement = place(free, job.request.prompt_tokens)
-            job.slot = placement.slot
+            job.slot = admission.slot
             job.admitted_seq = next(self._admissions)
-            job.n_past = job.reused = placement.reuse
-            self.ctx.trim_sequence(job.slot, placement.reuse)
-            self._slot_tokens[job.slot] = ()  # being rewritten; known again at release
+            self._evict(admission.slot, admission.reuse)
+            job.n_past = job.reused = admission.reuse
+            self.prefix_stats.prompt_tokens += len(job.request.prompt_tokens)
+            self.prefix_stats.reused_in_slot += admission.reuse
+            if self.config.prefix_cache:
+                self._index.insert(_BASE_KEY, ("slot", job.slot), job.request.prompt_tokens)
             self._active[job.slot] = job
+            if admission.source is not None:
+                self._follow(job, admission, copying_from)
+
+    def _plan(self, job: _Job) -> Admission:
+        free = [s for s in range(self.config.slots) if s not in self._active]
+        if not self.config.prefix_cache:
+            return Admission(min(free), 0)
+        shared = self._index.match(_BASE_KEY, job.request.prompt_tokens)
+        sources = [src for src in self._sources(shared) if src.holder[0] != "slot" or src.holder[1] in self._active]
+        return plan_admission(
+            {s: shared.get(("slot", s), 0) for s in free}, sources, len(job.request.prompt_tokens),
+            copy_min=self.config.prefix_copy_min_tokens,
+        )
+
+    def _sources(self, shared: dict) -> list[Source]:
+        """Every holder of a shared prefix, slots first (a copy between slots beats a restore)."""
+        out = []
+        for holder, length in sorted(shared.items(), key=lambda kv: kv[0][0] != "slot"):
+            if length == 0:
+                continue
+            kind, ident = holder
+            if kind == "slot":
+                other = self._active.get(ident)
+                out.append(Source(holder, length, length if other is None else other.n_past))
+            else:
+                out.append(Source(holder, length, length))
+        return out
+
+    def _follow(self, job: _Job, admission: Admission, copying_from: set[int]) -> None:
+        """Copies the planned prefix into the job's slot now, or parks the job until it exists."""
+        assert admission.source is not None
+        kind, ident = admission.source.holder
+        if admission.wait:
+            job.parked = (admission.source, self._active[ident])
+            return
+        job.parked = None
+        length = admission.source.length
+        try:
+            if kind == "slot":
+                self.ctx.copy_prefix(ident, job.slot, length)
+                copying_from.add(ident)
+                self.prefix_stats.reused_by_copy += length
+            else:
+                entry = self._host[ident]
+                self._host.move_to_end(ident)
+                self.ctx.restore_sequence(job.slot, entry.data)
+                self.ctx.trim_sequence(job.slot, length)
+                self.prefix_stats.reused_from_host += length
+        except EngineError as exc:
+            log.warning("could not reuse a cached prefix (%s); computing it", exc)
+            if kind == "host":
+                self._drop_host(ident)
+            self.ctx.clear_sequence(job.slot)
+            self.prefix_stats.reused_in_slot -= job.reused
+            job.n_past = job.reused = 0
+            return
+        self.prefix_stats.reused_in_slot -= job.reused  # the copy replaced what the slot held
+        job.n_past = job.reused = length
+
+    def _unpark(self, copying_from: set[int]) -> None:
+        """A parked job takes its prefix once the slot it waits on has computed it; if that slot
+        finished or failed first, it plans again from what exists now."""
+        for job in [j for j in self._active.values() if j.parked is not None]:
+            if job.slot in copying_from:
+                continue  # another slot copies this one's stream at the next decode
+            source, source_job = job.parked  # type: ignore[misc]
+            if self._active.get(source.holder[1]) is source_job:
+                if source_job.n_past >= source.length:
+                    self._follow(job, Admission(job.slot, job.n_past, Source(source.holder, source.length, source.length)), copying_from)
+                continue
+            shared = self._index.match(_BASE_KEY, job.request.prompt_tokens)
+            sources = [src for src in self._sources(shared) if src.holder != ("slot", job.slot)]
+            admission = plan_admission({job.slot: job.n_past}, sources, len(job.request.prompt_tokens), copy_min=self.config.prefix_copy_min_tokens)
+            if admission.source is not None:
+                self._follow(job, admission, copying_from)
+            else:
+                job.parked = None
+
+    def _evict(self, slot: int, keep: int) -> None:
+        """Trims a free slot to the prefix its next request reuses, first saving what would be
+        lost to host RAM when no one else holds it and it is long enough to be worth keeping."""
+        holder = ("slot", slot)
+        if holder in self._index:
+            tokens = self._index.tokens(holder)
+            if self.config.prefix_host_bytes > 0 and len(tokens) - keep >= self.config.prefix_host_min_tokens:
+                others = self._index.match(_BASE_KEY, tokens)
+                others.pop(holder, None)
+                if len(tokens) - max(others.values(), default=0) >= self.config.prefix_host_min_tokens:
+                    self._save_host(slot, tokens)
+            self._index.remove(holder)
+        self.ctx.trim_sequence(slot, keep)
+
+    def _save_host(self, slot: int, tokens: tuple[int, ...]) -> None:
+        try:
+            data = self.ctx.save_sequence(slot)
+        except EngineError as exc:
+            log.warning("could not save a prefix to host RAM: %s", exc)
+            return
+        if len(data) > self.config.prefix_host_bytes:
+            return
+        ident = next(self._host_ids)
+        self._host[ident] = _HostEntry(_BASE_KEY, tokens, data)
+        self._index.insert(_BASE_KEY, ("host", ident), tokens)
+        stats = self.prefix_stats
+        stats.host_saves += 1
+        stats.host_bytes += len(data)
+        while stats.host_bytes > self.config.prefix_host_bytes:
+            self._drop_host(next(iter(self._host)))
+            stats.host_evictions += 1
+        stats.host_entries = len(self._host)
+
+    def _drop_host(self, ident: int) -> None:
+        entry = self._host.pop(ident, None)
+        if entry is not None:
+            self._index.remove(("host", ident))
+            self.prefix_stats.host_bytes -= len(entry.data)
+            self.prefix_stats.host_entries = len(self._host)
 
     def _step(self) -> None:
-        plan = plan_batch(tuple(j.view() for j in self._active.values()), self.config.batch_tokens)
+        plan = plan_batch(tuple(j.view() for j in self._active.values() if j.parked is None), self.config.batch_tokens)
+        if not plan:
+            return
         # Batch order by slot keeps each ubatch to consecutive sequences, which llama.cpp
         # needs to group sequences when each has its own KV stream.
         plan = tuple(sorted(plan, key=lambda item: item.slot))
@@ -354,12 +505,13 @@ class LlamaCppEngine:
 
     def _release(self, job: _Job, reason: FinishReason, error: str | None = None) -> None:
         self._active.pop(job.slot, None)
-        if reason == "error":
+        holder = ("slot", job.slot)
+        if reason == "error" or not self.config.prefix_cache:
             self.ctx.clear_sequence(job.slot)
-            self._slot_tokens[job.slot] = ()
+            self._index.remove(holder)
         else:
-            self._slot_tokens[job.slot] = (job.request.prompt_tokens + tuple(job.decoded))[: job.n_past]
             self.ctx.trim_sequence(job.slot, job.n_past)
+            self._index.insert(_BASE_KEY, holder, (job.request.prompt_tokens + tuple(job.decoded))[: job.n_past])
         self._finish(job, reason, error)
 
     def _finish(self, job: _Job, reason: FinishReason, error: str | None = None) -> None:
@@ -414,3 +566,5 @@ class _EmbedJob:
 
 
 _WAKE = object()
+# The model key of base-model KV; adapters will give their own keys.
+_BASE_KEY: tuple = ()

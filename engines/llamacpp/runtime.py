@@ -175,6 +175,32 @@ class Context:
             L.llama_memory_seq_rm(self.memory, seq, -1, -1)
             raise EngineError(f"llama.cpp could not trim sequence {seq} to {keep} tokens")
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Makes `dst` hold the first `length` positions of `src`. In a unified cache the cells
+        are shared, not copied; with one stream per sequence llama.cpp copies the whole stream
+        (at the next decode) and the tail is trimmed here."""
+        L.llama_memory_seq_rm(self.memory, dst, -1, -1)
+        if self.shape.kv_unified:
+            L.llama_memory_seq_cp(self.memory, src, dst, 0, length)
+        else:
+            L.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+            self.trim_sequence(dst, length)
+
+    def save_sequence(self, seq: int) -> bytes:
+        """The sequence's KV and positions as bytes, for a host-RAM copy."""
+        size = L.llama_state_seq_get_size(self.ptr, seq)
+        buf = (ctypes.c_uint8 * size)()
+        written = L.llama_state_seq_get_data(self.ptr, buf, size, seq)
+        if written != size:
+            raise EngineError(f"llama.cpp saved {written} of {size} bytes of sequence {seq}")
+        return bytes(buf)
+
+    def restore_sequence(self, seq: int, data: bytes) -> None:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if L.llama_state_seq_set_data(self.ptr, buf, len(data), seq) != len(data):
+            L.llama_memory_seq_rm(self.memory, seq, -1, -1)
+            raise EngineError(f"llama.cpp could not restore a saved sequence into {seq}")
+
     def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """entries: (token, position, sequence, wants_logits), in batch order."""
         batch = self.batch

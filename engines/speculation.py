@@ -1,0 +1,96 @@
+"""Speculative decoding's bookkeeping, pure: where drafts come from and how long they should be.
+
+A slot that speculates puts its pending token and k drafted tokens into the step's batch, with
+logits at every position; it then samples position by position and keeps drafted tokens while
+they agree with what it sampled. Greedy output is therefore the same token for token, and sampled
+output has the same distribution (each kept token was sampled from the target model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class NgramLookup:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens (longest n first). Pays off when the output repeats the prompt: edits,
+    extraction, code."""
+
+    def __init__(self, tokens: tuple[int, ...] = (), n_max: int = 3, n_min: int = 2) -> None:
+        self.n_max, self.n_min = n_max, n_min
+        self.tokens: list[int] = []
+        # n-gram -> index of the token that followed its latest occurrence
+        self._next: dict[tuple[int, ...], int] = {}
+        for t in tokens:
+            self.append(t)
+
+    def append(self, token: int) -> None:
+        end = len(self.tokens)
+        for n in range(1, self.n_max + 1):
+            if end >= n:
+                self._next[tuple(self.tokens[end - n :])] = end
+        self.tokens.append(token)
+
+    def draft(self, k: int) -> tuple[int, ...]:
+        if k <= 0:
+            return ()
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if len(self.tokens) < n:
+                continue
+            at = self._next.get(tuple(self.tokens[-n:]))
+            if at is not None:
+                return tuple(self.tokens[at : at + k])
+        return ()
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A decode step's time as fixed + per_token * tokens in the batch (fitted by the engine)."""
+
+    fixed: float
+    per_token: float
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verify step yields with k drafts when each is accepted with this probability
+    (the first rejection ends the run; the sampled token at that position is kept)."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def draft_length(acceptance: float, cost: StepCost, batch_tokens: int, k_max: int) -> int:
+    """How many tokens to draft for one slot, 0 when speculation would not pay.
+
+    Drafts add `per_token` each to a step that already takes fixed + per_token * batch_tokens and
+    yields `batch_tokens` tokens (one per decoding slot, roughly). Speculation pays when the extra
+    tokens it is expected to yield come faster than the step's own rate.
+    """
+    if k_max <= 0 or cost.per_token <= 0:
+        return 0
+    step = cost.fixed + cost.per_token * batch_tokens
+    rate = batch_tokens / step
+    best_k, best_gain = 0, 0.0
+    for k in range(1, k_max + 1):
+        extra_tokens = expected_tokens(acceptance, k) - 1.0
+        extra_time = cost.per_token * k
+        gain = extra_tokens - rate * extra_time  # tokens won beyond what the time would give anyway
+        if gain > best_gain:
+            best_k, best_gain = k, gain
+    return best_k
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """A decayed count of accepted and rejected drafts, with a uniform prior."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+
+    def update(self, drafted: int, kept: int, decay: float = 0.9) -> Acceptance:
+        # One verify is a run of `kept` successes ended by one failure, unless all were kept.
+        return Acceptance(self.accepted * decay + kept, self.rejected * decay + (1 if kept < drafted else 0))
