@@ -64,7 +64,14 @@ class _EngineCollector:
         host_entries = GaugeMetricFamily("appliance_prefix_host_entries", "Sequences held in host RAM", labels=["model"])
         host_saves = CounterMetricFamily("appliance_prefix_host_saves", "Evicted sequences saved to host RAM", labels=["model"])
         host_evictions = CounterMetricFamily("appliance_prefix_host_evictions", "Host-RAM sequences dropped to stay under the limit", labels=["model"])
+        drafted = CounterMetricFamily("appliance_speculation_drafted_tokens", "Drafted tokens sent for verification", labels=["model"])
+        accepted = CounterMetricFamily("appliance_speculation_accepted_tokens", "Drafted tokens the target model agreed with", labels=["model"])
+        acceptance = GaugeMetricFamily("appliance_speculation_acceptance_rate", "Accepted / drafted tokens since the model loaded", labels=["model"])
         for alias, stats in self._stats().items():
+            if stats.speculation is not None:
+                drafted.add_metric([alias], stats.speculation.drafted)
+                accepted.add_metric([alias], stats.speculation.accepted)
+                acceptance.add_metric([alias], stats.speculation.acceptance_rate)
             busy.add_metric([alias], stats.slots_busy)
             total.add_metric([alias], stats.slots_total)
             queue.add_metric([alias], stats.queue_depth)
@@ -79,4 +86,4 @@ class _EngineCollector:
             host_entries.add_metric([alias], p.host_entries)
             host_saves.add_metric([alias], p.host_saves)
             host_evictions.add_metric([alias], p.host_evictions)
-        yield from (busy, total, queue, prompt, reused, ratio, host_bytes, host_entries, host_saves, host_evictions)
+        yield from (busy, total, queue, prompt, reused, ratio, host_bytes, host_entries, host_saves, host_evictions, drafted, accepted, acceptance)

@@ -27,6 +27,12 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: engine {model.engine!r} is not available in this build")
     from engines.llamacpp.engine import LlamaCppConfig, LlamaCppEngine
 
+    draft_path = None
+    if model.speculation_mode == "draft":
+        draft = settings.model(model.draft_model or "")
+        assert draft is not None  # checked when the config was parsed
+        draft_path = resolve(draft, settings.server.data_dir, allow_download=True)
+
     return LlamaCppEngine(
         LlamaCppConfig(
             path=path,
@@ -40,6 +46,10 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
             embeddings=model.kind == "embedding",
             prefix_cache=model.prefix_cache,
             prefix_host_bytes=model.prefix_cache_host_mb << 20,
+            speculation=model.speculation_mode,
+            draft_path=draft_path,
+            speculation_max_tokens=model.speculation_max_tokens,
+            speculation_fixed_tokens=model.speculation_fixed_tokens,
         )
     )
 
@@ -63,7 +73,8 @@ class Registry:
         loaded: dict[str, LoadedModel] = {}
         try:
             for model in settings.models:
-                loaded[model.alias] = load_model(model, settings)
+                if model.kind != "draft":
+                    loaded[model.alias] = load_model(model, settings)
         except BaseException:
             for done in loaded.values():
                 done.engine.close()

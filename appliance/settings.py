@@ -15,7 +15,8 @@ from appliance.paths import default_data_dir
 from policy.limits import LIMIT_LEVELS, LimitRule
 
 ENGINES = ("llamacpp", "mlx", "auto")
-KINDS = ("chat", "embedding")
+KINDS = ("chat", "embedding", "draft")  # a draft model is loaded only inside the models it drafts for
+SPECULATION = ("auto", "off", "prompt_lookup", "draft")
 TIERS = ("small", "mid", "frontier")
 KV_CACHE_TYPES = ("f16", "q8_0")
 
@@ -74,6 +75,17 @@ class ModelSettings:
     prefix_cache: bool = True
     # Host RAM for prefixes evicted from the KV cache, LRU by bytes; 0 turns that tier off.
     prefix_cache_host_mb: int = 256
+    # Speculative decoding: "auto" is "draft" when draft_model is set, else "off".
+    speculation: str = "auto"
+    draft_model: str | None = None  # the alias of another [[models]] entry
+    speculation_max_tokens: int = 8
+    speculation_fixed_tokens: int = 0  # 0: draft as many tokens as pay, measured per slot
+
+    @property
+    def speculation_mode(self) -> str:
+        if self.speculation == "auto":
+            return "draft" if self.draft_model else "off"
+        return self.speculation
 
 
 @dataclass(frozen=True)
@@ -416,6 +428,7 @@ _MODEL_KEYS = {
     "alias", "engine", "kind", "path", "package_file", "hf_repo", "hf_file", "sha256", "context_length",
     "slots", "threads", "batch_tokens", "chat_template", "price_input_per_mtok", "price_output_per_mtok",
     "tier", "batch_invariant", "kv_cache_type", "prefix_cache", "prefix_cache_host_mb",
+    "speculation", "draft_model", "speculation_max_tokens", "speculation_fixed_tokens",
 }
 
 
@@ -462,6 +475,10 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
         kv_cache_type=r.string("kv_cache_type", "q8_0", KV_CACHE_TYPES) or "q8_0",
         prefix_cache=r.boolean("prefix_cache", True),
         prefix_cache_host_mb=r.integer("prefix_cache_host_mb", 256, minimum=0, maximum=1 << 20),
+        speculation=r.string("speculation", "auto", SPECULATION) or "auto",
+        draft_model=r.string("draft_model"),
+        speculation_max_tokens=r.integer("speculation_max_tokens", 8, minimum=1, maximum=64),
+        speculation_fixed_tokens=r.integer("speculation_fixed_tokens", 0, minimum=0, maximum=64),
     )
 
 
@@ -484,6 +501,18 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         if m.alias in seen:
             raise ConfigError(file, f"models[{i}].alias", f"duplicate alias {m.alias!r}")
         seen.add(m.alias)
+    by_alias = {m.alias: m for m in models}
+    for i, m in enumerate(models):
+        if m.draft_model is not None:
+            draft = by_alias.get(m.draft_model)
+            if draft is None or draft.kind == "embedding" or draft.alias == m.alias:
+                raise ConfigError(file, f"models[{i}].draft_model", f"{m.draft_model!r} is not the alias of another chat or draft model in this file")
+        if m.speculation == "draft" and m.draft_model is None:
+            raise ConfigError(file, f"models[{i}].speculation", "\"draft\" needs draft_model, the alias of the model that drafts")
+        if m.speculation_fixed_tokens > m.speculation_max_tokens:
+            raise ConfigError(file, f"models[{i}].speculation_fixed_tokens", f"more than speculation_max_tokens ({m.speculation_max_tokens})")
+    if not any(m.kind != "draft" for m in models):
+        raise top.fail("models", "every model is a draft model: declare at least one chat or embedding model")
     settings = Settings(
         file=Path(file),
         server=_server(file, top.subtable("server"), base),

@@ -34,7 +34,7 @@ SYSTEM = (
     "a standard service includes brake and gear adjustment, chain cleaning and a safety check; "
     "wheels are trued on request; tyres and tubes are sold separately; "
     "loan bikes are available while a repair takes longer than two days. "
-) * 22
+) * 18
 QUESTIONS = [
     "How long does a standard service take?", "Can I borrow a bike while mine is repaired?",
     "Do you sell inner tubes?", "What does a standard service include?", "Will you order a part without asking me?",
@@ -77,8 +77,9 @@ async def ttft(client: httpx.AsyncClient, question: str, max_tokens: int) -> tup
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and first is None:
-                first = time.perf_counter() - start_at
+            choices = chunk.get("choices") or []
+            if first is None and choices and (choices[0]["delta"].get("content") or choices[0].get("finish_reason")):
+                first = time.perf_counter() - start_at  # the first token, not the role chunk
             if chunk.get("usage"):
                 usage = chunk["usage"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -119,7 +120,9 @@ def main() -> None:
             write_config(work, config(args.model_file, on))
             proc, base = start(work)
             try:
+                began = time.monotonic()
                 results[name] = asyncio.run(measure(base, args.rounds, args.max_tokens))
+                print(f"[{name}: measured in {time.monotonic() - began:.0f} s]", flush=True)
             finally:
                 stop(proc)
     on, off = results["on"], results["off"]

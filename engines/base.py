@@ -170,9 +170,21 @@ class PrefixStats:
         return self.reused / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+@dataclass
+class SpeculationStats:
+    drafted: int = 0  # drafted tokens sent for verification
+    accepted: int = 0  # of those, kept
+    verify_steps: int = 0  # slot-steps that verified drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
 @dataclass(frozen=True)
 class EngineStats:
     slots_total: int
     slots_busy: int
     queue_depth: int
     prefix: PrefixStats | None = None
+    speculation: SpeculationStats | None = None

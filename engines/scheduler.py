@@ -17,6 +17,7 @@ class SlotView:
     prompt_len: int
     n_past: int  # tokens already in the KV cache (prompt, then generated)
     generating: bool  # prompt done, has a sampled token waiting to be decoded
+    drafted: int = 0  # drafted tokens to verify after the pending one (speculative decoding)
 
 
 @dataclass(frozen=True)
@@ -26,15 +27,18 @@ class BatchItem:
     count: int
     is_decode: bool
     wants_logits: bool  # the last token of this item needs logits (decode, or the prompt's end)
+    # a decode's pending token followed by drafted ones: every position needs logits
+    drafted: int = 0
 
 
 def plan_batch(slots: tuple[SlotView, ...], token_budget: int) -> tuple[BatchItem, ...]:
-    """One step's batch. Every generating slot decodes; prefill fills what budget is left."""
+    """One step's batch. Every generating slot decodes (with its drafts, which the engine sizes to
+    fit the budget); prefill fills what budget is left."""
     items: list[BatchItem] = []
     generating = [s for s in slots if s.generating]
     for s in sorted(generating, key=lambda s: s.slot):
-        items.append(BatchItem(s.slot, s.n_past, 1, True, True))
-    budget = token_budget - len(items)
+        items.append(BatchItem(s.slot, s.n_past, 1 + s.drafted, True, True, s.drafted))
+    budget = token_budget - sum(i.count for i in items)
     for s in sorted((s for s in slots if not s.generating and s.n_past < s.prompt_len), key=lambda s: s.admitted_seq):
         if budget <= 0:
             break

@@ -59,12 +59,13 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
-def draft_length(acceptance: float, cost: StepCost, batch_tokens: int, k_max: int) -> int:
+def draft_length(acceptance: float, cost: StepCost, batch_tokens: int, k_max: int, draft_cost: float = 0.0) -> int:
     """How many tokens to draft for one slot, 0 when speculation would not pay.
 
     Drafts add `per_token` each to a step that already takes fixed + per_token * batch_tokens and
-    yields `batch_tokens` tokens (one per decoding slot, roughly). Speculation pays when the extra
-    tokens it is expected to yield come faster than the step's own rate.
+    yields `batch_tokens` tokens (one per decoding slot, roughly), plus `draft_cost` each to make
+    (a draft model's decode; nothing for prompt lookup). Speculation pays when the extra tokens it
+    is expected to yield come faster than the step's own rate.
     """
     if k_max <= 0 or cost.per_token <= 0:
         return 0
@@ -73,7 +74,7 @@ def draft_length(acceptance: float, cost: StepCost, batch_tokens: int, k_max: in
     best_k, best_gain = 0, 0.0
     for k in range(1, k_max + 1):
         extra_tokens = expected_tokens(acceptance, k) - 1.0
-        extra_time = cost.per_token * k
+        extra_time = (cost.per_token + draft_cost) * k
         gain = extra_tokens - rate * extra_time  # tokens won beyond what the time would give anyway
         if gain > best_gain:
             best_k, best_gain = k, gain

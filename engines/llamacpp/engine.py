@@ -29,6 +29,7 @@ from engines.base import (
     EngineOverloaded,
     EngineStats,
     PrefixStats,
+    SpeculationStats,
     FinishEvent,
     FinishReason,
     GenerationRequest,
@@ -37,9 +38,11 @@ from engines.base import (
     TopLogprob,
     Usage,
 )
+from engines.llamacpp.drafting import DraftModelDrafter, DraftState, Drafter, PromptLookupDrafter, measure_step_cost
 from engines.llamacpp.runtime import Context, ContextShape, Model, Sampler
 from engines.prefix import PrefixIndex
 from engines.scheduler import Admission, BatchItem, Source, SlotView, plan_admission, plan_batch
+from engines.speculation import Acceptance, StepCost, draft_length
 from engines.stream import EventStream
 from engines.text import StopMatcher, Utf8Stream
 
@@ -66,6 +69,12 @@ class LlamaCppConfig:
     prefix_host_min_tokens: int = 256
     # Copying KV between sequences must save at least this many tokens of prefill.
     prefix_copy_min_tokens: int = 64
+    # "off", "prompt_lookup" or "draft" (with draft_path): see engines/speculation.py.
+    speculation: str = "off"
+    draft_path: Path | None = None
+    speculation_max_tokens: int = 8
+    # Draft exactly this many tokens whenever a draft exists; 0 sizes drafts by what pays.
+    speculation_fixed_tokens: int = 0
 
 
 @dataclass
@@ -100,13 +109,19 @@ class _Job:
         self.decoded: list[int] = []  # generated tokens whose KV is in the slot
         self.reused = 0  # prompt tokens served from KV computed earlier
         self.parked: tuple[Source, _Job] | None = None  # waiting for another slot's prefill
+        self.draft_state: DraftState | None = None
+        self.acceptance = Acceptance()
+        # Prompt lookup's draft for a step that did not speculate, scored against what the slot
+        # then samples, so the acceptance estimate stays current at no cost: (draft, matched).
+        self.shadow: tuple[tuple[int, ...], int] | None = None
+        self.steps_without_drafts = 0
         self.utf8 = Utf8Stream()
         self.stops = StopMatcher(request.stop)
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
 
-    def view(self) -> SlotView:
-        return SlotView(self.slot, self.admitted_seq, len(self.request.prompt_tokens), self.n_past, self.pending_token is not None)
+    def view(self, drafted: int = 0) -> SlotView:
+        return SlotView(self.slot, self.admitted_seq, len(self.request.prompt_tokens), self.n_past, self.pending_token is not None, drafted)
 
 
 class LlamaCppEngine:
@@ -144,12 +159,39 @@ class LlamaCppEngine:
         self._host: OrderedDict[int, _HostEntry] = OrderedDict()  # LRU first
         self._host_ids = itertools.count()
         self.prefix_stats = PrefixStats()
+        self.speculation_stats = SpeculationStats()
+        self._drafter: Drafter | None = None
+        self._step_cost = StepCost(0.0, 0.0)
+        try:
+            self._start_speculation()
+        except Exception:
+            self.ctx.close()
+            self.model.close()
+            raise
         self._admissions = itertools.count()
         self._closing = False
         self._queued = 0  # submitted but not yet admitted; read by other threads for stats
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"llamacpp:{config.path.name}", daemon=True)
         self._thread.start()
+
+    def _start_speculation(self) -> None:
+        c = self.config
+        if c.speculation == "off" or c.embeddings:
+            return
+        if c.speculation == "draft":
+            if c.draft_path is None:
+                raise EngineError("speculation = \"draft\" needs a draft model")
+            self._drafter = DraftModelDrafter(
+                c.draft_path, self.model, slots=c.slots, context_length=c.context_length, batch_tokens=c.batch_tokens, threads=c.threads,
+            )
+        elif c.speculation == "prompt_lookup":
+            self._drafter = PromptLookupDrafter()
+        else:
+            raise EngineError(f"unknown speculation {c.speculation!r}")
+        if c.speculation_fixed_tokens == 0:
+            self._step_cost = measure_step_cost(self.ctx, c.speculation_max_tokens)
+            log.info("speculation: %s, a step costs %.1f ms + %.2f ms a token", c.speculation, self._step_cost.fixed * 1e3, self._step_cost.per_token * 1e3)
 
     # ---- called from the event loop -------------------------------------------------------
 
@@ -222,7 +264,8 @@ class LlamaCppEngine:
         return await future
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.config.slots, len(self._active), max(0, self._queued), replace(self.prefix_stats))
+        speculation = replace(self.speculation_stats) if self._drafter else None
+        return EngineStats(self.config.slots, len(self._active), max(0, self._queued), replace(self.prefix_stats), speculation)
 
     def close(self) -> None:
         self._closing = True
@@ -231,6 +274,8 @@ class LlamaCppEngine:
         if self._thread.is_alive():
             log.error("model thread did not stop in 30 s; leaving its memory to the OS")
             return
+        if self._drafter is not None:
+            self._drafter.close()
         self.ctx.close()
         self.model.close()
 
@@ -311,6 +356,8 @@ class LlamaCppEngine:
             self.prefix_stats.reused_in_slot += admission.reuse
             if self.config.prefix_cache:
                 self._index.insert(_BASE_KEY, ("slot", job.slot), job.request.prompt_tokens)
+            if self._drafter is not None:
+                job.draft_state = self._drafter.start(job.slot, job.request.prompt_tokens)
             self._active[job.slot] = job
             if admission.source is not None:
                 self._follow(job, admission, copying_from)
@@ -431,26 +478,29 @@ class LlamaCppEngine:
             self.prefix_stats.host_entries = len(self._host)
 
     def _step(self) -> None:
-        plan = plan_batch(tuple(j.view() for j in self._active.values() if j.parked is None), self.config.batch_tokens)
+        runnable = [j for j in self._active.values() if j.parked is None]
+        drafts = self._drafts([j for j in runnable if j.pending_token is not None])
+        plan = plan_batch(tuple(j.view(len(drafts.get(j.slot, ()))) for j in runnable), self.config.batch_tokens)
         if not plan:
             return
         # Batch order by slot keeps each ubatch to consecutive sequences, which llama.cpp
         # needs to group sequences when each has its own KV stream.
         plan = tuple(sorted(plan, key=lambda item: item.slot))
         entries: list[tuple[int, int, int, bool]] = []
-        logit_rows: list[tuple[BatchItem, int]] = []
+        logit_rows: list[tuple[BatchItem, int]] = []  # the item's first row with logits
         for item in plan:
             job = self._active[item.slot]
             if item.is_decode:
                 assert job.pending_token is not None
-                tokens: tuple[int, ...] = (job.pending_token,)
+                tokens: tuple[int, ...] = (job.pending_token, *drafts.get(item.slot, ()))
             else:
                 tokens = job.request.prompt_tokens[item.start : item.start + item.count]
+            first = len(entries)
             for offset, token in enumerate(tokens):
                 last = offset == len(tokens) - 1
-                entries.append((token, item.start + offset, item.slot, last and item.wants_logits))
+                entries.append((token, item.start + offset, item.slot, item.is_decode or (last and item.wants_logits)))
             if item.wants_logits:
-                logit_rows.append((item, len(entries) - 1))
+                logit_rows.append((item, first if item.is_decode else len(entries) - 1))
         try:
             self.ctx.decode(entries)
         except EngineError as exc:
@@ -459,23 +509,97 @@ class LlamaCppEngine:
             return
         for item in plan:
             job = self._active[item.slot]
-            job.n_past += item.count
             if item.is_decode:
+                job.n_past += 1
                 job.decoded.append(job.pending_token)  # type: ignore[arg-type]
+            else:
+                job.n_past += item.count
         for item, row in logit_rows:
             job = self._active[item.slot]
-            self._sample(job, row)
+            if item.drafted:
+                self._verify(job, row, drafts[item.slot])
+            else:
+                self._sample(job, row)
 
-    def _sample(self, job: _Job, row: int) -> None:
+    # ---- speculative decoding -----------------------------------------------------------------
+
+    def _drafts(self, generating: list[_Job]) -> dict[int, tuple[int, ...]]:
+        """Drafts for the slots where speculating pays (or all, with a fixed draft length)."""
+        if self._drafter is None or not generating:
+            return {}
+        c = self.config
+        room = c.batch_tokens - len(generating)
+        wants = []
+        for job in generating:
+            if c.speculation_fixed_tokens:
+                k = c.speculation_fixed_tokens
+            else:
+                k = draft_length(job.acceptance.rate, self._step_cost, len(generating), c.speculation_max_tokens, self._drafter.cost_per_token)
+                if k == 0 and self._drafter.kind == "draft" and job.steps_without_drafts >= 16:
+                    k = 1  # probe now and then, so the acceptance estimate can recover
+            # never past max_tokens, the slot's context, or the step's budget
+            k = min(k, job.request.max_tokens - job.generated - 1, c.context_length - job.n_past - 1, room)
+            if k <= 0:
+                job.steps_without_drafts += 1
+                if self._drafter.kind == "prompt_lookup" and job.shadow is None and job.draft_state is not None:
+                    shadow = job.draft_state.lookup.draft(c.speculation_max_tokens)  # type: ignore[union-attr]
+                    job.shadow = (shadow, 0) if shadow else None
+                continue
+            room -= k
+            tokens = list(job.request.prompt_tokens) + job.decoded + [job.pending_token] if self._drafter.kind == "draft" else []
+            wants.append((job.slot, job.draft_state, tokens, k))
+        drafts = {slot: d for slot, d in self._drafter.draft(wants).items() if d} if wants else {}
+        for job in generating:
+            if job.slot in drafts:
+                job.steps_without_drafts = 0
+        return drafts
+
+    def _verify(self, job: _Job, first_row: int, drafts: tuple[int, ...]) -> None:
+        """Samples position by position; a drafted token that matches what was sampled is kept
+        (its KV is already in place) and sampling goes on from the next position."""
+        kept = 0
+        for i in range(len(drafts) + 1):
+            token = self._sample(job, first_row + i)
+            if token is None or i == len(drafts) or token != drafts[i]:
+                break
+            job.pending_token = None
+            job.decoded.append(token)
+            job.n_past += 1
+            kept += 1
+        job.acceptance = job.acceptance.update(len(drafts), kept)
+        stats = self.speculation_stats
+        stats.drafted += len(drafts)
+        stats.accepted += kept
+        stats.verify_steps += 1
+        if self._active.get(job.slot) is job:
+            self.ctx.trim_sequence(job.slot, job.n_past)  # the rejected drafts' KV
+        if self._drafter is not None:
+            self._drafter.settle(job.slot, job.n_past)
+
+    def _observe(self, job: _Job, token: int) -> None:
+        if self._drafter is None or job.draft_state is None:
+            return
+        self._drafter.observe(job.draft_state, token)
+        if job.shadow is not None:
+            draft, matched = job.shadow
+            if draft[matched] == token and matched + 1 < len(draft):
+                job.shadow = (draft, matched + 1)
+            else:
+                job.acceptance = job.acceptance.update(len(draft), matched + (draft[matched] == token))
+                job.shadow = None
+
+    def _sample(self, job: _Job, row: int) -> int | None:
+        """Samples the slot's next token and streams it; the token, or None once the job ended."""
         token = job.sampler.sample(self.ctx, row)
         now = time.perf_counter()
         if job.first_token_at is None:
             job.first_token_at = now
         job.generated += 1
+        self._observe(job, token)
         if self.model.is_eog(token):
             job.pending_token = None
             self._release(job, "stop")
-            return
+            return None
         logprob = self._logprob(job, row, token) if job.request.sampling.logprobs else None
         text = job.stops.feed(job.utf8.feed(self.model.piece(token)))
         job.emit(TokenEvent(text, token, logprob))
@@ -485,6 +609,8 @@ class LlamaCppEngine:
             self._release(job, "length")
         else:
             job.pending_token = token
+            return token
+        return None
 
     def _logprob(self, job: _Job, row: int, token: int) -> TokenLogprob:
         logits = self.ctx.logits(row).astype(np.float64)

@@ -1,0 +1,152 @@
+"""Speculative decoding, side by side in one run: the same target model served plain, with a draft
+model, and with prompt lookup, on three workloads (one client, temperature 0, streamed):
+
+  edit     rename a variable in a 12-line function (the output repeats the prompt: both drafters)
+  rewrite  rewrite a passage with small changes (prompt lookup's case)
+  story    a story from a one-line prompt (drafts are mostly rejected: must not be slower)
+
+For each it prints decode tok/s (after the first token), the ratio to plain, and the acceptance
+the server reports. Targets (issue 3): draft >= 1.5x plain on edit; prompt lookup >= 1.3x on
+rewrite; never below 0.98x on story.
+
+    ../shared/tools/fetch-bench-models.sh ~/.cache/appliance/models all   # once
+    .venv/bin/python bench/speculation.py [--target PATH --draft PATH] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.appliance_server import start, stop, write_config  # noqa: E402
+
+MODELS = Path("~/.cache/appliance/models").expanduser()
+
+FUNCTION = """def summarize(orders):
+    total = 0
+    count = 0
+    for order in orders:
+        if order.status == "cancelled":
+            continue
+        total += order.amount
+        count += 1
+    if count == 0:
+        return {"total": 0, "average": 0}
+    average = total / count
+    return {"total": round(total, 2), "average": round(average, 2)}"""
+
+PASSAGE = """The harbour town woke slowly. Fishing boats came back before dawn, and the market opened
+when the first crates of mackerel reached the quay. By eight the bakery had sold most of its bread,
+the ferry to the island had left with a dozen cyclists on board, and the harbour master was arguing
+with a yacht owner about the mooring fee. Children walked to the school on the hill in small groups,
+and the old lighthouse, closed to visitors since the storm two winters ago, stood white against a
+grey sky."""
+
+WORKLOADS = {
+    "edit": f"Rename the variable `total` to `subtotal` in this function. Reply with the whole function only.\n\n{FUNCTION}",
+    "rewrite": f"Rewrite this passage in the past perfect where it fits, changing as little as possible. Reply with the passage only.\n\n{PASSAGE}",
+    "story": "Tell me an original story about a fox who learns to play the violin.",
+}
+
+
+def config(target: Path, draft: Path, mode: str) -> str:
+    return f"""
+[auth]
+mode = "open"
+[budgets]
+enabled = false
+[cache]
+enabled = false
+[tracing]
+store = false
+[[models]]
+alias = "target"
+path = "{target}"
+context_length = 2048
+slots = 1
+threads = 2
+prefix_cache = false
+speculation = "{mode}"
+{'draft_model = "draft"' if mode == "draft" else ""}
+[[models]]
+alias = "draft"
+kind = "draft"
+path = "{draft}"
+"""
+
+
+def decode_rate(base: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+    body = {"model": "target", "stream": True, "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": prompt}]}
+    first = last = None
+    tokens = 0
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choices = chunk.get("choices") or []
+            if choices and choices[0]["delta"].get("content"):
+                last = time.perf_counter()
+                first = first or last
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    assert first is not None and last is not None
+    return (tokens - 1) / (last - first) if last > first else float("nan"), tokens
+
+
+def acceptance(base: str) -> tuple[float, float]:
+    text = httpx.get(f"{base}/metrics").text
+    got = {m[1]: float(m[2]) for m in re.finditer(r'^appliance_speculation_(\w+?)(?:_total)?\{model="target"\} (\S+)$', text, re.M)}
+    return got.get("drafted_tokens", 0.0), got.get("accepted_tokens", 0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+    ap.add_argument("--draft", type=Path, default=MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--only", default="edit,rewrite,story")
+    args = ap.parse_args()
+    workloads = args.only.split(",")
+    rates: dict[tuple[str, str], float] = {}
+    accepted: dict[tuple[str, str], str] = {}
+    texts: dict[tuple[str, str], int] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("off", "draft", "prompt_lookup"):
+            work = Path(tmp) / mode
+            write_config(work, config(args.target, args.draft, mode))
+            proc, base = start(work)
+            try:
+                for name in workloads:
+                    before = acceptance(base)
+                    runs = [decode_rate(base, WORKLOADS[name], args.max_tokens) for _ in range(args.repeat)]
+                    after = acceptance(base)
+                    rates[mode, name] = statistics.median(r[0] for r in runs)
+                    texts[mode, name] = runs[0][1]
+                    drafted, kept = after[0] - before[0], after[1] - before[1]
+                    accepted[mode, name] = f"{kept:.0f}/{drafted:.0f}" if drafted else "-"
+                    print(f"[{mode} {name}: {rates[mode, name]:.1f} tok/s, {texts[mode, name]} tokens, accepted {accepted[mode, name]}]", flush=True)
+            finally:
+                stop(proc)
+    print(f"target {args.target.name}, draft {args.draft.name}; decode tok/s after the first token, median of {args.repeat}")
+    print(f"{'workload':<10}{'plain':>8}{'draft':>8}{'ratio':>7}{'accepted':>12}{'lookup':>8}{'ratio':>7}{'accepted':>12}")
+    for name in workloads:
+        plain = rates["off", name]
+        print(f"{name:<10}{plain:>8.1f}{rates['draft', name]:>8.1f}{rates['draft', name] / plain:>7.2f}{accepted['draft', name]:>12}"
+              f"{rates['prompt_lookup', name]:>8.1f}{rates['prompt_lookup', name] / plain:>7.2f}{accepted['prompt_lookup', name]:>12}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Speculative decoding: the pure parts (prompt lookup, draft sizing), then the real engine over
+HTTP, where greedy output must be the same token for token with and without speculation."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance.model_files import package_file
+from engines.speculation import Acceptance, NgramLookup, StepCost, draft_length, expected_tokens
+from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
+from tests.gguf_files import rewrite_gguf
+
+# ---- pure ---------------------------------------------------------------------------------------
+
+
+def brute_force_draft(tokens: list[int], k: int, n_max: int = 3, n_min: int = 2) -> tuple[int, ...]:
+    for n in range(n_max, n_min - 1, -1):
+        if len(tokens) < n:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
+            if tokens[start : start + n] == suffix:
+                return tuple(tokens[start + n : start + n + k])
+    return ()
+
+
+@given(st.lists(st.integers(0, 4), max_size=60), st.integers(1, 8))
+def test_prompt_lookup_proposes_what_followed_the_latest_match(tokens, k):
+    lookup = NgramLookup(tuple(tokens))
+    assert lookup.draft(k) == brute_force_draft(tokens, k)
+
+
+def test_prompt_lookup_finds_the_continuation_of_an_edit():
+    source = [10, 11, 12, 13, 14, 15, 16, 17]
+    lookup = NgramLookup(tuple(source + [99, 12, 13]))
+    assert lookup.draft(4) == (14, 15, 16, 17)
+    lookup.append(14)
+    assert lookup.draft(2) == (15, 16)
+
+
+def test_draft_length_pays_only_where_it_should():
+    cheap_verify = StepCost(fixed=0.070, per_token=0.008)  # a big model: memory-bound decode
+    costly_verify = StepCost(fixed=0.006, per_token=0.0055)  # the bundled model here: nearly linear
+    assert draft_length(0.9, cheap_verify, 1, 8) >= 6
+    assert draft_length(0.9, cheap_verify, 1, 8, draft_cost=0.1) == 0  # drafting slower than decoding
+    assert draft_length(0.2, costly_verify, 1, 8) == 0
+    assert draft_length(0.5, costly_verify, 8, 8) == 0  # a full batch already uses the cores
+    lengths = [draft_length(a / 10, cheap_verify, 1, 16) for a in range(10)]
+    assert lengths == sorted(lengths)  # more acceptance never drafts less
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
+
+
+def test_acceptance_forgets_old_evidence():
+    a = Acceptance()
+    assert a.rate == 0.5
+    for _ in range(30):
+        a = a.update(drafted=4, kept=4)
+    assert a.rate > 0.95
+    for _ in range(30):
+        a = a.update(drafted=4, kept=0)
+    assert a.rate < 0.25
+
+
+# ---- the real engine ----------------------------------------------------------------------------
+
+EDIT = (
+    "Rewrite this function, renaming the variable total to subtotal and changing nothing else:\n\n"
+    "def price(items):\n    total = 0\n    for item in items:\n        total += item.price * item.count\n"
+    "    if total > 100:\n        total = total * 0.9\n    return round(total, 2)\n"
+)
+PROMPTS = [EDIT, "Write a short poem about a lighthouse.", "List the planets of the solar system in order."]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    draft = f'\n[[models]]\nalias = "draft"\nkind = "draft"\npackage_file = "{MODEL_FILE}"\n'
+    configs = {
+        "plain": config_text(slots=4, embeddings=False, model_extra='speculation = "off"'),
+        "lookup": config_text(slots=4, embeddings=False, model_extra='speculation = "prompt_lookup"\nspeculation_fixed_tokens = 4'),
+        "draft": config_text(slots=4, embeddings=False, model_extra='draft_model = "draft"\nspeculation_fixed_tokens = 3') + draft,
+    }
+    started: dict[str, Server] = {}
+    try:
+        for name, text in configs.items():
+            started[name] = start_server(tmp_path_factory.mktemp(name), text)
+        yield started
+    finally:
+        for srv in started.values():
+            stop_server(srv)
+
+
+async def ask(server: Server, prompt: str, max_tokens: int = 120) -> str:
+    async with server.async_client(timeout=600) as client:
+        r = await client.chat.completions.create(model=CHAT_MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0)
+    return r.choices[0].message.content or ""
+
+
+def counters(server: Server) -> dict[str, float]:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^appliance_speculation_(\w+?)(?:_total)?\{[^}]*\} (\S+)$", text, re.M)}
+
+
+def test_greedy_output_is_identical_with_and_without_speculation(servers: dict[str, Server]) -> None:
+    async def alone(server: Server) -> list[str]:
+        return [await ask(server, p) for p in PROMPTS]
+
+    plain = asyncio.run(alone(servers["plain"]))
+    assert all(plain)
+    for name in ("lookup", "draft"):
+        assert asyncio.run(alone(servers[name])) == plain, name
+    lookup, draft = counters(servers["lookup"]), counters(servers["draft"])
+    # prompt lookup drafts from the function it is asked to rewrite, and much of it is kept
+    assert lookup["drafted_tokens"] > 50 and lookup["accepted_tokens"] > 25
+    # the model drafting for itself agrees with itself nearly always
+    assert draft["drafted_tokens"] > 100 and draft["acceptance_rate"] > 0.9
+    assert "drafted_tokens" not in counters(servers["plain"])
+
+
+def test_speculating_slots_share_the_batch_with_the_same_text(servers: dict[str, Server]) -> None:
+    async def together(server: Server) -> list[str]:
+        return list(await asyncio.gather(*(ask(server, p, 80) for p in PROMPTS + PROMPTS[:1])))
+
+    plain = asyncio.run(together(servers["plain"]))
+    for name in ("lookup", "draft"):
+        assert asyncio.run(together(servers[name])) == plain, name
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path: Path) -> None:
+    source = package_file(MODEL_FILE)
+
+    def rename_a_token(key: str, value: object) -> object:
+        if key == "tokenizer.ggml.tokens":
+            tokens = list(value)  # type: ignore[call-overload]
+            tokens[1000] = "zzzz-not-in-the-target"
+            return tokens
+        return value
+
+    other = rewrite_gguf(source, tmp_path / "other-vocab.gguf", rename_a_token)
+    text = config_text(slots=2, embeddings=False, model_extra='draft_model = "other"') + f'\n[[models]]\nalias = "other"\nkind = "draft"\npath = "{other}"\n'
+    with pytest.raises(RuntimeError) as failure:
+        start_server(tmp_path / "srv", text)
+    message = str(failure.value)
+    assert "other-vocab.gguf cannot draft for SmolLM2-135M-Instruct.Q4_1.gguf" in message
+    assert "token 1000" in message
