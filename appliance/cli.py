@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import faulthandler
 import logging
 import signal
@@ -78,6 +79,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 def cmd_models_pull(args: argparse.Namespace) -> int:
     from appliance.model_files import ModelFileError, download, resolve, sha256
 
+    if len(args.alias) == 2 and "/" in args.alias[0] and args.alias[1].endswith(".gguf"):
+        return _pull_hub_file(args, *args.alias)
     settings = _settings(args.config)
     chosen = [m for m in settings.models if not args.alias or m.alias in args.alias]
     unknown = set(args.alias or ()) - {m.alias for m in settings.models}
@@ -97,6 +100,76 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
             print(f"error: {m.alias}: sha256 of {path} does not match models.toml", file=sys.stderr)
             return 1
         print(f"{m.alias}: {path}")
+    return 0
+
+
+def _pull_hub_file(args: argparse.Namespace, repo: str, filename: str) -> int:
+    """`models pull REPO FILE`: download through huggingface-hub, then register the file."""
+    from appliance.model_admin import ModelAdminError, alias_for, register
+    from appliance.model_files import ModelFileError, download, sha256
+
+    config = find_config(args.config)
+    try:
+        settings = load_settings(config)
+        path = download(repo, filename, settings.server.data_dir)
+        digest = sha256(path)
+        register(config, args.register_alias or alias_for(Path(filename)), path, digest)
+    except (ModelFileError, ModelAdminError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{path}\nsha256 {digest}\nregistered as {args.register_alias or alias_for(Path(filename))!r} in {config}")
+    return 0
+
+
+def cmd_models_add(args: argparse.Namespace) -> int:
+    from appliance.model_admin import ModelAdminError, alias_for, file_type, register
+    from appliance.model_files import sha256
+
+    config = find_config(args.config)
+    path = args.path.expanduser().resolve()
+    try:
+        if not path.is_file():
+            raise ModelAdminError(f"{path}: no such file")
+        kind = file_type(path)
+        digest = sha256(path)
+        register(config, args.alias or alias_for(path), path, digest)
+    except ModelAdminError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{path} ({kind})\nsha256 {digest}\nregistered as {args.alias or alias_for(path)!r} in {config}")
+    return 0
+
+
+def cmd_models_quantize(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from appliance.model_admin import ModelAdminError, alias_for, quantize, quantized_name, register
+    from appliance.model_files import ModelFileError, resolve, sha256
+
+    config = find_config(args.config)
+    like = None
+    try:
+        settings = load_settings(config) if config.is_file() else None
+        source = settings.model(str(args.source)) if settings else None
+        if source is not None:  # a configured alias: quantize its file, and copy its settings
+            src, like = resolve(source, settings.server.data_dir), source.alias  # type: ignore[union-attr]
+        else:
+            src = args.source.expanduser().resolve()
+        dst = (args.out or quantized_name(src, args.type)).expanduser().resolve()
+        # The output is close to source size x new bits / old bits; the bar only needs a scale.
+        with Progress(TextColumn(f"quantizing to {args.type}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(), transient=True) as bar:
+            task = bar.add_task("quantize", total=None)
+            quantize(src, dst, args.type, threads=args.threads, allow_requantize=args.allow_requantize,
+                     progress=lambda size: bar.update(task, completed=size))
+        digest = sha256(dst)
+        print(f"{dst}\nsha256 {digest}\nsize {dst.stat().st_size / 1e6:.1f} MB (source {src.stat().st_size / 1e6:.1f} MB)")
+        if not args.no_register:
+            alias = args.alias or (f"{like}-{args.type.lower()}" if like else alias_for(dst))
+            register(config, alias, dst, digest, like=like)
+            print(f"registered as {alias!r} in {config}")
+    except (ModelAdminError, ModelFileError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -374,10 +447,28 @@ def build_parser() -> argparse.ArgumentParser:
     listing = models.add_parser("list", help="list configured models and where their files are")
     listing.add_argument("--config", type=Path)
     listing.set_defaults(func=cmd_models_list)
-    pull = models.add_parser("pull", help="download hub models named in the config")
-    pull.add_argument("alias", nargs="*")
+    pull = models.add_parser("pull", help="download hub models named in the config, or REPO FILE.gguf (then registered)")
+    pull.add_argument("alias", nargs="*", help="aliases from the config, or a hub repo and a .gguf file in it")
+    pull.add_argument("--alias", dest="register_alias", help="the alias to register REPO FILE under")
     pull.add_argument("--config", type=Path)
     pull.set_defaults(func=cmd_models_pull)
+    add = models.add_parser("add", help="register a local GGUF file in the config")
+    add.add_argument("path", type=Path)
+    add.add_argument("--alias")
+    add.add_argument("--config", type=Path)
+    add.set_defaults(func=cmd_models_add)
+    quant = models.add_parser("quantize", help="quantize a GGUF (a path or a configured alias) with llama.cpp and register it")
+    quant.add_argument("source", type=Path)
+    from appliance.model_admin import QUANT_TYPES
+
+    quant.add_argument("--type", required=True, choices=sorted(QUANT_TYPES), metavar="TYPE", help=f"one of {', '.join(QUANT_TYPES)}")
+    quant.add_argument("--out", type=Path, help="the output file (default: beside the source, named by the type)")
+    quant.add_argument("--alias", help="the alias to register it under")
+    quant.add_argument("--allow-requantize", action="store_true", help="quantize a file that is already quantized")
+    quant.add_argument("--no-register", action="store_true", help="write the file only")
+    quant.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    quant.add_argument("--config", type=Path)
+    quant.set_defaults(func=cmd_models_quantize)
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
     create = keys.add_parser("create", help="create a key; the secret is printed once, alone on the last line")

@@ -50,6 +50,7 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
             draft_path=draft_path,
             speculation_max_tokens=model.speculation_max_tokens,
             speculation_fixed_tokens=model.speculation_fixed_tokens,
+            adapters=tuple((a.name, a.path, a.scale) for a in model.adapters),
         )
     )
 

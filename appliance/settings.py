@@ -6,6 +6,7 @@ Every error names the file and the dotted key, so a user can fix it without read
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,13 @@ class Defaults:
 
 
 @dataclass(frozen=True)
+class AdapterSettings:
+    name: str  # requests pick it as `model: "<alias>:<name>"` or with the `adapters` field
+    path: Path
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class ModelSettings:
     alias: str
     engine: str
@@ -80,6 +88,7 @@ class ModelSettings:
     draft_model: str | None = None  # the alias of another [[models]] entry
     speculation_max_tokens: int = 8
     speculation_fixed_tokens: int = 0  # 0: draft as many tokens as pay, measured per slot
+    adapters: tuple[AdapterSettings, ...] = ()  # LoRA adapters loaded at start
 
     @property
     def speculation_mode(self) -> str:
@@ -428,8 +437,28 @@ _MODEL_KEYS = {
     "alias", "engine", "kind", "path", "package_file", "hf_repo", "hf_file", "sha256", "context_length",
     "slots", "threads", "batch_tokens", "chat_template", "price_input_per_mtok", "price_output_per_mtok",
     "tier", "batch_invariant", "kv_cache_type", "prefix_cache", "prefix_cache_host_mb",
-    "speculation", "draft_model", "speculation_max_tokens", "speculation_fixed_tokens",
+    "speculation", "draft_model", "speculation_max_tokens", "speculation_fixed_tokens", "adapters",
 }
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def _adapters(file: str, index: int, raw: object, base: Path) -> tuple[AdapterSettings, ...]:
+    where = f"models[{index}].adapters"
+    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
+        raise ConfigError(file, where, "expected an array of tables: [[models.adapters]] with name and path")
+    out: list[AdapterSettings] = []
+    for i, table in enumerate(raw):
+        r = _Reader(file, f"{where}[{i}]", table, {"name", "path", "scale"})
+        name = r.string("name")
+        if name is None or not ADAPTER_NAME.match(name):
+            raise r.fail("name", "expected letters, digits, '.', '_' or '-' (no ':'), up to 64 characters")
+        if any(a.name == name for a in out):
+            raise r.fail("name", f"a second adapter named {name!r}")
+        path = r.string("path")
+        if path is None:
+            raise r.fail("path", "missing: the adapter's GGUF file")
+        out.append(AdapterSettings(name, (base / os.path.expanduser(path)).resolve(), r.number("scale", 1.0, minimum=-10.0, maximum=10.0)))
+    return tuple(out)
 
 
 def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSettings:
@@ -479,6 +508,7 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
         draft_model=r.string("draft_model"),
         speculation_max_tokens=r.integer("speculation_max_tokens", 8, minimum=1, maximum=64),
         speculation_fixed_tokens=r.integer("speculation_fixed_tokens", 0, minimum=0, maximum=64),
+        adapters=_adapters(file, index, table.get("adapters", []), base),
     )
 
 

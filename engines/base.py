@@ -40,6 +40,13 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
+    # LoRA adapters by name with their scales; requests with different sets never share a step.
+    adapters: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def adapter_key(self) -> tuple[tuple[str, float], ...]:
+        """What the KV this request computes is valid for; a zero scale is no adapter at all."""
+        return tuple(sorted((name, scale) for name, scale in self.adapters if scale != 0.0))
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,18 @@ class ContextLengthExceeded(EngineError):
 
 class EngineClosed(EngineError):
     pass
+
+
+class UnknownAdapter(EngineError):
+    pass
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    path: str
+    scale: float  # the default when a request names the adapter without a scale
+    active_requests: int = 0
 
 
 @runtime_checkable

@@ -45,10 +45,19 @@ class NgramLookup:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A decode step's time as fixed + per_token * tokens in the batch (fitted by the engine)."""
+    """Measured decode time by tokens in the batch: `seconds[n - 1]` for n tokens, each with
+    logits (what a verify step asks for). Beyond the table, the last step's slope continues."""
 
-    fixed: float
-    per_token: float
+    seconds: tuple[float, ...]
+
+    def __call__(self, tokens: int) -> float:
+        table = self.seconds
+        if tokens <= 0:
+            return 0.0
+        if tokens <= len(table):
+            return table[tokens - 1]
+        slope = table[-1] - table[-2] if len(table) > 1 else table[-1]
+        return table[-1] + max(slope, 0.0) * (tokens - len(table))
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -62,19 +71,19 @@ def expected_tokens(acceptance: float, k: int) -> float:
 def draft_length(acceptance: float, cost: StepCost, batch_tokens: int, k_max: int, draft_cost: float = 0.0) -> int:
     """How many tokens to draft for one slot, 0 when speculation would not pay.
 
-    Drafts add `per_token` each to a step that already takes fixed + per_token * batch_tokens and
-    yields `batch_tokens` tokens (one per decoding slot, roughly), plus `draft_cost` each to make
-    (a draft model's decode; nothing for prompt lookup). Speculation pays when the extra tokens it
-    is expected to yield come faster than the step's own rate.
+    A step of `batch_tokens` tokens (one per decoding slot) takes cost(batch_tokens) and yields
+    that many tokens. k drafts make it take cost(batch_tokens + k), plus `draft_cost` each to make
+    them (a draft model's decode; nothing for prompt lookup). Speculation pays when the extra
+    tokens it is expected to yield come faster than the step's own rate.
     """
-    if k_max <= 0 or cost.per_token <= 0:
+    if k_max <= 0 or not cost.seconds:
         return 0
-    step = cost.fixed + cost.per_token * batch_tokens
-    rate = batch_tokens / step
+    base = cost(batch_tokens)
+    rate = batch_tokens / base if base > 0 else 0.0
     best_k, best_gain = 0, 0.0
     for k in range(1, k_max + 1):
         extra_tokens = expected_tokens(acceptance, k) - 1.0
-        extra_time = (cost.per_token + draft_cost) * k
+        extra_time = cost(batch_tokens + k) - base + draft_cost * k
         gain = extra_tokens - rate * extra_time  # tokens won beyond what the time would give anyway
         if gain > best_gain:
             best_k, best_gain = k, gain

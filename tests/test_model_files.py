@@ -68,3 +68,81 @@ def test_pull_of_a_missing_file_fails_clearly(tmp_path: Path):
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "could not download x.gguf from acme/none" in run.stderr
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "appliance.cli", *args], cwd=ROOT, env=env or dict(os.environ),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _config(tmp_path: Path) -> Path:
+    cfg = tmp_path / "models.toml"
+    # a comment and a model of the operator's own, which registering must leave as written
+    cfg.write_text(f'# my fleet\n[[models]]\nalias = "small"  # the bundled one\npackage_file = "{MODEL_FILE}"\ncontext_length = 1024\nslots = 2\n')
+    return cfg
+
+
+def test_pull_repo_file_downloads_and_registers(tmp_path: Path):
+    cfg = _config(tmp_path)
+    before = cfg.read_text()
+    bundled = package_file(MODEL_FILE)
+    with FakeHub({"acme/smol-GGUF/smol.Q4_1.gguf": bundled}) as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"}
+        run = _cli("models", "pull", "acme/smol-GGUF", "smol.Q4_1.gguf", "--config", str(cfg), env=env)
+    assert run.returncode == 0, run.stderr
+    assert f"sha256 {BUNDLED_SHA}" in run.stdout
+    text = cfg.read_text()
+    assert text.startswith(before)
+    settings = parse_settings(text, str(cfg))
+    added = settings.model("smol.q4_1")
+    assert added is not None and added.sha256 == BUNDLED_SHA and added.path is not None and sha256(added.path) == BUNDLED_SHA
+    # the same alias twice is refused, naming the file and the alias
+    run = _cli("models", "add", str(bundled), "--alias", "small", "--config", str(cfg))
+    assert run.returncode == 1 and "already a model with alias 'small'" in run.stderr
+
+
+def test_add_registers_a_local_file_and_refuses_what_is_not_a_model(tmp_path: Path):
+    cfg = _config(tmp_path)
+    run = _cli("models", "add", str(package_file(MODEL_FILE)), "--alias", "copy", "--config", str(cfg))
+    assert run.returncode == 0, run.stderr
+    assert "(Q4_1)" in run.stdout
+    assert parse_settings(cfg.read_text(), str(cfg)).model("copy") is not None
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model")
+    run = _cli("models", "add", str(junk), "--config", str(cfg))
+    assert run.returncode == 1 and "cannot read this file as a GGUF model" in run.stderr
+
+
+def test_quantize_writes_beside_the_source_and_registers_a_working_model(tmp_path: Path):
+    cfg = _config(tmp_path)
+    src = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    src.write_bytes(package_file(MODEL_FILE).read_bytes())
+    # already quantized: refused unless asked for, with the reason
+    run = _cli("models", "quantize", str(src), "--type", "Q8_0", "--config", str(cfg))
+    assert run.returncode == 1 and "already quantized (Q4_1)" in run.stderr and "--allow-requantize" in run.stderr
+    run = _cli("models", "quantize", str(src), "--type", "Q8_0", "--allow-requantize", "--alias", "small-q8", "--threads", "2", "--config", str(cfg))
+    assert run.returncode == 0, run.stderr
+    out = tmp_path / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    assert out.is_file() and out.stat().st_size > src.stat().st_size
+    assert f"sha256 {sha256(out)}" in run.stdout
+    settings = parse_settings(cfg.read_text(), str(cfg))
+    model = settings.model("small-q8")
+    assert model is not None and model.path == out and model.sha256 == sha256(out)
+    from appliance.model_admin import file_type
+
+    assert file_type(out) == "Q8_0"
+    # it loads and generates
+    from engines.llamacpp.runtime import Context, ContextShape, Model
+
+    loaded = Model(out)
+    try:
+        ctx = Context(loaded, ContextShape(1, 256, 64, 2, False, True, "q8_0"))
+        tokens = loaded.tokenize("The capital of France is", add_special=True, parse_special=False)
+        ctx.decode([(t, i, 0, i == len(tokens) - 1) for i, t in enumerate(tokens)])
+        assert loaded.piece(int(ctx.logits(len(tokens) - 1).argmax())).strip() == b"Paris"
+        ctx.close()
+    finally:
+        loaded.close()
+    # an existing output is never overwritten
+    run = _cli("models", "quantize", str(src), "--type", "Q8_0", "--allow-requantize", "--config", str(cfg))
+    assert run.returncode == 1 and "exists already" in run.stderr

@@ -47,15 +47,21 @@ def test_prompt_lookup_finds_the_continuation_of_an_edit():
 
 
 def test_draft_length_pays_only_where_it_should():
-    cheap_verify = StepCost(fixed=0.070, per_token=0.008)  # a big model: memory-bound decode
-    costly_verify = StepCost(fixed=0.006, per_token=0.0055)  # the bundled model here: nearly linear
+    # a big model with cheap verification (memory-bound decode), in seconds for 1..9 tokens
+    cheap_verify = StepCost(tuple(0.070 + 0.008 * n for n in range(9)))
+    # what this machine measures for the 1.5B target: 4 tokens cost 2.5 steps, 9 cost 7
+    measured = StepCost((0.039, 0.065, 0.080, 0.096, 0.150, 0.190, 0.230, 0.250, 0.273))
+    linear = StepCost(tuple(0.006 * n for n in range(1, 10)))  # the bundled model: no batch discount
     assert draft_length(0.9, cheap_verify, 1, 8) >= 6
     assert draft_length(0.9, cheap_verify, 1, 8, draft_cost=0.1) == 0  # drafting slower than decoding
-    assert draft_length(0.2, costly_verify, 1, 8) == 0
-    assert draft_length(0.5, costly_verify, 8, 8) == 0  # a full batch already uses the cores
+    assert 2 <= draft_length(0.9, measured, 1, 8) <= 4  # the cheap region of the curve
+    assert draft_length(0.9, measured, 1, 8, draft_cost=0.024) == 0  # the 0.5B draft costs too much here
+    assert draft_length(0.95, linear, 1, 8) == 0
+    assert draft_length(0.5, cheap_verify, 8, 8) <= draft_length(0.5, cheap_verify, 1, 8)
     lengths = [draft_length(a / 10, cheap_verify, 1, 16) for a in range(10)]
     assert lengths == sorted(lengths)  # more acceptance never drafts less
     assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
+    assert measured(12) == pytest.approx(0.273 + 3 * 0.023)  # past the table, the last slope
 
 
 def test_acceptance_forgets_old_evidence():

@@ -83,7 +83,9 @@ def cache_plan(header: str | None, services: Services, principal: Principal, bod
         "seed": sampling.seed,
         "response_format": msgspec.to_builtins(body.response_format) if body.response_format is not None else None,
     }
-    return _plan(services, directives, principal, body, model.settings.alias, model_version(model.settings), settings, sampling.temperature)
+    # An adapter answers differently from its base model: its answers get their own buckets.
+    name = model.settings.alias + "".join(f":{adapter}@{scale:g}" for adapter, scale in prepared.request.adapter_key)
+    return _plan(services, directives, principal, body, name, model_version(model.settings), settings, sampling.temperature)
 
 
 def _plan(services: Services, directives: set[str], principal: Principal, body: ChatCompletionRequest, model: str,

@@ -25,7 +25,7 @@ from appliance.gate import Admission
 from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
 from appliance.tracing import RequestTrace, annotate
-from engines.base import ContextLengthExceeded, EngineClosed, EngineError, EngineOverloaded, FinishEvent, TokenEvent
+from engines.base import ContextLengthExceeded, EngineClosed, EngineError, EngineOverloaded, FinishEvent, TokenEvent, UnknownAdapter
 from engines.stream import EventStream
 from policy.guardrails import check_input
 from policy.identity import Principal
@@ -45,6 +45,38 @@ def _model(services: Services, alias: str, kind: str, endpoint: str) -> LoadedMo
     return model
 
 
+def _model_with_adapters(services: Services, alias: str, chosen: list[Any] | None, endpoint: str) -> tuple[LoadedModel, tuple[tuple[str, float], ...]]:
+    """The model a request names, and its LoRA adapters: `<alias>:<adapter>` and/or the `adapters`
+    field, each at its configured scale unless the request gives one."""
+    base, _, named = alias.partition(":")
+    if named and services.registry.get(alias) is None:
+        model = _model(services, base, "chat", endpoint)
+        wanted: list[tuple[str, float | None]] = [(named, None)]
+    else:
+        model = _model(services, alias, "chat", endpoint)
+        wanted = []
+    wanted += [(a.name, a.scale) for a in chosen or []]
+    if not wanted:
+        return model, ()
+    loaded = {a.name: a for a in model.engine.adapters()} if hasattr(model.engine, "adapters") else {}
+    out: list[tuple[str, float]] = []
+    for name, scale in wanted:
+        info = loaded.get(name)
+        if info is None:
+            raise APIError(404, f"The model '{model.settings.alias}' has no adapter '{name}'.", param="model" if name == named else "adapters",
+                           code="model_not_found")
+        if any(name == n for n, _ in out):
+            raise invalid(f"The adapter '{name}' is named twice.", "adapters")
+        if scale is not None and not -10.0 <= scale <= 10.0:
+            raise invalid("An adapter's scale must be between -10 and 10.", "adapters")
+        out.append((name, info.scale if scale is None else scale))
+    return model, tuple(out)
+
+
+def _with_adapters(prepared: Prepared, adapters: tuple[tuple[str, float], ...]) -> Prepared:
+    return dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, adapters=adapters)) if adapters else prepared
+
+
 def _start(model: LoadedModel, prepared: Prepared) -> EventStream:
     try:
         return model.engine.generate(prepared.request)
@@ -54,6 +86,8 @@ def _start(model: LoadedModel, prepared: Prepared) -> EventStream:
         raise APIError(503, f"The server is overloaded: {exc}. Retry shortly.", type="server_error", code="overloaded", retry_after_s=exc.retry_after_s) from None
     except EngineClosed as exc:
         raise APIError(503, str(exc), type="server_error", code="unavailable", retry_after_s=5) from None
+    except UnknownAdapter as exc:
+        raise APIError(404, str(exc), param="model", code="model_not_found") from None
     except EngineError as exc:
         raise invalid(str(exc)) from None
 
@@ -114,6 +148,10 @@ def _raise_for_failure(finish: FinishEvent) -> None:
 async def list_models(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
     await authenticate(request, services)
     listing = render.model_list(services.registry.all(), services.started_at)
+    for model in services.registry.all():
+        for adapter in model.engine.adapters() if hasattr(model.engine, "adapters") else []:
+            listing["data"].append({"id": f"{model.settings.alias}:{adapter.name}", "object": "model", "created": services.started_at,
+                                    "owned_by": "appliance-adapter", "meta": {"base": model.settings.alias, "scale": adapter.scale}})
     listing["data"] += [{"id": r.alias, "object": "model", "created": services.started_at, "owned_by": "appliance-route"}
                         for r in services.settings.routes]
     return listing
@@ -144,9 +182,9 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
             routed = await routed_chat(request, services, principal, body, route, request_id, traced)
             traced.end(http__status_code=200)
             return traced.stamp(routed)
-        model = _model(services, body.model, "chat", "chat")
-        traced.annotate(model=model.settings.alias, stream=body.stream, gen_ai__request__model=model.settings.alias)
-        prepared = prepare_chat(body, model, services.settings.defaults, request_id)
+        model, adapters = _model_with_adapters(services, body.model, body.adapters, "chat")
+        traced.annotate(model=model.settings.alias, stream=body.stream, gen_ai__request__model=body.model)
+        prepared = _with_adapters(prepare_chat(body, model, services.settings.defaults, request_id), adapters)
         plan = cache_plan(request.headers.get("cache-control"), services, principal, body, model, prepared)
         if plan.read and plan.item is not None:
             with traced.child("cache.lookup", cache__bucket=plan.item.bucket.key) as span:
@@ -198,9 +236,9 @@ async def completions(request: Request[Any, Any, Any], services: Services) -> Re
         _annotate_principal(traced, principal)
         body = decode_body(await request.body(), CompletionRequest)
         guard(services, traced, [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)])
-        model = _model(services, body.model, "chat", "completion")
+        model, adapters = _model_with_adapters(services, body.model, body.adapters, "completion")
         traced.annotate(model=model.settings.alias, stream=body.stream)
-        prepared = prepare_completion(body, model, services.settings.defaults, request_id)
+        prepared = _with_adapters(prepare_completion(body, model, services.settings.defaults, request_id), adapters)
         return traced.stamp(await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "completion", None, traced))
     except BaseException as exc:
         traced.fail(exc)

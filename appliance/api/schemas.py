@@ -25,6 +25,11 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
 
 
+class AdapterChoice(msgspec.Struct, kw_only=True):
+    name: str
+    scale: float | None = None  # the adapter's configured scale when left out
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
@@ -54,6 +59,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     n: int = 1
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    # LoRA adapters on the model (an extension; `model: "<alias>:<adapter>"` also picks one)
+    adapters: list[AdapterChoice] | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

@@ -16,12 +16,14 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from engines.base import (
+    AdapterInfo,
     ContextLengthExceeded,
     EngineClosed,
     EngineError,
@@ -36,10 +38,11 @@ from engines.base import (
     TokenEvent,
     TokenLogprob,
     TopLogprob,
+    UnknownAdapter,
     Usage,
 )
 from engines.llamacpp.drafting import DraftModelDrafter, DraftState, Drafter, PromptLookupDrafter, measure_step_cost
-from engines.llamacpp.runtime import Context, ContextShape, Model, Sampler
+from engines.llamacpp.runtime import Adapter, Context, ContextShape, Model, Sampler
 from engines.prefix import PrefixIndex
 from engines.scheduler import Admission, BatchItem, Source, SlotView, plan_admission, plan_batch
 from engines.speculation import Acceptance, StepCost, draft_length
@@ -75,6 +78,8 @@ class LlamaCppConfig:
     speculation_max_tokens: int = 8
     # Draft exactly this many tokens whenever a draft exists; 0 sizes drafts by what pays.
     speculation_fixed_tokens: int = 0
+    # LoRA adapters loaded at start: (name, GGUF path, default scale)
+    adapters: tuple[tuple[str, Path, float], ...] = ()
 
 
 @dataclass
@@ -98,6 +103,7 @@ class _Job:
 
     def __init__(self, request: GenerationRequest, sampler: Sampler, emit: Callable[[EngineEvent], None]) -> None:
         self.request = request
+        self.key = request.adapter_key  # the KV it computes is valid for this adapter set only
         self.sampler = sampler
         self.emit = emit
         self.cancelled = False
@@ -161,10 +167,17 @@ class LlamaCppEngine:
         self.prefix_stats = PrefixStats()
         self.speculation_stats = SpeculationStats()
         self._drafter: Drafter | None = None
-        self._step_cost = StepCost(0.0, 0.0)
+        self._step_cost = StepCost(())
+        self._adapters: dict[str, tuple[Adapter, float]] = {}  # the model thread changes it, under _lock
+        self._applied: tuple = ()  # the adapter set the context applies now
+        self._served: tuple | None = None  # the adapter set the last step served (round robin)
         try:
+            for name, path, scale in config.adapters:
+                self._adapters[name] = (Adapter(self.model, path), scale)
             self._start_speculation()
         except Exception:
+            for adapter, _ in self._adapters.values():
+                adapter.close()
             self.ctx.close()
             self.model.close()
             raise
@@ -191,7 +204,8 @@ class LlamaCppEngine:
             raise EngineError(f"unknown speculation {c.speculation!r}")
         if c.speculation_fixed_tokens == 0:
             self._step_cost = measure_step_cost(self.ctx, c.speculation_max_tokens)
-            log.info("speculation: %s, a step costs %.1f ms + %.2f ms a token", c.speculation, self._step_cost.fixed * 1e3, self._step_cost.per_token * 1e3)
+            log.info("speculation: %s; a verify step of 1..%d tokens takes %s ms", c.speculation, len(self._step_cost.seconds),
+                     " ".join(f"{t * 1e3:.0f}" for t in self._step_cost.seconds))
 
     # ---- called from the event loop -------------------------------------------------------
 
@@ -233,6 +247,10 @@ class LlamaCppEngine:
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty")
         with self._lock:
+            missing = [name for name, _ in request.adapters if name not in self._adapters]
+        if missing:
+            raise UnknownAdapter(f"no adapter named {missing[0]!r} is loaded on this model")
+        with self._lock:
             if self._queued >= self.config.max_queue + max(0, self.config.slots - len(self._active)):
                 raise EngineOverloaded(f"the queue for this model is full ({self.config.max_queue} waiting)")
             self._queued += 1
@@ -263,6 +281,68 @@ class LlamaCppEngine:
         self._inbox.put(_EmbedJob(inputs, loop, future))  # type: ignore[arg-type]
         return await future
 
+    def adapters(self) -> list[AdapterInfo]:
+        with self._lock:
+            loaded = {name: (str(a.path), scale) for name, (a, scale) in self._adapters.items()}
+        using: dict[str, int] = {}
+        for job in list(self._active.values()) + list(self._waiting):
+            for name, _ in job.request.adapters:
+                using[name] = using.get(name, 0) + 1
+        return [AdapterInfo(name, path, scale, using.get(name, 0)) for name, (path, scale) in sorted(loaded.items())]
+
+    async def load_adapter(self, name: str, path: Path, scale: float = 1.0) -> AdapterInfo:
+        """Loads (or replaces, when idle) a LoRA adapter without touching the base model."""
+
+        def load() -> AdapterInfo:
+            if name in self._adapters and self._in_use(name):
+                raise EngineError(f"adapter {name!r} is serving requests; unload it when they finish")
+            adapter = Adapter(self.model, path)
+            with self._lock:
+                old = self._adapters.get(name)
+                self._adapters[name] = (adapter, scale)
+            if old is not None:
+                self._forget_adapter(name, old[0])
+            return AdapterInfo(name, str(path), scale)
+
+        return await self._on_model_thread(load)
+
+    async def unload_adapter(self, name: str) -> None:
+        def unload() -> None:
+            if name not in self._adapters:
+                raise UnknownAdapter(f"no adapter named {name!r} is loaded on this model")
+            if self._in_use(name):
+                raise EngineError(f"adapter {name!r} is serving requests; unload it when they finish")
+            with self._lock:
+                adapter, _ = self._adapters.pop(name)
+            self._forget_adapter(name, adapter)
+
+        await self._on_model_thread(unload)
+
+    def _in_use(self, name: str) -> bool:
+        jobs = list(self._active.values()) + list(self._waiting)
+        return any(name == n for job in jobs for n, _ in job.request.adapters)
+
+    def _forget_adapter(self, name: str, adapter: Adapter) -> None:
+        """Drops the adapter and every KV prefix computed with it (a reload may change weights)."""
+        if any(n == name for n, _ in self._applied):
+            self.ctx.set_adapters([])
+            self._applied = ()
+        for holder in self._index.holders():
+            if any(n == name for n, _ in self._index.key(holder)):  # type: ignore[attr-defined]
+                kind, ident = holder
+                if kind == "host":
+                    self._drop_host(ident)
+                else:
+                    self._index.remove(holder)
+                    self.ctx.clear_sequence(ident)
+        adapter.close()
+
+    async def _on_model_thread(self, fn: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(_Call(fn, loop, future))  # type: ignore[arg-type]
+        return await future
+
     def stats(self) -> EngineStats:
         speculation = replace(self.speculation_stats) if self._drafter else None
         return EngineStats(self.config.slots, len(self._active), max(0, self._queued), replace(self.prefix_stats), speculation)
@@ -277,6 +357,8 @@ class LlamaCppEngine:
         if self._drafter is not None:
             self._drafter.close()
         self.ctx.close()
+        for adapter, _ in self._adapters.values():
+            adapter.close()
         self.model.close()
 
     def _cancel(self, job: _Job) -> None:
@@ -316,6 +398,8 @@ class LlamaCppEngine:
                 return False
             if isinstance(item, _EmbedJob):
                 self._run_embeddings(item)
+            elif isinstance(item, _Call):
+                item.run()
             elif isinstance(item, _Job):
                 self._waiting.append(item)
             try:
@@ -355,7 +439,7 @@ class LlamaCppEngine:
             self.prefix_stats.prompt_tokens += len(job.request.prompt_tokens)
             self.prefix_stats.reused_in_slot += admission.reuse
             if self.config.prefix_cache:
-                self._index.insert(_BASE_KEY, ("slot", job.slot), job.request.prompt_tokens)
+                self._index.insert(job.key, ("slot", job.slot), job.request.prompt_tokens)
             if self._drafter is not None:
                 job.draft_state = self._drafter.start(job.slot, job.request.prompt_tokens)
             self._active[job.slot] = job
@@ -366,7 +450,7 @@ class LlamaCppEngine:
         free = [s for s in range(self.config.slots) if s not in self._active]
         if not self.config.prefix_cache:
             return Admission(min(free), 0)
-        shared = self._index.match(_BASE_KEY, job.request.prompt_tokens)
+        shared = self._index.match(job.key, job.request.prompt_tokens)
         sources = [src for src in self._sources(shared) if src.holder[0] != "slot" or src.holder[1] in self._active]
         return plan_admission(
             {s: shared.get(("slot", s), 0) for s in free}, sources, len(job.request.prompt_tokens),
@@ -429,7 +513,7 @@ class LlamaCppEngine:
                 if source_job.n_past >= source.length:
                     self._follow(job, Admission(job.slot, job.n_past, Source(source.holder, source.length, source.length)), copying_from)
                 continue
-            shared = self._index.match(_BASE_KEY, job.request.prompt_tokens)
+            shared = self._index.match(job.key, job.request.prompt_tokens)
             sources = [src for src in self._sources(shared) if src.holder != ("slot", job.slot)]
             admission = plan_admission({job.slot: job.n_past}, sources, len(job.request.prompt_tokens), copy_min=self.config.prefix_copy_min_tokens)
             if admission.source is not None:
@@ -442,16 +526,16 @@ class LlamaCppEngine:
         lost to host RAM when no one else holds it and it is long enough to be worth keeping."""
         holder = ("slot", slot)
         if holder in self._index:
-            tokens = self._index.tokens(holder)
+            tokens, key = self._index.tokens(holder), self._index.key(holder)
             if self.config.prefix_host_bytes > 0 and len(tokens) - keep >= self.config.prefix_host_min_tokens:
-                others = self._index.match(_BASE_KEY, tokens)
+                others = self._index.match(key, tokens)
                 others.pop(holder, None)
                 if len(tokens) - max(others.values(), default=0) >= self.config.prefix_host_min_tokens:
-                    self._save_host(slot, tokens)
+                    self._save_host(slot, key, tokens)
             self._index.remove(holder)
         self.ctx.trim_sequence(slot, keep)
 
-    def _save_host(self, slot: int, tokens: tuple[int, ...]) -> None:
+    def _save_host(self, slot: int, key: Any, tokens: tuple[int, ...]) -> None:
         try:
             data = self.ctx.save_sequence(slot)
         except EngineError as exc:
@@ -460,8 +544,8 @@ class LlamaCppEngine:
         if len(data) > self.config.prefix_host_bytes:
             return
         ident = next(self._host_ids)
-        self._host[ident] = _HostEntry(_BASE_KEY, tokens, data)
-        self._index.insert(_BASE_KEY, ("host", ident), tokens)
+        self._host[ident] = _HostEntry(key, tokens, data)
+        self._index.insert(key, ("host", ident), tokens)
         stats = self.prefix_stats
         stats.host_saves += 1
         stats.host_bytes += len(data)
@@ -479,6 +563,22 @@ class LlamaCppEngine:
 
     def _step(self) -> None:
         runnable = [j for j in self._active.values() if j.parked is None]
+        if not runnable:
+            return
+        # llama.cpp applies adapters to a whole context, so a step serves one adapter set; the
+        # sets with work take turns, one step each, so none starves.
+        keys = sorted({j.key for j in runnable})
+        key = keys[0] if self._served is None else next((k for k in keys if k > self._served), keys[0])
+        runnable = [j for j in runnable if j.key == key]
+        self._served = key
+        if key != self._applied:
+            try:
+                self.ctx.set_adapters([(self._adapters[name][0], scale) for name, scale in key])
+            except (EngineError, KeyError) as exc:
+                for job in runnable:
+                    self._release(job, "error", error=f"adapters {key}: {exc}")
+                return
+            self._applied = key
         drafts = self._drafts([j for j in runnable if j.pending_token is not None])
         plan = plan_batch(tuple(j.view(len(drafts.get(j.slot, ()))) for j in runnable), self.config.batch_tokens)
         if not plan:
@@ -637,7 +737,7 @@ class LlamaCppEngine:
             self._index.remove(holder)
         else:
             self.ctx.trim_sequence(job.slot, job.n_past)
-            self._index.insert(_BASE_KEY, holder, (job.request.prompt_tokens + tuple(job.decoded))[: job.n_past])
+            self._index.insert(job.key, holder, (job.request.prompt_tokens + tuple(job.decoded))[: job.n_past])
         self._finish(job, reason, error)
 
     def _finish(self, job: _Job, reason: FinishReason, error: str | None = None) -> None:
@@ -662,7 +762,7 @@ class LlamaCppEngine:
                 break
             if isinstance(item, _Job):
                 self._finish(item, "error", error=message)
-            elif isinstance(item, _EmbedJob):
+            elif isinstance(item, (_EmbedJob, _Call)):
                 item.fail(EngineClosed(message))
 
     # ---- embeddings -----------------------------------------------------------------------------
@@ -680,6 +780,24 @@ class LlamaCppEngine:
             job.fail(exc)
 
 
+class _Call:
+    """A function to run on the model thread between steps, its result handed to a future."""
+
+    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> None:
+        self.fn, self.loop, self.future = fn, loop, future
+
+    def run(self) -> None:
+        try:
+            result = self.fn()
+        except Exception as exc:
+            self.fail(exc)
+        else:
+            self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_result(result))
+
+    def fail(self, exc: Exception) -> None:
+        self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_exception(exc))
+
+
 class _EmbedJob:
     def __init__(self, inputs: list[list[int]], loop: asyncio.AbstractEventLoop, future: asyncio.Future[list[list[float]]]) -> None:
         self.inputs, self.loop, self.future = inputs, loop, future
@@ -692,5 +810,3 @@ class _EmbedJob:
 
 
 _WAKE = object()
-# The model key of base-model KV; adapters will give their own keys.
-_BASE_KEY: tuple = ()

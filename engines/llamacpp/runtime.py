@@ -123,6 +123,23 @@ class Model:
             self.ptr = None
 
 
+class Adapter:
+    """A LoRA adapter (GGUF) loaded against a model; applied per context with a scale."""
+
+    def __init__(self, model: Model, path: Path) -> None:
+        if not path.is_file():
+            raise EngineError(f"adapter file not found: {path}")
+        self.ptr = L.llama_adapter_lora_init(model.ptr, str(path).encode())
+        if not self.ptr:
+            raise EngineError(f"llama.cpp could not load {path.name} as a LoRA adapter for {model.path.name} (see the log for why)")
+        self.path = path
+
+    def close(self) -> None:
+        if self.ptr:
+            L.llama_adapter_lora_free(self.ptr)
+            self.ptr = None
+
+
 # ggml type ids of the KV cache types we offer
 KV_TYPES = {"f16": 1, "q8_0": 8}
 
@@ -174,6 +191,17 @@ class Context:
         if not L.llama_memory_seq_rm(self.memory, seq, keep, -1):
             L.llama_memory_seq_rm(self.memory, seq, -1, -1)
             raise EngineError(f"llama.cpp could not trim sequence {seq} to {keep} tokens")
+
+    def set_adapters(self, adapters: list[tuple[Adapter, float]]) -> None:
+        """The LoRA adapters every following decode applies (llama.cpp skips a no-op change)."""
+        if not adapters:
+            rc = L.llama_set_adapters_lora(self.ptr, None, 0, None)
+        else:
+            ptrs = (L.llama_adapter_lora_p_ctypes * len(adapters))(*(a.ptr for a, _ in adapters))
+            scales = (ctypes.c_float * len(adapters))(*(scale for _, scale in adapters))
+            rc = L.llama_set_adapters_lora(self.ptr, ptrs, len(adapters), scales)
+        if rc != 0:
+            raise EngineError(f"llama.cpp could not apply the adapters (code {rc})")
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Makes `dst` hold the first `length` positions of `src`. In a unified cache the cells

@@ -1,0 +1,128 @@
+"""Model files the operator adds to the fleet: quantized with llama.cpp, registered in models.toml.
+
+Registering appends a [[models]] table to the config file, leaving the rest of the file as
+written, and only after the whole new file parses (written to a temporary file, then renamed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from appliance.settings import ConfigError, parse_settings
+
+# llama.cpp's file types we offer (llama_ftype); the names are what `--type` takes.
+QUANT_TYPES = {
+    "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12,
+    "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32,
+}
+_FILE_TYPE_NAMES = {v: k for k, v in QUANT_TYPES.items()} | {0: "F32"}
+_UNQUANTIZED = {"F32", "F16", "BF16"}
+
+
+class ModelAdminError(Exception):
+    """A one-line message for the operator."""
+
+
+def file_type(path: Path) -> str:
+    """The GGUF's llama.cpp file type (F16, Q4_1, ...), read from its metadata without its weights."""
+    import llama_cpp as L
+
+    from engines.llamacpp.runtime import init_backend
+
+    init_backend()
+    params = L.llama_model_default_params()
+    params.vocab_only = True
+    model = L.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ModelAdminError(f"{path}: llama.cpp cannot read this file as a GGUF model")
+    try:
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_model_meta_val_str(model, b"general.file_type", buf, 64)
+        if n < 0:
+            return "F32"  # older converters leave it out for unquantized files
+        return _FILE_TYPE_NAMES.get(int(buf.value or b"0"), f"type {buf.value.decode()}")
+    finally:
+        L.llama_model_free(model)
+
+
+def quantized_name(src: Path, type_name: str) -> Path:
+    """model.Q4_1.gguf → model.Q8_0.gguf; model.gguf → model.Q8_0.gguf, beside the source."""
+    stem = re.sub(r"[.-](F32|F16|BF16|I?Q\d[\w]*)$", "", src.stem, flags=re.IGNORECASE)
+    return src.with_name(f"{stem}.{type_name}.gguf")
+
+
+def quantize(src: Path, dst: Path, type_name: str, *, threads: int, allow_requantize: bool,
+             progress: Callable[[int], None] | None = None) -> None:
+    """Runs llama_model_quantize on a thread, reporting the output's size as it grows."""
+    import llama_cpp as L
+
+    from engines.llamacpp.runtime import init_backend
+
+    if type_name not in QUANT_TYPES:
+        raise ModelAdminError(f"--type: {type_name!r} is not one of {', '.join(QUANT_TYPES)}")
+    if not src.is_file():
+        raise ModelAdminError(f"{src}: no such file")
+    if dst.exists():
+        raise ModelAdminError(f"{dst} exists already; remove it or give --out")
+    source_type = file_type(src)
+    if source_type == type_name:
+        raise ModelAdminError(f"{src} is already {type_name}")
+    if source_type not in _UNQUANTIZED and not allow_requantize:
+        raise ModelAdminError(
+            f"{src} is already quantized ({source_type}); quantizing it again to {type_name} compounds the error. "
+            "Start from an F16/BF16/F32 file, or pass --allow-requantize"
+        )
+    init_backend()
+    params = L.llama_model_quantize_default_params()
+    params.nthread = threads
+    params.ftype = QUANT_TYPES[type_name]
+    params.allow_requantize = allow_requantize
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))),
+                              name="quantize")
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)
+        if progress is not None and dst.exists():
+            progress(dst.stat().st_size)
+    if not result or result[0] != 0:
+        dst.unlink(missing_ok=True)
+        raise ModelAdminError(f"llama.cpp could not quantize {src} to {type_name} (see the log above for why)")
+
+
+def register(config: Path, alias: str, path: Path, sha256: str, *, like: str | None = None) -> None:
+    """Appends a [[models]] table for `path`; settings other than the source are copied from the
+    model `like` (the source's alias, when it came from this config)."""
+    text = config.read_text()
+    settings = parse_settings(text, str(config), config.resolve().parent)
+    if settings.model(alias) is not None:
+        raise ModelAdminError(f"{config}: models: there is already a model with alias {alias!r}; choose another with --alias")
+    table = [f'\n[[models]]\nalias = "{alias}"\npath = "{path}"\nsha256 = "{sha256}"']
+    template = settings.model(like) if like else None
+    if template is not None:
+        table += [f"context_length = {template.context_length}", f"slots = {template.slots}", f"threads = {template.threads}",
+                  f'tier = "{template.tier}"', f"price_input_per_mtok = {template.price_input_per_mtok}",
+                  f"price_output_per_mtok = {template.price_output_per_mtok}"]
+    new_text = text.rstrip("\n") + "\n" + "\n".join(table) + "\n"
+    try:
+        parse_settings(new_text, str(config), config.resolve().parent)
+    except ConfigError as exc:
+        raise ModelAdminError(f"registering {alias!r} would make {exc}") from None
+    fd, tmp = tempfile.mkstemp(dir=config.resolve().parent, prefix=".models.toml.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(new_text)
+        os.replace(tmp, config)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def alias_for(path: Path) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).strip("-").lower() or "model"

@@ -1,0 +1,156 @@
+"""LoRA adapters on the bundled model, over real HTTP. The adapters are real GGUF LoRA files the
+test writes with the `gguf` package (random low-rank updates to every layer's Q and V)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from appliance.settings import ConfigError, parse_settings
+from tests.conftest import CHAT_MODEL, Server, config_text, start_server, stop_server
+
+LAYERS, EMBED, KV = 30, 576, 192  # SmolLM2-135M: 30 layers, 576 wide, 3 KV heads of 64
+QUESTION = "Name three colours of the rainbow."
+
+
+def write_lora(path: Path, seed: int, rank: int = 8) -> Path:
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(rank))
+    for layer in range(LAYERS):
+        for name, out in (("attn_q", EMBED), ("attn_v", KV)):
+            # numpy's (rows, cols) is ggml's (ne1, ne0): A maps the input down to the rank, B back up
+            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_a", rng.normal(0, 0.15, (rank, EMBED)).astype(np.float32))
+            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_b", rng.normal(0, 0.15, (out, rank)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("lora")
+    return {name: write_lora(folder / f"{name}.gguf", seed) for name, seed in (("warm", 1), ("cold", 2), ("late", 3))}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, adapters: dict[str, Path]) -> Iterator[Server]:
+    extra = "".join(f'\n[[models.adapters]]\nname = "{n}"\npath = "{adapters[n]}"\n' for n in ("warm", "cold"))
+    srv = start_server(tmp_path_factory.mktemp("lora-server"), config_text(slots=8, embeddings=False, model_extra=extra))
+    yield srv
+    stop_server(srv)
+
+
+def ask(server: Server, model: str = CHAT_MODEL, adapters: list[dict] | None = None, max_tokens: int = 24) -> str:
+    extra = {"adapters": adapters} if adapters is not None else None
+    r = server.client(timeout=300).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=max_tokens, temperature=0, extra_body=extra)
+    return r.choices[0].message.content or ""
+
+
+def test_adapters_are_listed_as_models(server: Server) -> None:
+    ids = {m.id for m in server.client().models.list().data}
+    assert {CHAT_MODEL, f"{CHAT_MODEL}:warm", f"{CHAT_MODEL}:cold"} <= ids
+
+
+def test_scale_zero_is_the_base_model_and_a_scale_changes_the_text(server: Server) -> None:
+    base = ask(server)
+    assert base
+    assert ask(server, adapters=[{"name": "warm", "scale": 0.0}]) == base
+    warm = ask(server, f"{CHAT_MODEL}:warm")
+    assert warm != base
+    assert ask(server, adapters=[{"name": "warm", "scale": 1.0}]) == warm  # the alias uses the configured scale
+    assert ask(server, adapters=[{"name": "warm", "scale": 0.5}]) not in (warm, base)
+    assert ask(server, f"{CHAT_MODEL}:cold") not in (warm, base)
+
+
+def test_two_adapters_at_once_give_the_text_each_gives_alone(server: Server) -> None:
+    alone = {name: ask(server, f"{CHAT_MODEL}:{name}", max_tokens=48) for name in ("warm", "cold")}
+    alone["base"] = ask(server, max_tokens=48)
+
+    async def together() -> list[str]:
+        async with server.async_client(timeout=300) as client:
+            async def one(model: str) -> str:
+                r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=48, temperature=0)
+                return r.choices[0].message.content or ""
+            return list(await asyncio.gather(one(f"{CHAT_MODEL}:warm"), one(f"{CHAT_MODEL}:cold"), one(CHAT_MODEL)))
+
+    assert asyncio.run(together()) == [alone["warm"], alone["cold"], alone["base"]]
+
+
+def test_no_adapter_group_starves(server: Server) -> None:
+    """4 clients on two adapters and 4 on the base model at once: every group makes progress
+    while the others run (they take turns by step), so every request's first token comes before
+    any request finishes."""
+    models = [f"{CHAT_MODEL}:warm"] * 2 + [f"{CHAT_MODEL}:cold"] * 2 + [CHAT_MODEL] * 4
+
+    async def run() -> list[tuple[float, float]]:
+        async with server.async_client(timeout=300) as client:
+            start = time.perf_counter()
+
+            async def one(model: str, i: int) -> tuple[float, float]:
+                stream = await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": f"Write a long story about the number {i}."}],
+                    max_tokens=96, temperature=0, stream=True)
+                first = None
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content and first is None:
+                        first = time.perf_counter() - start
+                return first or float("inf"), time.perf_counter() - start
+
+            return list(await asyncio.gather(*(one(m, i) for i, m in enumerate(models))))
+
+    timings = asyncio.run(run())
+    assert max(first for first, _ in timings) < min(done for _, done in timings), timings
+
+
+def test_adapters_load_and_unload_at_runtime(server: Server, adapters: dict[str, Path]) -> None:
+    admin = httpx.Client(base_url=server.base_url, timeout=60)
+    base = ask(server)
+    with pytest.raises(openai.NotFoundError):
+        ask(server, f"{CHAT_MODEL}:late")
+    r = admin.put(f"/admin/models/{CHAT_MODEL}/adapters/late", json={"path": str(adapters["late"]), "scale": 1.0})
+    assert r.status_code == 200, r.text
+    assert r.json()["adapter"]["name"] == "late"
+    late = ask(server, f"{CHAT_MODEL}:late")
+    assert late not in (base, ask(server, f"{CHAT_MODEL}:warm"))
+    names = [a["name"] for a in admin.get(f"/admin/models/{CHAT_MODEL}/adapters").json()["adapters"]]
+    assert names == ["cold", "late", "warm"]
+    models = admin.get("/admin/models").json()["models"]
+    assert [m["alias"] for m in models] == [CHAT_MODEL] and len(models[0]["adapters"]) == 3
+    assert admin.delete(f"/admin/models/{CHAT_MODEL}/adapters/late").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        ask(server, f"{CHAT_MODEL}:late")
+    assert ask(server) == base  # the base model was never reloaded or changed
+    # errors name what is wrong
+    r = admin.delete(f"/admin/models/{CHAT_MODEL}/adapters/late")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "adapter_not_found"
+    r = admin.put(f"/admin/models/{CHAT_MODEL}/adapters/x", json={"path": "/nonexistent.gguf"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path"
+    not_lora = server.home / "not-a-lora.gguf"
+    not_lora.write_bytes(b"GGUF" + b"\0" * 64)
+    r = admin.put(f"/admin/models/{CHAT_MODEL}/adapters/x", json={"path": str(not_lora)})
+    assert r.status_code == 400 and "could not load" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        ask(server, adapters=[{"name": "warm"}, {"name": "warm"}])
+
+
+def test_adapter_config_errors_name_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"models\[0\]\.adapters\[0\]\.path"):
+        parse_settings(config_text(embeddings=False, model_extra='[[models.adapters]]\nname = "a"'), "m.toml", tmp_path)
+    with pytest.raises(ConfigError, match=r"models\[0\]\.adapters\[0\]\.name"):
+        parse_settings(config_text(embeddings=False, model_extra='[[models.adapters]]\nname = "a:b"\npath = "x.gguf"'), "m.toml", tmp_path)
+    with pytest.raises(ConfigError, match=r"models\[0\]\.adapters\[1\]\.name"):
+        parse_settings(config_text(embeddings=False, model_extra='[[models.adapters]]\nname = "a"\npath = "x"\n[[models.adapters]]\nname = "a"\npath = "y"'), "m.toml", tmp_path)
