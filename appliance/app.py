@@ -66,6 +66,7 @@ def create_app(services: Services) -> Litestar:
     async def shutdown() -> None:
         # Joining model threads blocks; keep the loop free to finish what is still streaming.
         await services.cache.close()  # its sweeps use the engines: stop them first
+        await asyncio.to_thread(services.jobs.close)
         await asyncio.to_thread(services.registry.close)
         await services.gate.close()
         await asyncio.to_thread(services.store.close)  # writes the settlements still queued

@@ -21,6 +21,12 @@ QUANT_TYPES = {
     "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12,
     "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32,
 }
+# Approximate bits per weight, to estimate an output's size for a progress bar.
+BITS_PER_WEIGHT = {
+    "F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.56, "Q5_1": 6.0, "Q5_K_M": 5.69, "Q5_K_S": 5.54, "Q5_0": 5.5,
+    "Q4_1": 5.0, "Q4_K_M": 4.89, "Q4_K_S": 4.58, "Q4_0": 4.5, "IQ4_NL": 4.5, "IQ4_XS": 4.25, "Q3_K_L": 4.27, "Q3_K_M": 3.91,
+    "Q3_K_S": 3.5, "Q2_K": 3.35,
+}
 _FILE_TYPE_NAMES = {v: k for k, v in QUANT_TYPES.items()} | {0: "F32"}
 _UNQUANTIZED = {"F32", "F16", "BF16"}
 
@@ -49,6 +55,10 @@ def file_type(path: Path) -> str:
         return _FILE_TYPE_NAMES.get(int(buf.value or b"0"), f"type {buf.value.decode()}")
     finally:
         L.llama_model_free(model)
+
+
+def estimated_size(src: Path, source_type: str, type_name: str) -> int:
+    return int(src.stat().st_size * BITS_PER_WEIGHT.get(type_name, 8) / BITS_PER_WEIGHT.get(source_type, 8))
 
 
 def quantized_name(src: Path, type_name: str) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 from pathlib import Path
+from typing import Any
 
 from appliance.settings import ModelSettings
 
@@ -28,7 +29,8 @@ def hub_cache_dir(data_dir: Path) -> Path:
     return data_dir / "models"
 
 
-def download(repo: str, filename: str, data_dir: Path, *, revision: str | None = None, progress: bool = True) -> Path:
+def download(repo: str, filename: str, data_dir: Path, *, revision: str | None = None, progress: bool = True,
+             tqdm_class: Any = None) -> Path:
     """Downloads through huggingface-hub, which honours HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE."""
     import warnings
 
@@ -41,7 +43,7 @@ def download(repo: str, filename: str, data_dir: Path, *, revision: str | None =
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", TqdmExperimentalWarning)  # tqdm.rich: a rich progress bar
-            return Path(hf_hub_download(repo, filename, revision=revision, cache_dir=hub_cache_dir(data_dir), tqdm_class=rich_tqdm))
+            return Path(hf_hub_download(repo, filename, revision=revision, cache_dir=hub_cache_dir(data_dir), tqdm_class=tqdm_class or rich_tqdm))
     except Exception as exc:  # the hub library raises many kinds; the user needs one line
         raise ModelFileError(f"could not download {filename} from {repo}: {exc}") from None
 

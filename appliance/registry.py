@@ -43,6 +43,7 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
             max_queue=settings.server.max_queue,
             batch_invariant=model.batch_invariant,
             kv_type=model.kv_cache_type,
+            kv_type_v=model.kv_cache_type_v,
             embeddings=model.kind == "embedding",
             prefix_cache=model.prefix_cache,
             prefix_host_bytes=model.prefix_cache_host_mb << 20,

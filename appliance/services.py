@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from appliance.api.translate import Prepared
 from appliance.gate import Gate
@@ -12,6 +12,7 @@ from appliance.tracing import Tracing
 from appliance.metrics import Metrics
 from appliance.registry import LoadedModel, Registry
 from appliance.settings import Settings
+from appliance.jobs import JobRunner
 from appliance.store.request_log import RequestLogWriter, RequestRecord
 from appliance.store.worker import StoreWorker
 from engines.base import FinishEvent
@@ -30,6 +31,7 @@ class Services:
     gate: Gate
     cache: SemanticCache
     tracing: Tracing
+    jobs: JobRunner = field(default_factory=JobRunner)  # quantize and pull, from the admin API
 
     def record(
         self, prepared: Prepared, model: LoadedModel, endpoint: str, started: float, finish: FinishEvent | None, status: str | None,

@@ -19,7 +19,8 @@ ENGINES = ("llamacpp", "mlx", "auto")
 KINDS = ("chat", "embedding", "draft")  # a draft model is loaded only inside the models it drafts for
 SPECULATION = ("auto", "off", "prompt_lookup", "draft")
 TIERS = ("small", "mid", "frontier")
-KV_CACHE_TYPES = ("f16", "q8_0")
+KV_CACHE_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+UNQUANTIZED_KV = ("f16", "bf16")
 
 
 class ConfigError(ValueError):
@@ -79,6 +80,8 @@ class ModelSettings:
     # Batch invariance: identical greedy output whatever shares the batch. Costs some speed.
     batch_invariant: bool = True
     kv_cache_type: str = "q8_0"
+    # K and V may differ (kv_cache_type_k / kv_cache_type_v); both default to kv_cache_type.
+    kv_cache_type_v: str = "q8_0"
     # Reuse KV of earlier prompts' prefixes across requests and slots (docs/architecture.md).
     prefix_cache: bool = True
     # Host RAM for prefixes evicted from the KV cache, LRU by bytes; 0 turns that tier off.
@@ -436,7 +439,7 @@ def _limits(file: str, raw: object) -> tuple[LimitRule, ...]:
 _MODEL_KEYS = {
     "alias", "engine", "kind", "path", "package_file", "hf_repo", "hf_file", "sha256", "context_length",
     "slots", "threads", "batch_tokens", "chat_template", "price_input_per_mtok", "price_output_per_mtok",
-    "tier", "batch_invariant", "kv_cache_type", "prefix_cache", "prefix_cache_host_mb",
+    "tier", "batch_invariant", "kv_cache_type", "kv_cache_type_k", "kv_cache_type_v", "prefix_cache", "prefix_cache_host_mb",
     "speculation", "draft_model", "speculation_max_tokens", "speculation_fixed_tokens", "adapters",
 }
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -483,6 +486,14 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
     if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha.lower())):
         raise r.fail("sha256", "expected 64 hexadecimal digits")
     slots = r.integer("slots", 4, maximum=256)
+    kv_both = r.string("kv_cache_type", "q8_0", KV_CACHE_TYPES) or "q8_0"
+    kv_k = r.string("kv_cache_type_k", kv_both, KV_CACHE_TYPES) or kv_both
+    kv_v = r.string("kv_cache_type_v", kv_both, KV_CACHE_TYPES) or kv_both
+    invariant = r.boolean("batch_invariant", True)
+    # llama.cpp reads a quantized V only inside flash attention, and the invariant layout runs flash
+    # attention only with a quantized cache (docs/architecture.md#batch-invariance).
+    if invariant and (kv_k in UNQUANTIZED_KV) != (kv_v in UNQUANTIZED_KV):
+        raise r.fail("kv_cache_type_v", f"with batch_invariant = true, K and V must both be quantized or both unquantized (got {kv_k} and {kv_v})")
     return ModelSettings(
         alias=alias,
         engine=r.string("engine", "llamacpp", ENGINES) or "llamacpp",
@@ -501,7 +512,8 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
         price_output_per_mtok=r.number("price_output_per_mtok", 0.0),
         tier=r.string("tier", "small", TIERS) or "small",
         batch_invariant=r.boolean("batch_invariant", True),
-        kv_cache_type=r.string("kv_cache_type", "q8_0", KV_CACHE_TYPES) or "q8_0",
+        kv_cache_type=kv_k,
+        kv_cache_type_v=kv_v,
         prefix_cache=r.boolean("prefix_cache", True),
         prefix_cache_host_mb=r.integer("prefix_cache_host_mb", 256, minimum=0, maximum=1 << 20),
         speculation=r.string("speculation", "auto", SPECULATION) or "auto",

@@ -116,31 +116,36 @@ def main() -> None:
     ap.add_argument("--target", type=Path, default=MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
     ap.add_argument("--draft", type=Path, default=MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
     ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", default="edit,rewrite,story")
     args = ap.parse_args()
     workloads = args.only.split(",")
-    rates: dict[tuple[str, str], float] = {}
-    accepted: dict[tuple[str, str], str] = {}
-    texts: dict[tuple[str, str], int] = {}
+    modes = ("off", "draft", "prompt_lookup")
+    runs: dict[tuple[str, str], list[float]] = {(m, w): [] for m in modes for w in workloads}
+    drafted: dict[tuple[str, str], list[float]] = {(m, w): [0.0, 0.0] for m in modes for w in workloads}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("off", "draft", "prompt_lookup"):
-            work = Path(tmp) / mode
-            write_config(work, config(args.target, args.draft, mode))
-            proc, base = start(work)
-            try:
-                for name in workloads:
-                    before = acceptance(base)
-                    runs = [decode_rate(base, WORKLOADS[name], args.max_tokens) for _ in range(args.repeat)]
-                    after = acceptance(base)
-                    rates[mode, name] = statistics.median(r[0] for r in runs)
-                    texts[mode, name] = runs[0][1]
-                    drafted, kept = after[0] - before[0], after[1] - before[1]
-                    accepted[mode, name] = f"{kept:.0f}/{drafted:.0f}" if drafted else "-"
-                    print(f"[{mode} {name}: {rates[mode, name]:.1f} tok/s, {texts[mode, name]} tokens, accepted {accepted[mode, name]}]", flush=True)
-            finally:
-                stop(proc)
-    print(f"target {args.target.name}, draft {args.draft.name}; decode tok/s after the first token, median of {args.repeat}")
+        # Rounds take turns (off, draft, lookup, off, ...): this machine's speed drifts by tens of
+        # percent over minutes, and turns spread the drift over every mode alike.
+        for round_ in range(args.repeat):
+            for mode in modes:
+                work = Path(tmp) / f"{mode}-{round_}"
+                write_config(work, config(args.target, args.draft, mode))
+                proc, base = start(work)
+                try:
+                    for name in workloads:
+                        before = acceptance(base)
+                        rate, tokens = decode_rate(base, WORKLOADS[name], args.max_tokens)
+                        after = acceptance(base)
+                        runs[mode, name].append(rate)
+                        drafted[mode, name][0] += after[0] - before[0]
+                        drafted[mode, name][1] += after[1] - before[1]
+                        print(f"[round {round_ + 1} {mode} {name}: {rate:.1f} tok/s, {tokens} tokens, "
+                              f"accepted {after[1] - before[1]:.0f}/{after[0] - before[0]:.0f}]", flush=True)
+                finally:
+                    stop(proc)
+    rates = {key: statistics.median(values) for key, values in runs.items()}
+    accepted = {key: (f"{v[1]:.0f}/{v[0]:.0f}" if v[0] else "-") for key, v in drafted.items()}
+    print(f"target {args.target.name}, draft {args.draft.name}; decode tok/s after the first token, median of {args.repeat} rounds")
     print(f"{'workload':<10}{'plain':>8}{'draft':>8}{'ratio':>7}{'accepted':>12}{'lookup':>8}{'ratio':>7}{'accepted':>12}")
     for name in workloads:
         plain = rates["off", name]

@@ -68,7 +68,8 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
-def draft_length(acceptance: float, cost: StepCost, batch_tokens: int, k_max: int, draft_cost: float = 0.0) -> int:
+def draft_length(acceptance: float, cost: StepCost, batch_tokens: int, k_max: int, draft_cost: float = 0.0,
+                 setup_s: float = 0.0, tokens_left: int | None = None) -> int:
     """How many tokens to draft for one slot, 0 when speculation would not pay.
 
     A step of `batch_tokens` tokens (one per decoding slot) takes cost(batch_tokens) and yields
@@ -84,6 +85,9 @@ def draft_length(acceptance: float, cost: StepCost, batch_tokens: int, k_max: in
     for k in range(1, k_max + 1):
         extra_tokens = expected_tokens(acceptance, k) - 1.0
         extra_time = cost(batch_tokens + k) - base + draft_cost * k
+        if setup_s:
+            steps = max(1.0, tokens_left / expected_tokens(acceptance, k)) if tokens_left else 1.0
+            extra_time += setup_s / steps
         gain = extra_tokens - rate * extra_time  # tokens won beyond what the time would give anyway
         if gain > best_gain:
             best_k, best_gain = k, gain
@@ -100,6 +104,18 @@ class Acceptance:
     @property
     def rate(self) -> float:
         return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+
+    @property
+    def cautious(self) -> float:
+        """One standard deviation below the rate (Beta posterior): a rejected verify costs several
+        steps, so little evidence must not buy long drafts."""
+        a, b = self.accepted + 1.0, self.rejected + 1.0
+        spread = (a * b / ((a + b) ** 2 * (a + b + 1.0))) ** 0.5
+        return max(0.0, self.rate - spread)
+
+    def prior(self, weight: float = 2.0) -> Acceptance:
+        """This estimate's rate as a light prior for a new request: its own drafts soon outweigh it."""
+        return Acceptance(self.rate * weight, (1.0 - self.rate) * weight)
 
     def update(self, drafted: int, kept: int, decay: float = 0.9) -> Acceptance:
         # One verify is a run of `kept` successes ended by one failure, unless all were kept.

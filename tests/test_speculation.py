@@ -62,6 +62,22 @@ def test_draft_length_pays_only_where_it_should():
     assert lengths == sorted(lengths)  # more acceptance never drafts less
     assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
     assert measured(12) == pytest.approx(0.273 + 3 * 0.023)  # past the table, the last slope
+    # a draft model that must first read a 500-token prompt: worth it only for a long answer
+    assert draft_length(0.95, cheap_verify, 1, 8, draft_cost=0.005, setup_s=500 * 0.01, tokens_left=8) == 0
+    assert draft_length(0.95, cheap_verify, 1, 8, draft_cost=0.005, setup_s=500 * 0.01, tokens_left=2000) > 0
+
+
+def test_a_new_request_starts_from_the_models_acceptance_lightly():
+    model_wide = Acceptance(accepted=80, rejected=20)
+    start = model_wide.prior()
+    assert start.rate == pytest.approx(model_wide.rate, abs=0.15)
+    worse = start
+    for _ in range(3):
+        worse = worse.update(drafted=4, kept=0)
+    assert worse.rate < 0.4  # three rejected drafts outweigh it
+    # little evidence is held cautiously; much evidence hardly moves the cautious rate
+    assert start.cautious < start.rate - 0.15
+    assert model_wide.rate - model_wide.cautious < 0.05
 
 
 def test_acceptance_forgets_old_evidence():

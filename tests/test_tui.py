@@ -156,3 +156,37 @@ def test_the_tui_in_tmux_as_a_person_would(served: Server) -> None:
             time.sleep(0.2)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+async def test_models_screen_loads_and_unloads_adapters_and_quantizes(served: Server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from appliance.model_files import package_file
+    from appliance.settings import load_settings
+    from tests.conftest import MODEL_FILE
+    from tests.test_lora import write_lora
+
+    adapter = write_lora(tmp_path / "tui-adapter.gguf", seed=7)
+    source = tmp_path / "copy.Q4_1.gguf"
+    source.write_bytes(package_file(MODEL_FILE).read_bytes())
+    app = ApplianceTUI(served.base_url, None, interval_s=0.5)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("6")
+        models = app.query_one("#model-table", DataTable)
+        await settle(pilot, app, lambda: models.row_count == 1)
+        assert str(models.get_row_at(0)[0]) == CHAT_MODEL
+        await pilot.press("a", *keys(f"{CHAT_MODEL} tuiad {adapter} 0.5"), "enter")
+        adapters = app.query_one("#adapter-table", DataTable)
+        await settle(pilot, app, lambda: adapters.row_count == 1)
+        listed = httpx.get(f"{served.base_url}/admin/models/{CHAT_MODEL}/adapters").json()["adapters"]
+        assert [(a["name"], a["scale"]) for a in listed] == [("tuiad", 0.5)]
+        adapters.focus()
+        await pilot.press("u")
+        await settle(pilot, app, lambda: httpx.get(f"{served.base_url}/admin/models/{CHAT_MODEL}/adapters").json()["adapters"] == [])
+        # quantize through the server: a job with a progress bar, then registered in models.toml
+        await pilot.press("z", *keys(f"{source} q8_0 requantize"), "enter")
+        await settle(pilot, app, lambda: "done" in text_of(app, "#jobs") and "100%" in text_of(app, "#jobs"), timeout=60)
+        assert "registered it as 'copy.q8_0'" in text_of(app, "#jobs")
+    config = load_settings(served.home.parent / "models.toml")
+    added = config.model("copy.q8_0")
+    assert added is not None and added.path == tmp_path / "copy.Q8_0.gguf" and added.path.is_file()
+    jobs = httpx.get(f"{served.base_url}/admin/jobs").json()["jobs"]
+    assert jobs[0]["kind"] == "quantize" and jobs[0]["state"] == "done"

@@ -1,4 +1,4 @@
-"""The operator's terminal UI (Textual): overview, budgets, cache, traces and keys, over the admin
+"""The operator's terminal UI (Textual): overview, budgets, cache, traces, keys and models, over the admin
 HTTP API. Data is polled by one exclusive worker, so a slow refresh never piles up; when the
 server is down the banner says so and the next poll reconnects."""
 
@@ -21,6 +21,9 @@ PROMPTS = {
     "budget": "budget: LEVEL NAME USD PERIOD   (LEVEL user|tenant|app|global, PERIOD day|month|total; NAME - for global)",
     "search": "search cache entries: TEXT",
     "traces": "show traces whose tenant or model contains: TEXT (empty: all)",
+    "adapter": "load adapter: MODEL NAME PATH [SCALE]",
+    "quantize": "quantize: SOURCE TYPE [requantize]   (SOURCE an alias or a path on the server, TYPE e.g. Q4_K_M)",
+    "pull": "pull from the hub: REPO FILE.gguf",
 }
 
 
@@ -33,6 +36,11 @@ class ApplianceTUI(App[None]):
         Binding("3", "show('cache')", "Cache"),
         Binding("4", "show('traces')", "Traces"),
         Binding("5", "show('keys')", "Keys"),
+        Binding("6", "show('models')", "Models"),
+        Binding("a", "ask('adapter')", "Load adapter"),
+        Binding("u", "unload", "Unload adapter"),
+        Binding("z", "ask('quantize')", "Quantize"),
+        Binding("p", "ask('pull')", "Pull"),
         Binding("n", "ask('key')", "New key"),
         Binding("d", "revoke", "Revoke key"),
         Binding("e", "ask('budget')", "Edit budget"),
@@ -77,6 +85,10 @@ class ApplianceTUI(App[None]):
             with TabPane("Keys", id="keys"):
                 yield DataTable(id="key-table", cursor_type="row")
                 yield Static(id="key-secret")
+            with TabPane("Models", id="models"):
+                yield DataTable(id="model-table", cursor_type="row")
+                yield DataTable(id="adapter-table", cursor_type="row")
+                yield Static(id="jobs")
         yield Input(id="prompt", classes="hidden", disabled=True)  # disabled while hidden: never takes focus or keys
         yield Footer()
 
@@ -85,6 +97,8 @@ class ApplianceTUI(App[None]):
         self.query_one("#cache-entries", DataTable).add_columns("id", "state", "hits", "question")
         self.query_one("#trace-table", DataTable).add_columns("trace", "call", "tenant", "model", "cache", "time", "status")
         self.query_one("#key-table", DataTable).add_columns("id", "tenant", "app", "user", "role", "admin", "state")
+        self.query_one("#model-table", DataTable).add_columns("model", "engine", "kind", "slots", "queue", "prefix hit", "speculation", "accepted", "adapters")
+        self.query_one("#adapter-table", DataTable).add_columns("model", "adapter", "scale", "requests", "path")
         self.poll()
         self.set_interval(self.interval_s, self.poll)
 
@@ -110,6 +124,8 @@ class ApplianceTUI(App[None]):
                 self._render_traces(await self.client.traces())
             elif active == "keys":
                 self._render_keys(await self.client.keys())
+            elif active == "models":
+                self._render_models(await self.client.models(), await self.client.jobs())
         except httpx.HTTPError:
             self._connected(False)
         except AdminError as exc:
@@ -174,6 +190,12 @@ class ApplianceTUI(App[None]):
     def _render_keys(self, keys: dict[str, Any]) -> None:
         _fill(self.query_one("#key-table", DataTable), views.key_rows(keys))
 
+    def _render_models(self, models: dict[str, Any], jobs: dict[str, Any]) -> None:
+        _fill(self.query_one("#model-table", DataTable), views.model_rows(models))
+        _fill(self.query_one("#adapter-table", DataTable), views.adapter_rows(models))
+        lines = views.job_lines(jobs, 24)
+        self.query_one("#jobs", Static).update("\n".join(["jobs (z quantize, p pull)", *lines]) if lines else "no jobs (z quantize, p pull)")
+
     # -- actions -------------------------------------------------------------------------------
 
     def action_show(self, tab: str) -> None:
@@ -225,6 +247,18 @@ class ApplianceTUI(App[None]):
                 _fill(self.query_one("#cache-entries", DataTable),
                       [(str(e["id"]), e["state"], str(e["hits"]), e["question"][:60]) for e in self.entries])
                 self.action_show("cache")
+            elif what == "adapter" and len(words) in (3, 4):
+                await self.client.load_adapter(words[0], words[1], words[2], float(words[3]) if len(words) == 4 else 1.0)
+                self.notify(f"{words[0]}: adapter {words[1]} loaded")
+                self.action_show("models")
+            elif what == "quantize" and len(words) in (2, 3):
+                job = await self.client.quantize(words[0], words[1].upper(), allow_requantize=len(words) == 3 and words[2] == "requantize")
+                self.notify(f"quantize job {job['job']['id']} started")
+                self.action_show("models")
+            elif what == "pull" and len(words) == 2:
+                job = await self.client.pull(words[0], words[1])
+                self.notify(f"pull job {job['job']['id']} started")
+                self.action_show("models")
             else:
                 self.notify(f"expected: {PROMPTS.get(what or '', '')}", severity="warning")
         except (AdminError, ValueError) as exc:
@@ -239,6 +273,18 @@ class ApplianceTUI(App[None]):
         try:
             await self.client.revoke_key(key_id)
             self.notify(f"revoked {key_id}")
+        except AdminError as exc:
+            self.notify(exc.message, severity="error")
+        self.poll()
+
+    async def action_unload(self) -> None:
+        table = self.query_one("#adapter-table", DataTable)
+        if self.query_one(TabbedContent).active != "models" or table.row_count == 0:
+            return
+        alias, name = (str(v) for v in table.get_row_at(table.cursor_row)[:2])
+        try:
+            await self.client.unload_adapter(alias, name)
+            self.notify(f"{alias}: adapter {name} unloaded")
         except AdminError as exc:
             self.notify(exc.message, severity="error")
         self.poll()

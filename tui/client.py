@@ -65,6 +65,24 @@ class AdminClient:
     async def trace(self, trace_id: str) -> dict[str, Any]:
         return await self._json("GET", f"/admin/traces/{trace_id}")
 
+    async def models(self) -> dict[str, Any]:
+        return await self._json("GET", "/admin/models")
+
+    async def jobs(self) -> dict[str, Any]:
+        return await self._json("GET", "/admin/jobs")
+
+    async def load_adapter(self, alias: str, name: str, path: str, scale: float = 1.0) -> dict[str, Any]:
+        return await self._json("PUT", f"/admin/models/{alias}/adapters/{name}", json={"path": path, "scale": scale})
+
+    async def unload_adapter(self, alias: str, name: str) -> dict[str, Any]:
+        return await self._json("DELETE", f"/admin/models/{alias}/adapters/{name}")
+
+    async def quantize(self, source: str, type_name: str, allow_requantize: bool = False) -> dict[str, Any]:
+        return await self._json("POST", "/admin/models/quantize", json={"source": source, "type": type_name, "allow_requantize": allow_requantize})
+
+    async def pull(self, repo: str, file: str) -> dict[str, Any]:
+        return await self._json("POST", "/admin/models/pull", json={"repo": repo, "file": file})
+
     async def close(self) -> None:
         await self._http.aclose()
 

@@ -205,3 +205,40 @@ def sparkline(values: list[float], width: int = 30) -> str:
         return ""
     top = max(values) or 1.0
     return "".join(bars[min(len(bars) - 1, int(v / top * (len(bars) - 1)))] for v in values)
+
+
+def model_rows(models: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for m in models["models"]:
+        prefix = m.get("prefix") or {}
+        reused = sum(prefix.get(k, 0) for k in ("reused_in_slot", "reused_by_copy", "reused_from_host"))
+        hit = f"{reused / prefix['prompt_tokens']:.0%}" if prefix.get("prompt_tokens") else "–"
+        spec = m.get("speculation_stats") or {}
+        acceptance = f"{spec['accepted'] / spec['drafted']:.0%}" if spec.get("drafted") else "–"
+        rows.append((m["alias"], m["engine"], m["kind"], f"{m['slots_busy']}/{m['slots_total']}", str(m["queue_depth"]),
+                     hit, m["speculation"], acceptance, str(len(m["adapters"]))))
+    return rows
+
+
+def adapter_rows(models: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [(m["alias"], a["name"], f"{a['scale']:g}", str(a["active_requests"]), a["path"])
+            for m in models["models"] for a in m["adapters"]]
+
+
+def progress_bar(fraction: float | None, width: int = 20) -> str:
+    """A text bar; an unknown total shows as a moving-free placeholder."""
+    if fraction is None:
+        return "·" * width
+    filled = round(max(0.0, min(fraction, 1.0)) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+def job_lines(jobs: dict[str, Any], width: int = 20) -> list[str]:
+    lines = []
+    for j in jobs["jobs"]:
+        size = f"{j['done_bytes'] / 1e6:.0f} MB" + (f" of ~{j['total_bytes'] / 1e6:.0f} MB" if j.get("total_bytes") else "")
+        pct = "" if j["fraction"] is None else f" {j['fraction']:.0%}"
+        lines.append(f"{j['kind']:<9}{j['state']:<8}{progress_bar(j['fraction'], width)}{pct}  {j['description']}  {size}")
+        if j["message"]:
+            lines.append(f"         {j['message']}")
+    return lines

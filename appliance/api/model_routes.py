@@ -9,15 +9,31 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from litestar import Request, delete, get, put
+from litestar import Request, delete, get, post, put
 
 from appliance.api.admin_routes import _admin
 from appliance.api.common import decode_body
 from appliance.api.errors import APIError, invalid
+from appliance.jobs import Job, JobBusy
+from appliance.model_admin import QUANT_TYPES, alias_for, estimated_size, file_type, quantize, quantized_name, register
+from appliance.model_files import ModelFileError, download, resolve, sha256
 from appliance.registry import LoadedModel
 from appliance.services import Services
 from appliance.settings import ADAPTER_NAME
 from engines.base import EngineError, UnknownAdapter
+
+
+class QuantizeBody(msgspec.Struct, forbid_unknown_fields=True):
+    source: str  # a configured alias or a path on the server
+    type: str
+    alias: str | None = None
+    allow_requantize: bool = False
+
+
+class PullBody(msgspec.Struct, forbid_unknown_fields=True):
+    repo: str
+    file: str
+    alias: str | None = None
 
 
 class AdapterBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,4 +107,102 @@ async def unload_adapter(request: Request[Any, Any, Any], services: Services, al
     return {"unloaded": name}
 
 
-ROUTES = [list_loaded_models, list_adapters, load_adapter, unload_adapter]
+def _config_file(services: Services) -> Path:
+    config = Path(services.settings.file)
+    if not config.is_file():
+        raise invalid("This server was not started from a config file it can register models in.")
+    return config
+
+
+def _start_job(services: Services, kind: str, description: str, work: Any) -> dict[str, Any]:
+    try:
+        job = services.jobs.start(kind, description, work)
+    except JobBusy as exc:
+        raise APIError(409, str(exc), code="job_running") from None
+    return {"job": job.view()}
+
+
+@post("/admin/models/quantize", status_code=202)
+async def quantize_model(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    """Quantizes a model file on a server thread and registers the result in models.toml (served
+    after a restart). Poll GET /admin/jobs for progress."""
+    await _admin(request, services)
+    body: QuantizeBody = decode_body(await request.body(), QuantizeBody)
+    config = _config_file(services)
+    if body.type not in QUANT_TYPES:
+        raise invalid(f"type must be one of {', '.join(QUANT_TYPES)}.", "type")
+    configured = services.settings.model(body.source)
+    try:
+        src = resolve(configured, services.settings.server.data_dir) if configured else Path(body.source).expanduser().resolve()
+    except ModelFileError as exc:
+        raise invalid(str(exc), "source") from None
+    if not src.is_file():
+        raise invalid(f"There is no file {src} on the server.", "source")
+    dst = quantized_name(src, body.type)
+    alias = body.alias or (f"{configured.alias}-{body.type.lower()}" if configured else alias_for(dst))
+    if services.settings.model(alias) is not None:
+        raise invalid(f"There is already a model with alias {alias!r}.", "alias")
+    threads = configured.threads if configured else 2
+
+    def work(job: Job) -> str:
+        job.total_bytes = estimated_size(src, file_type(src), body.type)
+        quantize(src, dst, body.type, threads=threads, allow_requantize=body.allow_requantize,
+                 progress=lambda size: setattr(job, "done_bytes", size))
+        job.done_bytes = dst.stat().st_size
+        register(config, alias, dst, sha256(dst), like=configured.alias if configured else None)
+        return f"wrote {dst} and registered it as {alias!r} in {config}; restart to serve it"
+
+    return _start_job(services, "quantize", f"{src.name} to {body.type}", work)
+
+
+@post("/admin/models/pull", status_code=202)
+async def pull_model(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    """Downloads one GGUF from a hub (huggingface-hub: HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE) on a
+    server thread and registers it in models.toml. Poll GET /admin/jobs for progress."""
+    await _admin(request, services)
+    body: PullBody = decode_body(await request.body(), PullBody)
+    config = _config_file(services)
+    if "/" not in body.repo or not body.file.endswith(".gguf"):
+        raise invalid("Give a hub repo as owner/name and a .gguf file in it.", "repo" if "/" not in body.repo else "file")
+    alias = body.alias or alias_for(Path(body.file))
+    if services.settings.model(alias) is not None:
+        raise invalid(f"There is already a model with alias {alias!r}.", "alias")
+    data_dir = services.settings.server.data_dir
+
+    def work(job: Job) -> str:
+        path = download(body.repo, body.file, data_dir, tqdm_class=_progress_into(job))
+        job.done_bytes = job.total_bytes = path.stat().st_size
+        register(config, alias, path, sha256(path))
+        return f"downloaded {path} and registered it as {alias!r} in {config}; restart to serve it"
+
+    return _start_job(services, "pull", f"{body.repo}/{body.file}", work)
+
+
+def _progress_into(job: Job) -> Any:
+    """A tqdm class that writes huggingface-hub's download progress into the job, and nothing
+    to the server's terminal."""
+    import io
+
+    from tqdm.auto import tqdm
+
+    class JobProgress(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["file"] = io.StringIO()
+            kwargs.pop("name", None)
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            job.done_bytes, job.total_bytes = int(self.n), int(self.total) if self.total else None
+            return shown
+
+    return JobProgress
+
+
+@get("/admin/jobs")
+async def list_jobs(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    await _admin(request, services)
+    return {"jobs": services.jobs.list()}
+
+
+ROUTES = [list_loaded_models, list_adapters, load_adapter, unload_adapter, quantize_model, pull_model, list_jobs]

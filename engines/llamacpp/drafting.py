@@ -33,6 +33,12 @@ class Drafter(Protocol):
     kind: str
     # What one drafted token costs before verification (0 for prompt lookup).
     cost_per_token: float
+    # What catching up costs per token the drafter has not seen (a draft model's prefill).
+    catch_up_cost: float
+
+    def behind(self, slot: int, tokens: int) -> int:
+        """How many of the slot's first `tokens` tokens the drafter must still process."""
+        ...
 
     def start(self, slot: int, prompt: tuple[int, ...]) -> DraftState: ...
 
@@ -46,12 +52,20 @@ class Drafter(Protocol):
         """After verification the target holds `valid` tokens of this slot's sequence."""
         ...
 
+    def calibrate(self) -> None:
+        """Measures what a drafted token costs; called on the model thread before serving."""
+        ...
+
     def close(self) -> None: ...
 
 
 class PromptLookupDrafter:
     kind = "prompt_lookup"
     cost_per_token = 0.0
+    catch_up_cost = 0.0
+
+    def behind(self, slot: int, tokens: int) -> int:
+        return 0
 
     def start(self, slot: int, prompt: tuple[int, ...]) -> DraftState:
         return DraftState(NgramLookup(prompt))
@@ -68,6 +82,9 @@ class PromptLookupDrafter:
         return out
 
     def settle(self, slot: int, valid: int) -> None:
+        pass
+
+    def calibrate(self) -> None:
         pass
 
     def close(self) -> None:
@@ -108,17 +125,25 @@ class DraftModelDrafter:
             raise
         self.batch_tokens = batch_tokens
         self.held: dict[int, list[int]] = {s: [] for s in range(slots)}
-        self.cost_per_token = self._measure()
+        self.cost_per_token = self.catch_up_cost = 0.0
 
-    def _measure(self) -> float:
-        """Seconds per drafted token: one decode of one token, median of five."""
-        times = []
-        for i in range(5):
+    def calibrate(self) -> None:
+        """Seconds per drafted token (a one-token decode after a 64-token prompt) and per token of
+        catching up (that prompt's prefill), medians of three, on the model thread."""
+        singles, prefills = [], []
+        for _ in range(3):
             start = time.perf_counter()
-            self.ctx.decode([(0, i, 0, True)])
-            times.append(time.perf_counter() - start)
-        self.ctx.clear_sequence(0)
-        return sorted(times)[2]
+            self.ctx.decode([(0, i, 0, i == 63) for i in range(64)])
+            prefills.append((time.perf_counter() - start) / 64)
+            start = time.perf_counter()
+            self.ctx.decode([(0, 64, 0, True)])
+            singles.append(time.perf_counter() - start)
+            self.ctx.clear_sequence(0)
+        self.cost_per_token, self.catch_up_cost = sorted(singles)[1], sorted(prefills)[1]
+        self.held[0] = []
+
+    def behind(self, slot: int, tokens: int) -> int:
+        return max(0, tokens - len(self.held[slot]))
 
     def start(self, slot: int, prompt: tuple[int, ...]) -> DraftState:
         held = self.held[slot]

@@ -63,8 +63,9 @@ class LlamaCppConfig:
     threads: int
     max_queue: int
     batch_invariant: bool = True
-    kv_type: str = "q8_0"
+    kv_type: str = "q8_0"  # K; V too unless kv_type_v says otherwise
     embeddings: bool = False
+    kv_type_v: str | None = None
     prefix_cache: bool = True
     # Host-RAM tier for prefixes evicted from the KV cache; 0 turns it off.
     prefix_host_bytes: int = 256 << 20
@@ -95,7 +96,7 @@ def context_layout(batch_invariant: bool, kv_type: str) -> tuple[bool, bool]:
     paths take f16/f32 KV only, so a q8_0 cache always runs the sequential one (docs/architecture.md)."""
     if not batch_invariant:
         return True, True
-    return False, kv_type != "f16"
+    return False, kv_type not in ("f16", "bf16")
 
 
 class _Job:
@@ -149,6 +150,7 @@ class LlamaCppEngine:
                 kv_unified=kv_unified,
                 flash_attn=flash_attn,
                 kv_type=config.kv_type,
+                kv_type_v=config.kv_type_v,
                 embeddings=config.embeddings,
             )
             self.ctx = Context(self.model, shape)
@@ -166,6 +168,7 @@ class LlamaCppEngine:
         self._host_ids = itertools.count()
         self.prefix_stats = PrefixStats()
         self.speculation_stats = SpeculationStats()
+        self._acceptance = Acceptance()  # across requests: a new request's starting estimate
         self._drafter: Drafter | None = None
         self._step_cost = StepCost(())
         self._adapters: dict[str, tuple[Adapter, float]] = {}  # the model thread changes it, under _lock
@@ -202,10 +205,18 @@ class LlamaCppEngine:
             self._drafter = PromptLookupDrafter()
         else:
             raise EngineError(f"unknown speculation {c.speculation!r}")
-        if c.speculation_fixed_tokens == 0:
-            self._step_cost = measure_step_cost(self.ctx, c.speculation_max_tokens)
-            log.info("speculation: %s; a verify step of 1..%d tokens takes %s ms", c.speculation, len(self._step_cost.seconds),
-                     " ".join(f"{t * 1e3:.0f}" for t in self._step_cost.seconds))
+
+    def _measure_speculation(self) -> None:
+        """Times verify steps (and the draft model's decode) on the model thread itself: OpenMP
+        keeps a team of worker threads per calling thread, and a second team, started by a decode
+        on another thread, slowed every later decode by a quarter here."""
+        c = self.config
+        if self._drafter is None or c.speculation_fixed_tokens:
+            return
+        self._drafter.calibrate()
+        self._step_cost = measure_step_cost(self.ctx, c.speculation_max_tokens)
+        log.info("speculation: %s; a verify step of 1..%d tokens takes %s ms", c.speculation, len(self._step_cost.seconds),
+                 " ".join(f"{t * 1e3:.0f}" for t in self._step_cost.seconds))
 
     # ---- called from the event loop -------------------------------------------------------
 
@@ -372,6 +383,7 @@ class LlamaCppEngine:
         # workers it starts (they inherit this mask) stalls llama_decode for seconds.
         signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNC_SIGNALS)
         try:
+            self._measure_speculation()
             while True:
                 idle = not self._active and not self._waiting
                 if not self._drain_inbox(block=idle):
@@ -442,6 +454,7 @@ class LlamaCppEngine:
                 self._index.insert(job.key, ("slot", job.slot), job.request.prompt_tokens)
             if self._drafter is not None:
                 job.draft_state = self._drafter.start(job.slot, job.request.prompt_tokens)
+                job.acceptance = self._acceptance.prior()  # what this model's drafts scored lately, lightly held
             self._active[job.slot] = job
             if admission.source is not None:
                 self._follow(job, admission, copying_from)
@@ -630,12 +643,19 @@ class LlamaCppEngine:
         c = self.config
         room = c.batch_tokens - len(generating)
         wants = []
+        # A draft model must catch up on every token before it drafts again, so probing costs;
+        # probe only where drafting could pay at all (it cannot when drafting a token costs more
+        # than the verify discount saves, whatever the acceptance).
+        may_pay = self._drafter.kind == "draft" and draft_length(
+            0.95, self._step_cost, len(generating), c.speculation_max_tokens, self._drafter.cost_per_token) > 0
         for job in generating:
             if c.speculation_fixed_tokens:
                 k = c.speculation_fixed_tokens
             else:
-                k = draft_length(job.acceptance.rate, self._step_cost, len(generating), c.speculation_max_tokens, self._drafter.cost_per_token)
-                if k == 0 and self._drafter.kind == "draft" and job.steps_without_drafts >= 16:
+                behind = self._drafter.behind(job.slot, job.n_past + 1)
+                k = draft_length(job.acceptance.cautious, self._step_cost, len(generating), c.speculation_max_tokens, self._drafter.cost_per_token,
+                                 setup_s=behind * self._drafter.catch_up_cost, tokens_left=job.request.max_tokens - job.generated)
+                if k == 0 and may_pay and job.steps_without_drafts >= 16:
                     k = 1  # probe now and then, so the acceptance estimate can recover
             # never past max_tokens, the slot's context, or the step's budget
             k = min(k, job.request.max_tokens - job.generated - 1, c.context_length - job.n_past - 1, room)
@@ -667,6 +687,7 @@ class LlamaCppEngine:
             job.n_past += 1
             kept += 1
         job.acceptance = job.acceptance.update(len(drafts), kept)
+        self._acceptance = self._acceptance.update(len(drafts), kept, decay=0.98)
         stats = self.speculation_stats
         stats.drafted += len(drafts)
         stats.accepted += kept
@@ -685,7 +706,9 @@ class LlamaCppEngine:
             if draft[matched] == token and matched + 1 < len(draft):
                 job.shadow = (draft, matched + 1)
             else:
-                job.acceptance = job.acceptance.update(len(draft), matched + (draft[matched] == token))
+                kept = matched + (draft[matched] == token)
+                job.acceptance = job.acceptance.update(len(draft), kept)
+                self._acceptance = self._acceptance.update(len(draft), kept, decay=0.98)
                 job.shadow = None
 
     def _sample(self, job: _Job, row: int) -> int | None:

@@ -141,7 +141,7 @@ class Adapter:
 
 
 # ggml type ids of the KV cache types we offer
-KV_TYPES = {"f16": 1, "q8_0": 8}
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ class ContextShape:
     threads: int
     kv_unified: bool
     flash_attn: bool
-    kv_type: str = "f16"  # "f16" or "q8_0"
+    kv_type: str = "f16"  # K's type, a KV_TYPES name
+    kv_type_v: str | None = None  # V's type; None: the same as K
     embeddings: bool = False
 
 
@@ -169,7 +170,8 @@ class Context:
         params.n_threads_batch = shape.threads
         params.kv_unified = shape.kv_unified
         params.flash_attn_type = 1 if shape.flash_attn else 0
-        params.type_k = params.type_v = KV_TYPES[shape.kv_type]
+        params.type_k = KV_TYPES[shape.kv_type]
+        params.type_v = KV_TYPES[shape.kv_type_v or shape.kv_type]
         params.no_perf = True
         if shape.embeddings:
             params.embeddings = True
