@@ -15,6 +15,17 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The top of a config for benches of the engine alone: no keys, budgets, semantic cache or trace store.
+ENGINE_ONLY = """[auth]
+mode = "open"
+[budgets]
+enabled = false
+[cache]
+enabled = false
+[tracing]
+store = false
+"""
+
 
 def free_port() -> int:
     with socket.socket() as sock:

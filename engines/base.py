@@ -207,3 +207,7 @@ class EngineStats:
     queue_depth: int
     prefix: PrefixStats | None = None
     speculation: SpeculationStats | None = None
+    # Per slot: "idle", "prefill", "decode" or "waiting" (for another slot's prefix), and the
+    # tokens its KV holds; free slots keep a cached prefix.
+    slot_states: tuple[tuple[str, int], ...] = ()
+    kv_capacity_tokens: int = 0

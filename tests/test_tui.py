@@ -119,6 +119,10 @@ def test_views_are_plain_functions() -> None:
     rows = views.trace_rows({"traces": [{"trace_id": "t", "name": "chat.completions", "duration_ms": 5, "error": True,
                                          "attributes": {"tenant": "acme", "model": "m"}}]}, "ok")
     assert rows == []
+    models = {"models": [{"alias": "m", "slots": [{"slot": 0, "state": "decode", "tokens": 300}, {"slot": 1, "state": "idle", "tokens": 100},
+                                                  {"slot": 2, "state": "waiting", "tokens": 0}], "kv_used_tokens": 400, "kv_capacity_tokens": 1000}]}
+    assert views.slot_lines(models) == ["m                        slots D·W              KV 40% of 1000 tokens"]
+    assert views.progress_bar(0.5, 10) == "█████░░░░░" and views.progress_bar(None, 4) == "····"
 
 
 def test_the_tui_in_tmux_as_a_person_would(served: Server) -> None:
@@ -173,6 +177,7 @@ async def test_models_screen_loads_and_unloads_adapters_and_quantizes(served: Se
         models = app.query_one("#model-table", DataTable)
         await settle(pilot, app, lambda: models.row_count == 1)
         assert str(models.get_row_at(0)[0]) == CHAT_MODEL
+        assert f"{CHAT_MODEL}" in text_of(app, "#slots") and "slots ········" in text_of(app, "#slots") and "KV " in text_of(app, "#slots")
         await pilot.press("a", *keys(f"{CHAT_MODEL} tuiad {adapter} 0.5"), "enter")
         adapters = app.query_one("#adapter-table", DataTable)
         await settle(pilot, app, lambda: adapters.row_count == 1)
@@ -190,3 +195,28 @@ async def test_models_screen_loads_and_unloads_adapters_and_quantizes(served: Se
     assert added is not None and added.path == tmp_path / "copy.Q8_0.gguf" and added.path.is_file()
     jobs = httpx.get(f"{served.base_url}/admin/jobs").json()["jobs"]
     assert jobs[0]["kind"] == "quantize" and jobs[0]["state"] == "done"
+
+
+async def test_models_screen_pulls_a_model_from_the_hub(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`p` asks the server to download a GGUF through huggingface-hub (a local hub here) and
+    register it; the job's progress bar ends at 100% and models.toml names the file."""
+    from appliance.model_files import package_file
+    from appliance.settings import load_settings
+    from tests.conftest import MODEL_FILE
+    from tests.fake_hub import FakeHub
+
+    with FakeHub({"acme/smol-GGUF/smol.Q4_1.gguf": package_file(MODEL_FILE)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        server = start_server(tmp_path / "pull", config_text(slots=1, embeddings=False))
+        try:
+            app = ApplianceTUI(server.base_url, None, interval_s=0.5)
+            async with app.run_test(size=(80, 24)) as pilot:
+                await pilot.press("6", "p", *keys("acme/smol-GGUF smol.Q4_1.gguf"), "enter")
+                await settle(pilot, app, lambda: "done" in text_of(app, "#jobs"), timeout=60)
+                assert "100%" in text_of(app, "#jobs") and "registered it as 'smol.q4_1'" in text_of(app, "#jobs")
+        finally:
+            stop_server(server)
+    added = load_settings(tmp_path / "pull" / "models.toml").model("smol.q4_1")
+    assert added is not None and added.path is not None and added.path.is_file()
+    assert added.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"

@@ -87,6 +87,7 @@ class ApplianceTUI(App[None]):
                 yield Static(id="key-secret")
             with TabPane("Models", id="models"):
                 yield DataTable(id="model-table", cursor_type="row")
+                yield Static(id="slots")
                 yield DataTable(id="adapter-table", cursor_type="row")
                 yield Static(id="jobs")
         yield Input(id="prompt", classes="hidden", disabled=True)  # disabled while hidden: never takes focus or keys
@@ -192,6 +193,7 @@ class ApplianceTUI(App[None]):
 
     def _render_models(self, models: dict[str, Any], jobs: dict[str, Any]) -> None:
         _fill(self.query_one("#model-table", DataTable), views.model_rows(models))
+        self.query_one("#slots", Static).update("\n".join(views.slot_lines(models)))
         _fill(self.query_one("#adapter-table", DataTable), views.adapter_rows(models))
         lines = views.job_lines(jobs, 24)
         self.query_one("#jobs", Static).update("\n".join(["jobs (z quantize, p pull)", *lines]) if lines else "no jobs (z quantize, p pull)")

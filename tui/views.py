@@ -242,3 +242,18 @@ def job_lines(jobs: dict[str, Any], width: int = 20) -> list[str]:
         if j["message"]:
             lines.append(f"         {j['message']}")
     return lines
+
+
+_SLOT_MARKS = {"idle": "·", "prefill": "P", "decode": "D", "waiting": "W"}
+
+
+def slot_lines(models: dict[str, Any]) -> list[str]:
+    """One line per model: each slot's state (· idle, P prefill, D decode, W waiting for another
+    slot's prefix) and how full the KV cache is."""
+    lines = []
+    for m in models["models"]:
+        marks = "".join(_SLOT_MARKS.get(s["state"], "?") for s in m.get("slots", []))
+        capacity = m.get("kv_capacity_tokens") or 0
+        used = f"{m.get('kv_used_tokens', 0) / capacity:.0%}" if capacity else "–"
+        lines.append(f"{m['alias']:<24} slots {marks:<16} KV {used} of {capacity} tokens")
+    return lines

@@ -56,6 +56,8 @@ def _model_view(model: LoadedModel) -> dict[str, Any]:
     return {
         "alias": s.alias, "engine": model.engine.name, "kind": s.kind, "tier": s.tier, "context_length": model.engine.context_length,
         "slots_total": stats.slots_total, "slots_busy": stats.slots_busy, "queue_depth": stats.queue_depth,
+        "slots": [{"slot": i, "state": state, "tokens": tokens} for i, (state, tokens) in enumerate(stats.slot_states)],
+        "kv_used_tokens": sum(tokens for _, tokens in stats.slot_states), "kv_capacity_tokens": stats.kv_capacity_tokens,
         "speculation": s.speculation_mode, "draft_model": s.draft_model, "prefix_cache": s.prefix_cache,
         "prefix": dataclasses.asdict(stats.prefix) if stats.prefix else None,
         "speculation_stats": dataclasses.asdict(stats.speculation) if stats.speculation else None,

@@ -356,7 +356,23 @@ class LlamaCppEngine:
 
     def stats(self) -> EngineStats:
         speculation = replace(self.speculation_stats) if self._drafter else None
-        return EngineStats(self.config.slots, len(self._active), max(0, self._queued), replace(self.prefix_stats), speculation)
+        return EngineStats(self.config.slots, len(self._active), max(0, self._queued), replace(self.prefix_stats), speculation,
+                           self._slot_states(), self.config.slots * self.context_length)
+
+    def _slot_states(self) -> tuple[tuple[str, int], ...]:
+        """Read from other threads: a snapshot that may be a step old, never torn."""
+        active = dict(self._active)
+        out = []
+        for slot in range(self.config.slots):
+            job = active.get(slot)
+            if job is None:
+                holder = ("slot", slot)
+                out.append(("idle", len(self._index.tokens(holder)) if holder in self._index else 0))
+            elif job.parked is not None:
+                out.append(("waiting", job.n_past))
+            else:
+                out.append(("decode" if job.pending_token is not None else "prefill", job.n_past))
+        return tuple(out)
 
     def close(self) -> None:
         self._closing = True
