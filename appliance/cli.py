@@ -173,6 +173,27 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_convert(args: argparse.Namespace) -> int:
+    from engines.mlx.convert import ConversionError, gguf_to_mlx
+
+    src = args.source.expanduser().resolve()
+    out = (args.out or src.with_name(src.stem + "-mlx")).expanduser().resolve()
+    if out.exists() and any(out.iterdir()):
+        print(f"error: {out} exists and is not empty; give another --out", file=sys.stderr)
+        return 1
+    try:
+        report = gguf_to_mlx(src, out)
+    except ConversionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ImportError as exc:
+        print(f"error: the MLX engine is not installed here ({exc.name}); installer/install.sh installs mlx and mlx-lm", file=sys.stderr)
+        return 1
+    packed = ", ".join(f"{n} tensors {kind}" for kind, n in sorted(report.packed.items())) or "none"
+    print(f"{out}\npacked: {packed}\nfloat16 (MLX cannot keep their type packed): {len(report.float16)}\nunquantized: {report.unquantized}")
+    return 0
+
+
 def _ledger_db(config: Path | None):  # type: ignore[no-untyped-def]
     """The data directory's database, migrated; the config names the directory when there is one."""
     from appliance.paths import default_data_dir
@@ -469,6 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     quant.add_argument("--config", type=Path)
     quant.set_defaults(func=cmd_models_quantize)
+    convert = models.add_parser("convert", help="write an MLX model folder from a llama-architecture GGUF (no second download)")
+    convert.add_argument("source", type=Path)
+    convert.add_argument("--to", choices=["mlx"], required=True)
+    convert.add_argument("--out", type=Path, help="the folder to write (default: beside the source, <name>-mlx)")
+    convert.set_defaults(func=cmd_models_convert)
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
     create = keys.add_parser("create", help="create a key; the secret is printed once, alone on the last line")
