@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import platform
+import sys
 from dataclasses import dataclass
 
 from appliance.chat_template import CHATML, ChatTemplate
-from appliance.model_files import resolve
+from appliance.model_files import resolve, sha256
 from appliance.settings import ModelSettings, Settings
 from engines.base import Engine
 
@@ -20,11 +22,17 @@ class LoadedModel:
     template: ChatTemplate | None
 
 
+def engine_for(model: ModelSettings) -> str:
+    """`auto` is MLX on Apple silicon (faster there) and llama.cpp everywhere else."""
+    if model.engine != "auto":
+        return model.engine
+    return "mlx" if sys.platform == "darwin" and platform.machine() == "arm64" else "llamacpp"
+
+
 def build_engine(model: ModelSettings, settings: Settings) -> Engine:
+    if engine_for(model) == "mlx":
+        return _build_mlx(model, settings)
     path = resolve(model, settings.server.data_dir, allow_download=True)
-    engine_kind = "llamacpp" if model.engine == "auto" else model.engine
-    if engine_kind != "llamacpp":
-        raise RuntimeError(f"{settings.file}: model {model.alias!r}: engine {model.engine!r} is not available in this build")
     from engines.llamacpp.engine import LlamaCppConfig, LlamaCppEngine
 
     draft_path = None
@@ -54,6 +62,29 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
             adapters=tuple((a.name, a.path, a.scale) for a in model.adapters),
         )
     )
+
+
+def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
+    """An MLX folder as given, or a GGUF converted once into the data directory (no second download)."""
+    try:
+        from engines.mlx.convert import ConversionError, gguf_to_mlx
+        from engines.mlx.engine import MlxConfig, MlxEngine
+    except ImportError as exc:
+        raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine is not installed here ({exc.name})") from None
+    if model.path is not None and model.path.is_dir():
+        folder = model.path
+    else:
+        source = resolve(model, settings.server.data_dir, allow_download=True)
+        folder = settings.server.data_dir / "mlx" / f"{source.stem}-{sha256(source)[:12]}"
+        if not (folder / "config.json").is_file():
+            log.info("converting %s for MLX into %s", source.name, folder)
+            try:
+                gguf_to_mlx(source, folder)
+            except ConversionError as exc:
+                raise RuntimeError(f"{settings.file}: model {model.alias!r}: {exc}") from None
+    if model.kind != "chat" or model.adapters or model.speculation_mode != "off":
+        raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine serves chat models without adapters or speculation so far")
+    return MlxEngine(MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue))
 
 
 def load_model(model: ModelSettings, settings: Settings) -> LoadedModel:

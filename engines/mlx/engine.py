@@ -1,0 +1,256 @@
+"""The MLX engine: mlx-lm's continuous batching (BatchGenerator) on a thread that owns the model.
+
+New requests join the running batch at the next step; each request has its own sampler, stop
+strings, UTF-8 streaming and cancellation, as in the llama.cpp engine. Not yet here: a prompt
+cache across requests, speculative decoding, adapters and grammars (a request with a grammar is
+refused with a clear error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.base import (
+    ContextLengthExceeded,
+    EngineClosed,
+    EngineError,
+    EngineOverloaded,
+    EngineStats,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from engines.stream import EventStream
+from engines.text import StopMatcher, Utf8Stream
+
+log = logging.getLogger("appliance.mlx")
+
+
+@dataclass(frozen=True)
+class MlxConfig:
+    path: Path  # an MLX model folder (see engines/mlx/convert.py for GGUF files)
+    slots: int
+    context_length: int
+    max_queue: int
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet back to bytes (printable stand-ins for every byte value)."""
+    visible = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    codes, n = visible[:], 0
+    for b in range(256):
+        if b not in visible:
+            visible.append(b)
+            codes.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(visible, codes)}
+
+
+class _Job:
+    def __init__(self, request: GenerationRequest, stream: EventStream) -> None:
+        self.request, self.stream = request, stream
+        self.uid: int | None = None
+        self.cancelled = False
+        self.generated = 0
+        self.utf8 = Utf8Stream()
+        self.stops = StopMatcher(request.stop)
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+
+
+class MlxEngine:
+    name = "mlx"
+    supports_grammar = False
+    supports_logprobs = True
+    supports_embeddings = False
+
+    def __init__(self, config: MlxConfig) -> None:
+        import mlx_lm
+
+        self.config = config
+        self.model, self.tokenizer = mlx_lm.load(str(config.path))
+        hf = self.tokenizer._tokenizer  # the transformers tokenizer mlx-lm wraps
+        self._hf = hf
+        decoder = _byte_decoder()
+        self._special = set(hf.all_special_ids)
+        self._pieces: dict[int, bytes] = {}
+        for token, ident in hf.get_vocab().items():
+            if ident in self._special or token in hf.all_special_tokens:
+                self._pieces[ident] = token.encode()
+            else:
+                self._pieces[ident] = bytes(decoder.get(ch, ord("?")) for ch in token)
+        self._eos = set(self.tokenizer.eos_token_ids)
+        self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: dict[int, _Job] = {}
+        self._queued = 0
+        self._closing = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"mlx:{config.path.name}", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop -------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        return self.config.context_length
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return list(self._hf.encode(text, add_special_tokens=add_special))
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self._pieces.get(t, b"") for t in tokens).decode("utf-8", errors="replace")
+
+    def vocab_size(self) -> int:
+        return len(self._pieces)
+
+    def add_bos(self) -> bool:
+        return bool(getattr(self._hf, "add_bos_token", False))
+
+    def chat_template(self) -> str | None:
+        return self._hf.chat_template
+
+    def special_tokens(self) -> dict[str, str]:
+        return {k: v for k, v in (("bos_token", self._hf.bos_token), ("eos_token", self._hf.eos_token)) if v}
+
+    def generate(self, request: GenerationRequest) -> EventStream:
+        if self._closing:
+            raise EngineClosed("the model is shutting down")
+        if request.sampling.grammar is not None:
+            raise EngineError("this model's engine (mlx) does not constrain output with a grammar yet; use a llama.cpp model for response_format")
+        if request.adapters:
+            raise EngineError("this model's engine (mlx) does not serve adapters yet")
+        needed = len(request.prompt_tokens) + request.max_tokens
+        if needed > self.context_length:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.context_length} tokens. However, you requested {needed} tokens "
+                f"({len(request.prompt_tokens)} in the prompt, {request.max_tokens} for the completion). Please reduce the prompt or the completion length.")
+        if not request.prompt_tokens:
+            raise EngineError("the prompt is empty")
+        with self._lock:
+            if self._queued >= self.config.max_queue + self.config.slots:
+                raise EngineOverloaded(f"the queue for this model is full ({self.config.max_queue} waiting)")
+            self._queued += 1
+        stream = EventStream(asyncio.get_running_loop())
+        job = _Job(request, stream)
+        stream.on_close = lambda: self._cancel(job)
+        self._inbox.put(job)
+        return stream
+
+    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+        raise EngineError("this model is not configured for embeddings")
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.config.slots, len(self._jobs), max(0, self._queued - len(self._jobs)))
+
+    def close(self) -> None:
+        self._closing = True
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    def _cancel(self, job: _Job) -> None:
+        job.cancelled = True
+
+    # ---- the model thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        generator = BatchGenerator(self.model, completion_batch_size=self.config.slots, prefill_batch_size=self.config.slots,
+                                   stop_tokens=[[t] for t in self._eos])
+        waiting: list[_Job] = []
+        try:
+            while True:
+                try:
+                    item = self._inbox.get(timeout=0.5) if not self._jobs and not waiting else self._inbox.get_nowait()
+                    while True:
+                        if item is None:
+                            return
+                        waiting.append(item)
+                        item = self._inbox.get_nowait()
+                except queue.Empty:
+                    pass
+                for job in [j for j in self._jobs.values() if j.cancelled]:
+                    generator.remove([job.uid])
+                    self._finish(job, "cancelled")
+                for job in [j for j in waiting if j.cancelled]:
+                    waiting.remove(job)
+                    self._finish(job, "cancelled")
+                room = self.config.slots - len(self._jobs)
+                if room > 0 and waiting:
+                    admitted, waiting = waiting[:room], waiting[room:]
+                    uids = generator.insert([list(j.request.prompt_tokens) for j in admitted],
+                                            max_tokens=[j.request.max_tokens for j in admitted],
+                                            samplers=[self._sampler(j.request) for j in admitted])
+                    for job, uid in zip(admitted, uids):
+                        job.uid = uid
+                        self._jobs[uid] = job
+                if not self._jobs:
+                    continue
+                _, responses = generator.next()
+                for response in responses:
+                    job = self._jobs.get(response.uid)
+                    if job is not None:
+                        self._token(job, response, generator)
+        except Exception as exc:
+            log.exception("MLX model thread crashed")
+            for job in list(self._jobs.values()) + waiting:
+                self._finish(job, "error", error=f"engine failure: {exc}")
+        finally:
+            self._closing = True
+            generator.close()
+            for job in list(self._jobs.values()) + waiting:
+                self._finish(job, "error", error="the model is shutting down")
+
+    def _sampler(self, request: GenerationRequest):  # type: ignore[no-untyped-def]
+        from mlx_lm.sample_utils import make_sampler
+
+        s = request.sampling
+        return make_sampler(temp=max(s.temperature, 0.0), top_p=s.top_p if 0 < s.top_p < 1 else 0.0)
+
+    def _token(self, job: _Job, response, generator) -> None:  # type: ignore[no-untyped-def]
+        token = int(response.token)
+        job.first_token_at = job.first_token_at or time.perf_counter()
+        job.generated += 1
+        if token in self._eos:
+            self._finish(job, "stop")
+            return
+        logprob = self._logprob(job, response.logprobs, token) if job.request.sampling.logprobs else None
+        text = job.stops.feed(job.utf8.feed(self._pieces.get(token, b"")))
+        job.stream.push(TokenEvent(text, token, logprob))
+        if job.stops.stopped:
+            generator.remove([job.uid])
+            self._finish(job, "stop")
+        elif response.finish_reason is not None:
+            self._finish(job, "length" if response.finish_reason == "length" else "stop")
+
+    def _logprob(self, job: _Job, logprobs, token: int) -> TokenLogprob:  # type: ignore[no-untyped-def]
+        import numpy as np
+
+        values = np.array(logprobs.astype(__import__("mlx.core").core.float32), dtype=np.float64)
+        k = job.request.sampling.top_logprobs
+        tops: tuple[TopLogprob, ...] = ()
+        if k > 0:
+            best = np.argsort(-values, kind="stable")[:k]
+            tops = tuple(TopLogprob(self._pieces[int(t)].decode("utf-8", "replace"), self._pieces[int(t)], float(values[t])) for t in best)
+        piece = self._pieces.get(token, b"")
+        return TokenLogprob(piece.decode("utf-8", "replace"), piece, float(values[token]), tops)
+
+    def _finish(self, job: _Job, reason: FinishReason, error: str | None = None) -> None:
+        if job.uid is not None:
+            self._jobs.pop(job.uid, None)
+        with self._lock:
+            self._queued -= 1
+        tail = job.stops.feed(job.utf8.flush()) + job.stops.flush() if reason in ("stop", "length") else ""
+        ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
+        job.stream.push(FinishEvent(reason, Usage(len(job.request.prompt_tokens), job.generated), tail, ttft,
+                                    time.perf_counter() - job.submitted_at, error))
