@@ -84,7 +84,8 @@ def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
                 raise RuntimeError(f"{settings.file}: model {model.alias!r}: {exc}") from None
     if model.kind != "chat" or model.adapters or model.speculation_mode != "off":
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine serves chat models without adapters or speculation so far")
-    return MlxEngine(MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue))
+    cache_bytes = model.prefix_cache_host_mb << 20 if model.prefix_cache else 0
+    return MlxEngine(MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue, cache_bytes))
 
 
 def load_model(model: ModelSettings, settings: Settings) -> LoadedModel:

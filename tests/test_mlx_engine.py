@@ -67,3 +67,22 @@ def test_concurrent_requests_join_one_batch(mlx_server: Server) -> None:
 def test_what_mlx_cannot_do_yet_is_refused_clearly(mlx_server: Server) -> None:
     with pytest.raises(openai.BadRequestError, match="does not constrain output with a grammar"):
         ask(mlx_server, "Give me JSON.", max_tokens=8, response_format={"type": "json_object"})
+
+
+def test_a_shared_prefix_is_served_from_the_prompt_cache(mlx_server: Server) -> None:
+    system = "You answer questions about the weather for a small sailing club, briefly and politely. " * 6
+
+    def chat(question: str) -> openai.types.chat.ChatCompletion:
+        return mlx_server.client(timeout=300).chat.completions.create(
+            model=CHAT_MODEL, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=10, temperature=0)
+
+    first = chat("Is it windy today?")
+    again = chat("Is it windy today?")
+    other = chat("Will it rain tomorrow?")
+    assert first.usage is not None and again.usage is not None and other.usage is not None
+    assert first.usage.prompt_tokens > 100
+    cached = [r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0 for r in (first, again, other)]  # type: ignore[union-attr]
+    assert cached[1] == again.usage.prompt_tokens - 1  # all but the last token, which is computed for its logits
+    assert first.usage.prompt_tokens - 20 < cached[2] < other.usage.prompt_tokens  # the system prompt, not the question
+    assert again.choices[0].message.content == first.choices[0].message.content

@@ -1,20 +1,25 @@
 """The MLX engine: mlx-lm's continuous batching (BatchGenerator) on a thread that owns the model.
 
 New requests join the running batch at the next step; each request has its own sampler, stop
-strings, UTF-8 streaming and cancellation, as in the llama.cpp engine. Not yet here: a prompt
-cache across requests, speculative decoding, adapters and grammars (a request with a grammar is
-refused with a clear error).
+strings, UTF-8 streaming and cancellation, as in the llama.cpp engine. A prompt cache across
+requests: every finished sequence's KV is kept (LRU by bytes) in a prefix index, and a new prompt
+starts from the longest shared prefix. Not yet here: speculative decoding, adapters and grammars (a
+request with a grammar is refused with a clear error).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import itertools
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from engines.base import (
     ContextLengthExceeded,
@@ -23,6 +28,7 @@ from engines.base import (
     EngineOverloaded,
     EngineStats,
     FinishEvent,
+    PrefixStats,
     FinishReason,
     GenerationRequest,
     TokenEvent,
@@ -30,6 +36,7 @@ from engines.base import (
     TopLogprob,
     Usage,
 )
+from engines.prefix import PrefixIndex
 from engines.stream import EventStream
 from engines.text import StopMatcher, Utf8Stream
 
@@ -42,6 +49,8 @@ class MlxConfig:
     slots: int
     context_length: int
     max_queue: int
+    prompt_cache_bytes: int = 256 << 20  # 0 turns the prompt cache off
+    prompt_cache_min_tokens: int = 16  # shorter shared prefixes are recomputed
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -60,6 +69,7 @@ class _Job:
     def __init__(self, request: GenerationRequest, stream: EventStream) -> None:
         self.request, self.stream = request, stream
         self.uid: int | None = None
+        self.reused = 0
         self.cancelled = False
         self.generated = 0
         self.utf8 = Utf8Stream()
@@ -90,6 +100,10 @@ class MlxEngine:
             else:
                 self._pieces[ident] = bytes(decoder.get(ch, ord("?")) for ch in token)
         self._eos = set(self.tokenizer.eos_token_ids)
+        self._index = PrefixIndex()  # prompt-cache entries by the tokens their KV holds
+        self._caches: OrderedDict[int, tuple[list[Any], int]] = OrderedDict()  # id -> (per-layer KV, bytes), LRU first
+        self._cache_ids = itertools.count()
+        self.prefix_stats = PrefixStats()
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._jobs: dict[int, _Job] = {}
         self._queued = 0
@@ -150,7 +164,7 @@ class MlxEngine:
         raise EngineError("this model is not configured for embeddings")
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.config.slots, len(self._jobs), max(0, self._queued - len(self._jobs)))
+        return EngineStats(self.config.slots, len(self._jobs), max(0, self._queued - len(self._jobs)), replace(self.prefix_stats))
 
     def close(self) -> None:
         self._closing = True
@@ -188,8 +202,10 @@ class MlxEngine:
                 room = self.config.slots - len(self._jobs)
                 if room > 0 and waiting:
                     admitted, waiting = waiting[:room], waiting[room:]
-                    uids = generator.insert([list(j.request.prompt_tokens) for j in admitted],
+                    starts = [self._cached_prefix(j) for j in admitted]
+                    uids = generator.insert([list(j.request.prompt_tokens[j.reused:]) for j in admitted],
                                             max_tokens=[j.request.max_tokens for j in admitted],
+                                            caches=[cache for cache, _ in starts], all_tokens=[done for _, done in starts],
                                             samplers=[self._sampler(j.request) for j in admitted])
                     for job, uid in zip(admitted, uids):
                         job.uid = uid
@@ -211,6 +227,52 @@ class MlxEngine:
             for job in list(self._jobs.values()) + waiting:
                 self._finish(job, "error", error="the model is shutting down")
 
+    # ---- the prompt cache ----------------------------------------------------------------------
+
+    def _cached_prefix(self, job: _Job) -> tuple[list[Any] | None, list[int]]:
+        """A copy of the KV of the longest cached prefix of the job's prompt, trimmed to it (at
+        least one prompt token is left to compute, for logits), and the tokens it covers."""
+        prompt = job.request.prompt_tokens
+        self.prefix_stats.prompt_tokens += len(prompt)
+        if not self.config.prompt_cache_bytes:
+            return None, []
+        shared = self._index.match((), prompt)
+        if not shared:
+            return None, []
+        holder, length = max(shared.items(), key=lambda kv: kv[1])
+        ident = holder[1]
+        cache, _ = self._caches[ident]
+        length = min(length, len(prompt) - 1, cache[0].offset)
+        if length < self.config.prompt_cache_min_tokens:
+            return None, []
+        self._caches.move_to_end(ident)
+        start = copy.deepcopy(cache)  # the stored entry stays whole for the next request
+        for layer in start:
+            layer.trim(layer.offset - length)
+        job.reused = length
+        self.prefix_stats.reused_from_host += length
+        return start, list(prompt[:length])
+
+    def _keep(self, cache: list[Any] | None, tokens: list[int] | None) -> None:
+        if not self.config.prompt_cache_bytes or not cache or not tokens:
+            return
+        length = min(cache[0].offset, len(tokens))
+        size = sum(layer.nbytes for layer in cache)
+        if length < self.config.prompt_cache_min_tokens or size > self.config.prompt_cache_bytes:
+            return
+        ident = next(self._cache_ids)
+        self._caches[ident] = (cache, size)
+        self._index.insert((), ("cache", ident), tuple(tokens[:length]))
+        stats = self.prefix_stats
+        stats.host_saves += 1
+        stats.host_bytes += size
+        while stats.host_bytes > self.config.prompt_cache_bytes:
+            old, (_, old_size) = self._caches.popitem(last=False)
+            self._index.remove(("cache", old))
+            stats.host_bytes -= old_size
+            stats.host_evictions += 1
+        stats.host_entries = len(self._caches)
+
     def _sampler(self, request: GenerationRequest):  # type: ignore[no-untyped-def]
         from mlx_lm.sample_utils import make_sampler
 
@@ -222,15 +284,19 @@ class MlxEngine:
         job.first_token_at = job.first_token_at or time.perf_counter()
         job.generated += 1
         if token in self._eos:
+            self._keep(response.prompt_cache, response.all_tokens)
             self._finish(job, "stop")
             return
         logprob = self._logprob(job, response.logprobs, token) if job.request.sampling.logprobs else None
         text = job.stops.feed(job.utf8.feed(self._pieces.get(token, b"")))
         job.stream.push(TokenEvent(text, token, logprob))
         if job.stops.stopped:
-            generator.remove([job.uid])
+            kept = generator.remove([job.uid], return_prompt_caches=True).get(job.uid)
+            if kept:
+                self._keep(*kept)
             self._finish(job, "stop")
         elif response.finish_reason is not None:
+            self._keep(response.prompt_cache, response.all_tokens)
             self._finish(job, "length" if response.finish_reason == "length" else "stop")
 
     def _logprob(self, job: _Job, logprobs, token: int) -> TokenLogprob:  # type: ignore[no-untyped-def]
@@ -252,5 +318,5 @@ class MlxEngine:
             self._queued -= 1
         tail = job.stops.feed(job.utf8.flush()) + job.stops.flush() if reason in ("stop", "length") else ""
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
-        job.stream.push(FinishEvent(reason, Usage(len(job.request.prompt_tokens), job.generated), tail, ttft,
+        job.stream.push(FinishEvent(reason, Usage(len(job.request.prompt_tokens), job.generated, job.reused), tail, ttft,
                                     time.perf_counter() - job.submitted_at, error))
