@@ -83,12 +83,6 @@ class LlamaCppConfig:
     adapters: tuple[tuple[str, Path, float], ...] = ()
 
 
-@dataclass
-class _HostEntry:
-    key: tuple
-    tokens: tuple[int, ...]
-    data: bytes
-
 
 def context_layout(batch_invariant: bool, kv_type: str) -> tuple[bool, bool]:
     """(kv_unified, flash_attn) for a model. Invariance needs one KV stream per sequence, and flash
@@ -164,7 +158,8 @@ class LlamaCppEngine:
         # prompt that shares a prefix (a system prompt, a chat template's preamble) skips
         # recomputing it. An active slot is listed with its whole prompt from admission on.
         self._index = PrefixIndex()
-        self._host: OrderedDict[int, _HostEntry] = OrderedDict()  # LRU first
+        # Saved sequences' state by id, LRU first; their tokens and model key are in the index.
+        self._host: OrderedDict[int, bytes] = OrderedDict()
         self._host_ids = itertools.count()
         self.prefix_stats = PrefixStats()
         self.speculation_stats = SpeculationStats()
@@ -515,9 +510,8 @@ class LlamaCppEngine:
                 copying_from.add(ident)
                 self.prefix_stats.reused_by_copy += length
             else:
-                entry = self._host[ident]
                 self._host.move_to_end(ident)
-                self.ctx.restore_sequence(job.slot, entry.data)
+                self.ctx.restore_sequence(job.slot, self._host[ident])
                 self.ctx.trim_sequence(job.slot, length)
                 self.prefix_stats.reused_from_host += length
         except EngineError as exc:
@@ -573,7 +567,7 @@ class LlamaCppEngine:
         if len(data) > self.config.prefix_host_bytes:
             return
         ident = next(self._host_ids)
-        self._host[ident] = _HostEntry(key, tokens, data)
+        self._host[ident] = data
         self._index.insert(key, ("host", ident), tokens)
         stats = self.prefix_stats
         stats.host_saves += 1
@@ -584,10 +578,10 @@ class LlamaCppEngine:
         stats.host_entries = len(self._host)
 
     def _drop_host(self, ident: int) -> None:
-        entry = self._host.pop(ident, None)
-        if entry is not None:
+        data = self._host.pop(ident, None)
+        if data is not None:
             self._index.remove(("host", ident))
-            self.prefix_stats.host_bytes -= len(entry.data)
+            self.prefix_stats.host_bytes -= len(data)
             self.prefix_stats.host_entries = len(self._host)
 
     def _step(self) -> None:
