@@ -139,6 +139,7 @@ class Engine(Protocol):
     supports_grammar: bool
     supports_logprobs: bool
     supports_embeddings: bool
+    supports_adapters: bool  # LoRA adapters loaded and picked per request
 
     @property
     def context_length(self) -> int: ...
@@ -161,6 +162,10 @@ class Engine(Protocol):
         ...
 
     async def embed(self, inputs: list[list[int]]) -> list[list[float]]: ...
+
+    def adapters(self) -> list[AdapterInfo]:
+        """The loaded adapters (none where adapters are not supported)."""
+        ...
 
     def stats(self) -> EngineStats: ...
 

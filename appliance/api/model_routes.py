@@ -45,7 +45,7 @@ def _loaded(services: Services, alias: str) -> LoadedModel:
     model = services.registry.get(alias)
     if model is None:
         raise APIError(404, f"The model '{alias}' does not exist.", param="model", code="model_not_found")
-    if not hasattr(model.engine, "adapters"):
+    if not model.engine.supports_adapters:
         raise invalid(f"The model '{alias}' runs on an engine without adapters.", "model")
     return model
 
@@ -61,7 +61,7 @@ def _model_view(model: LoadedModel) -> dict[str, Any]:
         "speculation": s.speculation_mode, "draft_model": s.draft_model, "prefix_cache": s.prefix_cache,
         "prefix": dataclasses.asdict(stats.prefix) if stats.prefix else None,
         "speculation_stats": dataclasses.asdict(stats.speculation) if stats.speculation else None,
-        "adapters": [dataclasses.asdict(a) for a in model.engine.adapters()] if hasattr(model.engine, "adapters") else [],
+        "adapters": [dataclasses.asdict(a) for a in model.engine.adapters()],
     }
 
 

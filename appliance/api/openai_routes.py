@@ -58,7 +58,7 @@ def _model_with_adapters(services: Services, alias: str, chosen: list[Any] | Non
     wanted += [(a.name, a.scale) for a in chosen or []]
     if not wanted:
         return model, ()
-    loaded = {a.name: a for a in model.engine.adapters()} if hasattr(model.engine, "adapters") else {}
+    loaded = {a.name: a for a in model.engine.adapters()}
     out: list[tuple[str, float]] = []
     for name, scale in wanted:
         info = loaded.get(name)
@@ -149,7 +149,7 @@ async def list_models(request: Request[Any, Any, Any], services: Services) -> di
     await authenticate(request, services)
     listing = render.model_list(services.registry.all(), services.started_at)
     for model in services.registry.all():
-        for adapter in model.engine.adapters() if hasattr(model.engine, "adapters") else []:
+        for adapter in model.engine.adapters():
             listing["data"].append({"id": f"{model.settings.alias}:{adapter.name}", "object": "model", "created": services.started_at,
                                     "owned_by": "appliance-adapter", "meta": {"base": model.settings.alias, "scale": adapter.scale}})
     listing["data"] += [{"id": r.alias, "object": "model", "created": services.started_at, "owned_by": "appliance-route"}

@@ -129,6 +129,7 @@ class LlamaCppEngine:
     name = "llamacpp"
     supports_grammar = True
     supports_logprobs = True
+    supports_adapters = True
 
     def __init__(self, config: LlamaCppConfig) -> None:
         self.config = config

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import (
+    AdapterInfo,
     ContextLengthExceeded,
     EngineClosed,
     EngineError,
@@ -83,6 +84,7 @@ class MlxEngine:
     supports_grammar = False
     supports_logprobs = True
     supports_embeddings = False
+    supports_adapters = False
 
     def __init__(self, config: MlxConfig) -> None:
         import mlx_lm
@@ -162,6 +164,9 @@ class MlxEngine:
 
     async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
         raise EngineError("this model is not configured for embeddings")
+
+    def adapters(self) -> list[AdapterInfo]:
+        return []
 
     def stats(self) -> EngineStats:
         return EngineStats(self.config.slots, len(self._jobs), max(0, self._queued - len(self._jobs)), replace(self.prefix_stats))
