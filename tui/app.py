@@ -267,11 +267,17 @@ class ApplianceTUI(App[None]):
             self.notify(str(exc), severity="error")
         self.poll()
 
+    def _selected(self, tab: str, table_id: str) -> tuple[int, list[Any]] | None:
+        """The cursor's row index and cells in a table, when its tab is showing and it has rows."""
+        table = self.query_one(table_id, DataTable)
+        if self.query_one(TabbedContent).active != tab or table.row_count == 0:
+            return None
+        return table.cursor_row, table.get_row_at(table.cursor_row)
+
     async def action_revoke(self) -> None:
-        table = self.query_one("#key-table", DataTable)
-        if self.query_one(TabbedContent).active != "keys" or table.row_count == 0:
+        if (selected := self._selected("keys", "#key-table")) is None:
             return
-        key_id = str(table.get_row_at(table.cursor_row)[0])
+        key_id = str(selected[1][0])
         try:
             await self.client.revoke_key(key_id)
             self.notify(f"revoked {key_id}")
@@ -280,10 +286,9 @@ class ApplianceTUI(App[None]):
         self.poll()
 
     async def action_unload(self) -> None:
-        table = self.query_one("#adapter-table", DataTable)
-        if self.query_one(TabbedContent).active != "models" or table.row_count == 0:
+        if (selected := self._selected("models", "#adapter-table")) is None:
             return
-        alias, name = (str(v) for v in table.get_row_at(table.cursor_row)[:2])
+        alias, name = (str(v) for v in selected[1][:2])
         try:
             await self.client.unload_adapter(alias, name)
             self.notify(f"{alias}: adapter {name} unloaded")
@@ -292,20 +297,18 @@ class ApplianceTUI(App[None]):
         self.poll()
 
     async def action_invalidate(self) -> None:
-        table = self.query_one("#cache-buckets", DataTable)
-        if self.query_one(TabbedContent).active != "cache" or table.row_count == 0:
+        if (selected := self._selected("cache", "#cache-buckets")) is None:
             return
         stats = await self.client.cache()
-        bucket = stats["buckets"][table.cursor_row]["bucket"]
+        bucket = stats["buckets"][selected[0]]["bucket"]
         done = await self.client.invalidate(bucket=bucket)
         self.notify(f"invalidated {done['invalidated']} entries")
         self.poll()
 
     async def action_mark(self, state: str) -> None:
-        table = self.query_one("#cache-entries", DataTable)
-        if self.query_one(TabbedContent).active != "cache" or table.row_count == 0:
+        if (selected := self._selected("cache", "#cache-entries")) is None:
             return
-        entry_id = int(str(table.get_row_at(table.cursor_row)[0]))
+        entry_id = int(str(selected[1][0]))
         try:
             await self.client.mark_entry(entry_id, state)
             self.notify(f"entry {entry_id}: {state}")

@@ -305,9 +305,10 @@ class MlxEngine:
             self._finish(job, "length" if response.finish_reason == "length" else "stop")
 
     def _logprob(self, job: _Job, logprobs, token: int) -> TokenLogprob:  # type: ignore[no-untyped-def]
+        import mlx.core as mx
         import numpy as np
 
-        values = np.array(logprobs.astype(__import__("mlx.core").core.float32), dtype=np.float64)
+        values = np.array(logprobs.astype(mx.float32), dtype=np.float64)
         k = job.request.sampling.top_logprobs
         tops: tuple[TopLogprob, ...] = ()
         if k > 0:
