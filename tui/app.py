@@ -11,6 +11,7 @@ import httpx
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Header, Input, Static, TabbedContent, TabPane, Tree
 
 from tui import views
@@ -107,6 +108,12 @@ class ApplianceTUI(App[None]):
 
     @work(exclusive=True, group="poll")
     async def poll(self) -> None:
+        try:
+            await self._refresh()
+        except NoMatches:
+            pass  # a poll that outlived its screen (the app is closing): nothing is left to draw
+
+    async def _refresh(self) -> None:
         try:
             text = await self.client.metrics()
             budgets = await self.client.budgets()
