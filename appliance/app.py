@@ -60,6 +60,7 @@ def build_services(settings: Settings, registry: Registry) -> Services:
 
 def create_app(services: Services) -> Litestar:
     async def startup() -> None:
+        await services.registry.start()  # upstream engines open their connections and health checks
         await services.gate.start()  # releases leases a crashed predecessor left behind
         await services.cache.start()
 

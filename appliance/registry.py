@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import sys
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ def engine_for(model: ModelSettings) -> str:
 
 
 def build_engine(model: ModelSettings, settings: Settings) -> Engine:
+    if model.engine == "openai":
+        return _build_upstream(model, settings)
     if engine_for(model) == "mlx":
         return _build_mlx(model, settings)
     path = resolve(model, settings.server.data_dir, allow_download=True)
@@ -88,13 +91,37 @@ def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
     return MlxEngine(MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue, cache_bytes))
 
 
+def _build_upstream(model: ModelSettings, settings: Settings) -> Engine:
+    from engines.upstream.engine import Upstream, UpstreamConfig, UpstreamEngine
+    from engines.upstream.policy import BreakerPolicy, RetryPolicy
+
+    upstreams = []
+    for u in model.upstreams:
+        key = None
+        if u.api_key_env is not None:
+            key = os.environ.get(u.api_key_env)
+            if not key:
+                raise RuntimeError(f"{settings.file}: model {model.alias!r}: api_key_env: the environment variable {u.api_key_env} is not set")
+        upstreams.append(Upstream(u.name, u.base_url, u.model, key))
+    t = model.upstream
+    return UpstreamEngine(UpstreamConfig(
+        alias=model.alias, upstreams=tuple(upstreams), context_length=model.context_length,
+        connect_timeout_s=t.connect_timeout_s, read_timeout_s=t.read_timeout_s,
+        retry=RetryPolicy(t.max_retries, t.retry_backoff_s), breaker=BreakerPolicy(t.breaker_failures, t.breaker_cooldown_s),
+        health_interval_s=t.health_interval_s,
+    ))
+
+
 def load_model(model: ModelSettings, settings: Settings) -> LoadedModel:
     engine = build_engine(model, settings)
     template = None
-    if model.kind == "chat":
+    if model.kind == "chat" and not engine.takes_messages:
         source = model.chat_template or engine.chat_template() or CHATML
         template = ChatTemplate(source, engine.special_tokens())
-    log.info("loaded %s (%s, %d slots x %d tokens)", model.alias, model.engine, model.slots, engine.context_length)
+    if engine.takes_messages:
+        log.info("loaded %s (upstream: %s)", model.alias, ", ".join(u.base_url for u in model.upstreams))
+    else:
+        log.info("loaded %s (%s, %d slots x %d tokens)", model.alias, model.engine, model.slots, engine.context_length)
     return LoadedModel(model, engine, template)
 
 
@@ -123,6 +150,10 @@ class Registry:
 
     def all(self) -> list[LoadedModel]:
         return list(self._models.values())
+
+    async def start(self) -> None:
+        for model in self._models.values():
+            await model.engine.start()
 
     def close(self) -> None:
         for model in self._models.values():

@@ -275,9 +275,14 @@ class SemanticCache:
         """The stored prompt again, exactly as the model first saw it, greedy, bypassing the cache."""
         if not entry.prompt_text:
             return None
-        tokens = tuple(model.engine.tokenize(entry.prompt_text, add_special=model.engine.add_bos(), parse_special=True))
-        request = GenerationRequest(f"sweep-{uuid.uuid4().hex}", tokens, entry.max_tokens or entry.completion_tokens,
-                                    SamplingParams(temperature=0.0), tuple(json.loads(entry.stop)))
+        request_id, max_tokens, stop = f"sweep-{uuid.uuid4().hex}", entry.max_tokens or entry.completion_tokens, tuple(json.loads(entry.stop))
+        if model.engine.takes_messages:
+            # An upstream model's entry keeps the messages themselves (it templates them there).
+            messages = tuple((m["role"], m["content"]) for m in json.loads(entry.prompt_text))
+            request = GenerationRequest(request_id, (), max_tokens, SamplingParams(temperature=0.0), stop, messages=messages)
+        else:
+            tokens = tuple(model.engine.tokenize(entry.prompt_text, add_special=model.engine.add_bos(), parse_special=True))
+            request = GenerationRequest(request_id, tokens, max_tokens, SamplingParams(temperature=0.0), stop)
         parts: list[str] = []
         async for event in model.engine.generate(request):
             parts.append(event.text)

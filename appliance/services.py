@@ -45,7 +45,7 @@ class Services:
         status = status or "error"
         m = self.metrics
         m.requests.labels(alias, endpoint, status).inc()
-        prompt_tokens = len(prepared.request.prompt_tokens)
+        prompt_tokens = finish.usage.prompt_tokens if finish is not None else prepared.request.prompt_length
         if completion_tokens is None:
             completion_tokens = finish.usage.completion_tokens if finish else 0
         ttft = finish.time_to_first_token_s if finish else None

@@ -15,7 +15,7 @@ from typing import Any
 from appliance.paths import default_data_dir
 from policy.limits import LIMIT_LEVELS, LimitRule
 
-ENGINES = ("llamacpp", "mlx", "auto")
+ENGINES = ("llamacpp", "mlx", "auto", "openai")  # openai: a model served by another server (engines/upstream)
 KINDS = ("chat", "embedding", "draft")  # a draft model is loaded only inside the models it drafts for
 SPECULATION = ("auto", "off", "prompt_lookup", "draft")
 TIERS = ("small", "mid", "frontier")
@@ -59,6 +59,27 @@ class AdapterSettings:
 
 
 @dataclass(frozen=True)
+class UpstreamSettings:
+    """One OpenAI-compatible server behind an alias of engine "openai"."""
+
+    name: str  # shown in errors, metrics and the admin API
+    base_url: str  # up to and including /v1
+    model: str  # the model's name on that server
+    api_key_env: str | None = None  # the environment variable holding its key; never the key itself
+
+
+@dataclass(frozen=True)
+class UpstreamTuning:
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0  # the longest silence before the first token or between two
+    max_retries: int = 2  # before any token was streamed only
+    retry_backoff_s: float = 0.25
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 30.0
+    health_interval_s: float = 15.0
+
+
+@dataclass(frozen=True)
 class ModelSettings:
     alias: str
     engine: str
@@ -92,6 +113,9 @@ class ModelSettings:
     speculation_max_tokens: int = 8
     speculation_fixed_tokens: int = 0  # 0: draft as many tokens as pay, measured per slot
     adapters: tuple[AdapterSettings, ...] = ()  # LoRA adapters loaded at start
+    # engine = "openai": the servers that run it, spread by least outstanding requests.
+    upstreams: tuple[UpstreamSettings, ...] = ()
+    upstream: UpstreamTuning = field(default_factory=UpstreamTuning)
 
     @property
     def speculation_mode(self) -> str:
@@ -368,6 +392,7 @@ def _routes(file: str, raw: object, models: tuple[ModelSettings, ...]) -> tuple[
     if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
         raise ConfigError(file, "routes", "expected an array of tables: [[routes]]")
     chat = {m.alias for m in models if m.kind == "chat"}
+    upstream = {m.alias for m in models if m.engine == "openai"}
     routes = []
     for i, table in enumerate(raw):
         r = _Reader(file, f"routes[{i}]", table, {
@@ -387,6 +412,8 @@ def _routes(file: str, raw: object, models: tuple[ModelSettings, ...]) -> tuple[
         classifier = r.string("classifier_model")
         if classifier is not None and classifier not in chat:
             raise r.fail("classifier_model", f"{classifier!r} is not the alias of a chat model in this file")
+        if classifier is not None and classifier in upstream:
+            raise r.fail("classifier_model", f"{classifier!r} runs upstream; the classifier's answer is forced by a grammar, so it must be a local model")
         bounds = {}
         for key in ("role_floor", "role_ceiling"):
             sub = r.subtable(key)
@@ -442,6 +469,13 @@ _MODEL_KEYS = {
     "tier", "batch_invariant", "kv_cache_type", "kv_cache_type_k", "kv_cache_type_v", "prefix_cache", "prefix_cache_host_mb",
     "speculation", "draft_model", "speculation_max_tokens", "speculation_fixed_tokens", "adapters",
 }
+# engine = "openai" takes these instead of a file and the local engine's knobs.
+_UPSTREAM_MODEL_KEYS = {
+    "alias", "engine", "kind", "context_length", "price_input_per_mtok", "price_output_per_mtok", "tier",
+    "base_url", "upstream_model", "api_key_env", "upstreams", "connect_timeout_s", "read_timeout_s", "max_retries",
+    "retry_backoff_s", "breaker_failures", "breaker_cooldown_s", "health_interval_s",
+}
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -464,7 +498,79 @@ def _adapters(file: str, index: int, raw: object, base: Path) -> tuple[AdapterSe
     return tuple(out)
 
 
+def _upstream(r: _Reader, default_model: str, name: str) -> UpstreamSettings:
+    url = r.string("base_url")
+    if url is None:
+        raise r.fail("base_url", "missing: the server's OpenAI API root, for example \"http://gpu1:8000/v1\"")
+    if not url.startswith(("http://", "https://")):
+        raise r.fail("base_url", f"expected an http:// or https:// URL, got {url!r}")
+    env = r.string("api_key_env")
+    if env is not None and not ENV_NAME.match(env):
+        raise r.fail("api_key_env", f"expected the name of an environment variable (the key itself never goes in the file), got {env!r}")
+    model = r.string("model" if "model" in r.table else "upstream_model", default_model) or default_model
+    url = url.rstrip("/")
+    return UpstreamSettings(r.string("name") or name, url, model, env)
+
+
+def _upstream_model(file: str, index: int, table: dict[str, Any]) -> ModelSettings:
+    """A model served by other servers: where they are and how to treat them when they fail."""
+    where = f"models[{index}]"
+    if "api_key" in table:
+        raise ConfigError(file, f"{where}.api_key", "never put a key in the file: name the environment variable that holds it in api_key_env")
+    local_only = sorted(set(table) & (_MODEL_KEYS - _UPSTREAM_MODEL_KEYS))
+    if local_only:
+        raise ConfigError(file, f"{where}.{local_only[0]}", "applies to local engines only; this model has engine = \"openai\"")
+    r = _Reader(file, where, table, _UPSTREAM_MODEL_KEYS)
+    alias = r.string("alias")
+    if alias is None:
+        raise r.fail("alias", "missing: every model needs an alias, the name clients send as `model`")
+    kind = r.string("kind", "chat", KINDS) or "chat"
+    if kind != "chat":
+        raise r.fail("kind", "an upstream model serves chat completions only")
+    upstream_model = r.string("upstream_model", alias) or alias
+    listed = table.get("upstreams")
+    if listed is not None and "base_url" in table:
+        raise r.fail("upstreams", "give base_url for one server or [[models.upstreams]] for several, not both")
+    if listed is None:
+        if "base_url" not in table:
+            raise r.fail("base_url", "missing: an upstream model needs base_url (or [[models.upstreams]] tables)")
+        upstreams = (_upstream(_Reader(file, where, {k: table[k] for k in ("base_url", "api_key_env", "upstream_model") if k in table},
+                                       {"base_url", "api_key_env", "upstream_model"}), upstream_model, ""),)
+    else:
+        if not isinstance(listed, list) or not listed or not all(isinstance(t, dict) for t in listed):
+            raise r.fail("upstreams", "expected an array of tables: [[models.upstreams]] with base_url (and model, api_key_env, name)")
+        if "api_key_env" in table:
+            raise r.fail("api_key_env", "with [[models.upstreams]], give api_key_env in each upstream's table")
+        upstreams = tuple(
+            _upstream(_Reader(file, f"{where}.upstreams[{i}]", t, {"base_url", "model", "api_key_env", "name"}), upstream_model, "")
+            for i, t in enumerate(listed))
+    named = []
+    for i, u in enumerate(upstreams):
+        name = u.name or u.base_url.split("://", 1)[1].split("/", 1)[0]
+        if name in [n.name for n in named]:
+            name = f"{name}#{i}"
+        named.append(UpstreamSettings(name, u.base_url, u.model, u.api_key_env))
+    tuning = UpstreamTuning(
+        connect_timeout_s=r.number("connect_timeout_s", 5.0, minimum=0.05),
+        read_timeout_s=r.number("read_timeout_s", 60.0, minimum=0.05),
+        max_retries=r.integer("max_retries", 2, minimum=0, maximum=10),
+        retry_backoff_s=r.number("retry_backoff_s", 0.25, maximum=60.0),
+        breaker_failures=r.integer("breaker_failures", 3, maximum=1000),
+        breaker_cooldown_s=r.number("breaker_cooldown_s", 30.0, minimum=0.1),
+        health_interval_s=r.number("health_interval_s", 15.0),
+    )
+    return ModelSettings(
+        alias=alias, engine="openai", kind=kind, path=None, package_file=None, hf_repo=None, hf_file=None,
+        context_length=r.integer("context_length", 32768, minimum=64), slots=1, threads=1, batch_tokens=1, chat_template=None,
+        price_input_per_mtok=r.number("price_input_per_mtok", 0.0), price_output_per_mtok=r.number("price_output_per_mtok", 0.0),
+        tier=r.string("tier", "frontier", TIERS) or "frontier", prefix_cache=False, speculation="off",
+        upstreams=tuple(named), upstream=tuning,
+    )
+
+
 def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSettings:
+    if table.get("engine") == "openai":
+        return _upstream_model(file, index, table)
     r = _Reader(file, f"models[{index}]", table, _MODEL_KEYS)
     alias = r.string("alias")
     if alias is None:
@@ -547,7 +653,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
     for i, m in enumerate(models):
         if m.draft_model is not None:
             draft = by_alias.get(m.draft_model)
-            if draft is None or draft.kind == "embedding" or draft.alias == m.alias:
+            if draft is None or draft.kind == "embedding" or draft.alias == m.alias or draft.engine == "openai":
                 raise ConfigError(file, f"models[{i}].draft_model", f"{m.draft_model!r} is not the alias of another chat or draft model in this file")
         if m.speculation == "draft" and m.draft_model is None:
             raise ConfigError(file, f"models[{i}].speculation", "\"draft\" needs draft_model, the alias of the model that drafts")
@@ -577,6 +683,8 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         target = settings.model(cache.judge_model)
         if target is None or target.kind != "chat":
             raise ConfigError(file, "cache.judge_model", f"{cache.judge_model!r} is not the alias of a chat model in this file")
+        if target.engine == "openai":
+            raise ConfigError(file, "cache.judge_model", f"{cache.judge_model!r} runs upstream; the judge answers through a grammar, so it must be a local model")
     return settings
 
 

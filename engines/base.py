@@ -42,6 +42,17 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     # LoRA adapters by name with their scales; requests with different sets never share a step.
     adapters: tuple[tuple[str, float], ...] = ()
+    # For engines that take messages (`takes_messages`: an upstream server applies its own template
+    # and tokenizer): the chat as (role, content), the caller's response_format as JSON, and the
+    # prompt's size as estimated here (prompt_tokens is then empty).
+    messages: tuple[tuple[str, str], ...] = ()
+    response_format: str | None = None
+    estimated_prompt_tokens: int = 0
+
+    @property
+    def prompt_length(self) -> int:
+        """Prompt tokens as counted here: exact for local engines, estimated for upstreams."""
+        return len(self.prompt_tokens) if self.prompt_tokens else self.estimated_prompt_tokens
 
     @property
     def adapter_key(self) -> tuple[tuple[str, float], ...]:
@@ -96,6 +107,11 @@ class FinishEvent:
     time_to_first_token_s: float | None = None
     total_time_s: float = 0.0
     error: str | None = None
+    # How the API answers an error that came before any token: an upstream's refusal is the
+    # caller's 400, its outage a 502/503/504; None is the engine's own failure (500).
+    error_status: int | None = None
+    error_code: str | None = None
+    retry_after_s: int | None = None
 
 
 EngineEvent = TokenEvent | FinishEvent
@@ -123,6 +139,14 @@ class UnknownAdapter(EngineError):
     pass
 
 
+class UpstreamUnavailable(EngineError):
+    """Every upstream of a model is refusing (open circuit breakers): fail fast, retry later."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(frozen=True)
 class AdapterInfo:
     name: str
@@ -140,6 +164,9 @@ class Engine(Protocol):
     supports_logprobs: bool
     supports_embeddings: bool
     supports_adapters: bool  # LoRA adapters loaded and picked per request
+    # Requests carry messages, not token ids: the engine (an upstream server) templates and
+    # tokenizes them itself.
+    takes_messages: bool
 
     @property
     def context_length(self) -> int: ...
@@ -168,6 +195,10 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    async def start(self) -> None:
+        """Called once on the server's event loop before the first request (background tasks)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -216,3 +247,19 @@ class EngineStats:
     # tokens its KV holds; free slots keep a cached prefix.
     slot_states: tuple[tuple[str, int], ...] = ()
     kv_capacity_tokens: int = 0
+    upstreams: tuple[UpstreamStats, ...] = ()
+
+
+@dataclass(frozen=True)
+class UpstreamStats:
+    """One upstream server of a model, as /metrics and the admin API show it."""
+
+    name: str
+    url: str
+    breaker: str  # closed, open, half_open
+    healthy: bool
+    outstanding: int
+    requests: int  # attempts sent there
+    failures: tuple[tuple[str, int], ...]  # by kind (connect, timeout, overloaded, server, client, broken_stream)
+    retries: int
+    refused: int  # requests failed fast by the open breaker

@@ -21,6 +21,7 @@ class EventStream:
         # Tokens the engine has generated for this request so far, read or not: what a request
         # that ends without its finish event (a client gone) is charged for.
         self.tokens_pushed = 0
+        self._held: EngineEvent | None = None  # the event `peek` waited for, not yet iterated
 
     def push(self, event: EngineEvent) -> None:
         """Thread-safe (one producer thread)."""
@@ -37,14 +38,23 @@ class EventStream:
     async def __anext__(self) -> EngineEvent:
         if self._finished or self._closed:
             raise StopAsyncIteration
-        try:
-            event = await self._queue.get()
-        except BaseException:
-            self.close()
-            raise
+        if self._held is not None:
+            event, self._held = self._held, None
+        else:
+            try:
+                event = await self._queue.get()
+            except BaseException:
+                self.close()
+                raise
         if isinstance(event, FinishEvent):
             self._finished = True
         return event
+
+    async def peek(self) -> EngineEvent:
+        """Waits for the next event without consuming it: iteration starts with it."""
+        if self._held is None:
+            self._held = await self._queue.get()
+        return self._held
 
     def close(self) -> None:
         if not self._finished and not self._closed and self.on_close is not None:

@@ -145,7 +145,7 @@ async def serve_hit(services: Services, principal: Principal, model: LoadedModel
     admission = await services.gate.admit(principal, prepared.request.id, model.settings.alias, price_of(model), judge_prompt, judge_completion)
     services.gate.settle(admission, judge_prompt, judge_completion, "cache_hit")
     services.cache.record_hit(entry, prepared.request.id, found.similarity, found.judged)
-    prompt_tokens = len(prepared.request.prompt_tokens)
+    prompt_tokens = prepared.request.prompt_length
     finish = FinishEvent(entry.finish_reason, Usage(prompt_tokens, entry.completion_tokens, prompt_tokens), "",  # type: ignore[arg-type]
                          0.0, time.time() - started)
     services.record(prepared, model, "chat", started, finish, "cache_hit", principal, cost_nanos=price_of(model).cost(judge_prompt, judge_completion))

@@ -25,7 +25,9 @@ from appliance.gate import Admission
 from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
 from appliance.tracing import RequestTrace, annotate
-from engines.base import ContextLengthExceeded, EngineClosed, EngineError, EngineOverloaded, FinishEvent, TokenEvent, UnknownAdapter
+from engines.base import (
+    ContextLengthExceeded, EngineClosed, EngineError, EngineOverloaded, FinishEvent, TokenEvent, UnknownAdapter, UpstreamUnavailable,
+)
 from engines.stream import EventStream
 from policy.guardrails import check_input
 from policy.identity import Principal
@@ -88,6 +90,8 @@ def _start(model: LoadedModel, prepared: Prepared) -> EventStream:
         raise APIError(503, str(exc), type="server_error", code="unavailable", retry_after_s=5) from None
     except UnknownAdapter as exc:
         raise APIError(404, str(exc), param="model", code="model_not_found") from None
+    except UpstreamUnavailable as exc:
+        raise APIError(503, str(exc), type="server_error", code="upstream_unavailable", retry_after_s=exc.retry_after_s) from None
     except EngineError as exc:
         raise invalid(str(exc)) from None
 
@@ -139,9 +143,18 @@ async def _collect(stream: EventStream) -> _Collected:
     return _Collected("".join(parts), logprobs, finish)
 
 
+def failure_error(finish: FinishEvent) -> APIError:
+    """The API error for a generation that ended in an error: an upstream's names its status."""
+    if finish.error_status is None:
+        return APIError(500, f"The model failed while generating: {finish.error}", type="server_error")
+    kind = "invalid_request_error" if finish.error_status < 500 else "server_error"
+    return APIError(finish.error_status, finish.error or "The upstream failed.", type=kind, code=finish.error_code,
+                    retry_after_s=finish.retry_after_s)
+
+
 def _raise_for_failure(finish: FinishEvent) -> None:
     if finish.reason == "error":
-        raise APIError(500, f"The model failed while generating: {finish.error}", type="server_error")
+        raise failure_error(finish)
 
 
 @get("/v1/models")
@@ -258,11 +271,13 @@ async def _respond(
     if admission.max_tokens != body_max_tokens:
         # The budget could not cover the asked max_tokens; the response says what it allowed.
         headers["x-budget-max-tokens"] = str(admission.max_tokens)
-    prompt_len = len(prepared.request.prompt_tokens)
+    prompt_len = prepared.request.prompt_length
     admission.progress = lambda: (prompt_len, events.tokens_pushed)
     fmt = render.Formatter(kind, prepared, model.settings.alias, created)
     remember = plan.remember(services, model, prepared, traced) if plan is not None else None
     if stream:
+        if model.engine.takes_messages:
+            await _first_event_or_error(request, services, admission, fmt, model, started, events, traced)
         include_usage = bool(stream_options and stream_options.include_usage)
         return Stream(
             _sse(events, fmt, include_usage, services, model, started, admission, traced, remember),
@@ -281,6 +296,23 @@ async def _respond(
     return Response(fmt.full(collected.text, collected.logprobs, collected.finish), media_type="application/json", headers=headers)
 
 
+async def _first_event_or_error(request: Request[Any, Any, Any], services: Services, admission: Admission, fmt: render.Formatter,
+                                model: LoadedModel, started: float, events: EventStream, traced: RequestTrace) -> None:
+    """For an upstream, the stream's headers wait for its first event: a refusal or an outage
+    before any token is then an HTTP error with the upstream's status, not a 200 with an error
+    inside (retries happen in that wait too)."""
+    try:
+        first = await _until_disconnect(request, events.peek())
+    except BaseException:
+        events.close()
+        _finish(services, admission, fmt, model, started, None, traced)
+        raise
+    if isinstance(first, FinishEvent) and first.reason == "error":
+        events.close()
+        _finish(services, admission, fmt, model, started, first, traced)
+        raise failure_error(first)
+
+
 async def _admit_and_start(
     services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, traced: RequestTrace,
 ) -> tuple[Admission, EventStream, Prepared]:
@@ -289,13 +321,13 @@ async def _admit_and_start(
     cancels the queued generation; a lowered max_tokens restarts it (the slot keeps the prompt's KV)."""
     gate = services.gate
     pending = gate.begin(principal, prepared.request.id, model.settings.alias, price_of(model),
-                         len(prepared.request.prompt_tokens), prepared.request.max_tokens)
+                         prepared.request.prompt_length, prepared.request.max_tokens)
     try:
         events = _start(model, prepared)
     except BaseException:
         gate.abandon(pending)
         raise
-    traced.start_engine(prompt_tokens=len(prepared.request.prompt_tokens), max_tokens=prepared.request.max_tokens)
+    traced.start_engine(prompt_tokens=prepared.request.prompt_length, max_tokens=prepared.request.max_tokens)
     try:
         with traced.child("budget.reserve") as span:
             admission = await gate.admitted(pending)
@@ -365,7 +397,7 @@ async def _sse(
                 continue
             finish = event
             if event.reason == "error":
-                yield render.sse(APIError(500, f"The model failed while generating: {event.error}", type="server_error").body())
+                yield render.sse(failure_error(event).body())
                 break
             if event.text:
                 yield render.sse(fmt.delta_chunk(event.text, None, include_usage))

@@ -31,6 +31,7 @@ from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
 from policy.identity import Principal
 from policy.router import TIER_NAMES, Verdict, clamp_tier, decide, features, validate
 
+_NOT_SERVED = ("cooling down", "timeout", "failed to serve")
 _cooling: dict[str, float] = {}  # model alias -> until when it is skipped after failing to serve
 
 
@@ -123,7 +124,13 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     attempts: list[dict[str, Any]] = []
     spent: list[int] = []  # each model attempt's cost, failed ones included
     too_long: APIError | None = None
-    for index in range(bounded, top + 1):
+    # Up the chain from the chosen tier; when every tier above failed to serve at all (down, overloaded,
+    # timed out), the tiers below it are tried too, since a validated smaller answer beats the default.
+    bottom = floor if floor is not None else 0
+    order = [*range(bounded, top + 1), *range(bounded - 1, bottom - 1, -1)]
+    for index in order:
+        if index < bounded and not all(a["outcome"] in _NOT_SERVED or a["outcome"].startswith("unavailable") for a in attempts):
+            break
         alias = route.tiers[index]
         if _cooling.get(alias, 0) > time.monotonic():
             attempts.append({"model": alias, "outcome": "cooling down"})
@@ -156,7 +163,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     model = services.registry.get(route.tiers[0])
     assert model is not None
     prepared = prepare_chat(body, model, services.settings.defaults, request_id)
-    finish = FinishEvent("stop", Usage(len(prepared.request.prompt_tokens), 0))
+    finish = FinishEvent("stop", Usage(prepared.request.prompt_length, 0))
     return _respond(prepared, route.alias, route.default_response, [], finish, body, request_id, started,
                     {"x-route": route.alias, "x-route-default": "true", "x-route-attempts": json.dumps(attempts),
                      "x-route-cost-nanousd": str(sum(spent))})
@@ -182,7 +189,7 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
     with traced.child("route.attempt", gen_ai__request__model=model.settings.alias, route__tier=index, attempt__id=attempt_id) as span:
         try:
             admission, events, engine_view = await _admit_and_start(services, principal, model, engine_view, traced)
-            prompt_len = len(engine_view.request.prompt_tokens)
+            prompt_len = engine_view.request.prompt_length
             admission.progress = lambda: (prompt_len, events.tokens_pushed)
         except APIError as exc:
             if exc.code == "context_length_exceeded":
@@ -207,6 +214,11 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
             prompt_tokens, completion_tokens, _ = account(services, admission, engine_view, "chat", model, started, finish, traced)
             cost = price_of(model).cost(prompt_tokens, completion_tokens)
             spent.append(cost)  # a timed-out attempt paid too
+        if finish.reason == "error" and (finish.error_status or 500) >= 500:
+            # An engine error, or an upstream down or overloaded: cool it down and let the chain take over.
+            _cooling[model.settings.alias] = time.monotonic() + route.cooldown_s
+            annotate(span, outcome="failed to serve", error=(finish.error or "")[:200])
+            return ("failed to serve",)
         token_logprobs = [lp.logprob for lp in collected.logprobs]
         with traced.child("route.validate") as check:
             verdict: Verdict = validate(collected.text, finish.reason, token_logprobs, schema, wants_json, route.min_confidence,

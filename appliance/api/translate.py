@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import msgspec
+
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 from appliance.api.errors import APIError, invalid
@@ -14,6 +16,7 @@ from appliance.chat_template import TemplateError
 from appliance.registry import LoadedModel
 from appliance.settings import Defaults
 from engines.base import GenerationRequest, SamplingParams
+from engines.upstream.wire import estimate_tokens
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
@@ -126,6 +129,8 @@ def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defa
             raise invalid(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}.", "top_logprobs")
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise invalid("Give max_tokens or max_completion_tokens, not both.", "max_tokens")
+    if model.engine.takes_messages:
+        return _prepare_upstream_chat(body, model, defaults, request_id)
     if model.template is None:
         raise invalid(f"The model '{model.settings.alias}' has no chat template; use /v1/completions.", "model")
     try:
@@ -140,8 +145,36 @@ def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defa
     return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), prompt_text)
 
 
+def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
+    """For a model served by another server: the messages go as they are (it templates and
+    tokenizes them), response_format is passed on, and the prompt's size is an estimate until the
+    upstream reports its count."""
+    messages = tuple((m["role"], m["content"]) for m in _messages(body))
+    estimate = estimate_tokens(messages)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if requested is not None and requested < 1:
+        raise invalid(f"{requested} is less than the minimum of 1.", param)
+    # The estimate errs high, so it never refuses a prompt: the upstream judges its own context.
+    max_tokens = requested if requested is not None else max(1, min(defaults.max_tokens, model.engine.context_length - estimate))
+    response_format = None
+    if body.response_format is not None and body.response_format.type != "text":
+        if body.response_format.type == "json_schema" and (body.response_format.json_schema is None or body.response_format.json_schema.schema is None):
+            raise invalid("response_format json_schema needs a 'schema' object.", "response_format.json_schema.schema")
+        wire: dict = {"type": body.response_format.type}
+        if body.response_format.json_schema is not None:
+            wire["json_schema"] = {k: v for k, v in msgspec.structs.asdict(body.response_format.json_schema).items() if v is not None}
+        response_format = json.dumps(wire)
+    sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, None)
+    request = GenerationRequest(request_id, (), max_tokens, sampling, _stops(body.stop), messages=messages,
+                                response_format=response_format, estimated_prompt_tokens=estimate)
+    return Prepared(request, json.dumps([{"role": r, "content": c} for r, c in messages]))
+
+
 def prepare_completion(body: CompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
     _check_common(body)
+    if model.engine.takes_messages:
+        raise invalid(f"The model '{model.settings.alias}' runs upstream and serves /v1/chat/completions only.", "model")
     if body.suffix:
         raise invalid("suffix is not supported by this model.", "suffix")
     if body.logprobs is not None and not 0 <= body.logprobs <= 5:

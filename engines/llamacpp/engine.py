@@ -130,6 +130,7 @@ class LlamaCppEngine:
     supports_grammar = True
     supports_logprobs = True
     supports_adapters = True
+    takes_messages = False
 
     def __init__(self, config: LlamaCppConfig) -> None:
         self.config = config
@@ -369,6 +370,9 @@ class LlamaCppEngine:
             else:
                 out.append(("decode" if job.pending_token is not None else "prefill", job.n_past))
         return tuple(out)
+
+    async def start(self) -> None:
+        pass  # the model thread started with the engine
 
     def close(self) -> None:
         self._closing = True

@@ -85,6 +85,7 @@ class MlxEngine:
     supports_logprobs = True
     supports_embeddings = False
     supports_adapters = False
+    takes_messages = False
 
     def __init__(self, config: MlxConfig) -> None:
         import mlx_lm
@@ -170,6 +171,9 @@ class MlxEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(self.config.slots, len(self._jobs), max(0, self._queued - len(self._jobs)), replace(self.prefix_stats))
+
+    async def start(self) -> None:
+        pass  # the model thread started with the engine
 
     def close(self) -> None:
         self._closing = True

@@ -1,0 +1,157 @@
+"""The OpenAI wire format as an upstream speaks it: the request body we send, the stream chunks
+we read back, and the error bodies we name. Pure: no network here."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import msgspec
+
+from engines.base import FinishReason, GenerationRequest, TokenLogprob, TopLogprob
+
+
+def request_body(request: GenerationRequest, upstream_model: str) -> dict:
+    """Always a stream (with usage when the upstream reports it): tokens pass through as they
+    arrive, and a non-streamed call is the same stream collected here."""
+    s = request.sampling
+    body: dict = {
+        "model": upstream_model,
+        "messages": [{"role": role, "content": content} for role, content in request.messages],
+        "max_tokens": request.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if s.logprobs:
+        body["logprobs"] = True
+        if s.top_logprobs:
+            body["top_logprobs"] = s.top_logprobs
+    if request.response_format is not None:
+        body["response_format"] = json.loads(request.response_format)
+    return body
+
+
+class _Top(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class _TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[_Top] | None = None
+
+
+class _Logprobs(msgspec.Struct):
+    content: list[_TokenLogprob] | None = None
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    logprobs: _Logprobs | None = None
+    finish_reason: str | None = None
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: _PromptDetails | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = msgspec.field(default_factory=list)
+    usage: _Usage | None = None
+    error: dict | str | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one stream chunk carries for us."""
+
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: tuple[int, int, int] | None = None  # prompt, completion, cached prompt tokens
+    error: str | None = None  # an error the upstream reported inside the stream
+
+
+class ChunkError(ValueError):
+    """A line that is not a chunk of the OpenAI stream format."""
+
+
+_DECODER = msgspec.json.Decoder(_Chunk)
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else -9999.0
+
+
+def parse_chunk(data: bytes | str) -> Piece:
+    try:
+        chunk = _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ChunkError(f"not an OpenAI stream chunk ({exc}): {str(data)[:120]!r}") from None
+    if chunk.error is not None:
+        return Piece(error=error_message(chunk.error))
+    usage = None
+    if chunk.usage is not None and (chunk.usage.prompt_tokens or chunk.usage.completion_tokens):
+        details = chunk.usage.prompt_tokens_details
+        usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, (details.cached_tokens or 0) if details else 0)
+    if not chunk.choices:
+        return Piece(usage=usage)
+    choice = chunk.choices[0]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    if choice.logprobs is not None and choice.logprobs.content:
+        logprobs = tuple(
+            TokenLogprob(lp.token, bytes(lp.bytes) if lp.bytes is not None else lp.token.encode(), _logprob(lp.logprob),
+                         tuple(TopLogprob(t.token, bytes(t.bytes) if t.bytes is not None else t.token.encode(), _logprob(t.logprob))
+                               for t in lp.top_logprobs or ()))
+            for lp in choice.logprobs.content)
+    reason: FinishReason | None = None
+    if choice.finish_reason is not None:
+        reason = "length" if choice.finish_reason == "length" else "stop"  # content_filter and the like end it too
+    text = (choice.delta.content or "") if choice.delta is not None else ""
+    return Piece(text, logprobs, reason, usage)
+
+
+def error_message(body: object) -> str:
+    """The human part of an upstream's error body, whatever shape it came in."""
+    if isinstance(body, (bytes, str)):
+        text = body.decode(errors="replace") if isinstance(body, bytes) else body
+        try:
+            body = json.loads(text)
+        except ValueError:
+            return " ".join(text.split())[:300] or "(empty body)"
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            return inner["message"][:300]
+        if isinstance(inner, str):
+            return inner[:300]
+        if "detail" in body:
+            return str(body["detail"])[:300]
+    return json.dumps(body)[:300]
+
+
+def estimate_tokens(messages: tuple[tuple[str, str], ...]) -> int:
+    """A prompt's tokens before the upstream counts them: a byte per third of a token is above
+    what BPE vocabularies give for English and code (about 4 bytes per token) and near CJK's,
+    so a budget reserved on it rarely runs short; plus a few tokens of template per message."""
+    return sum(len(content.encode()) // 3 + 1 + 4 for _, content in messages) + 2
