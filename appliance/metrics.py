@@ -67,7 +67,24 @@ class _EngineCollector:
         drafted = CounterMetricFamily("appliance_speculation_drafted_tokens", "Drafted tokens sent for verification", labels=["model"])
         accepted = CounterMetricFamily("appliance_speculation_accepted_tokens", "Drafted tokens the target model agreed with", labels=["model"])
         acceptance = GaugeMetricFamily("appliance_speculation_acceptance_rate", "Accepted / drafted tokens since the model loaded", labels=["model"])
+        up_state = GaugeMetricFamily("appliance_upstream_breaker_state", "1 for the state each upstream's circuit breaker is in", labels=["model", "upstream", "state"])
+        up_healthy = GaugeMetricFamily("appliance_upstream_healthy", "1 when the upstream's last health check answered", labels=["model", "upstream"])
+        up_outstanding = GaugeMetricFamily("appliance_upstream_outstanding", "Requests in flight to the upstream", labels=["model", "upstream"])
+        up_requests = CounterMetricFamily("appliance_upstream_attempts", "Attempts sent to the upstream, retries included", labels=["model", "upstream"])
+        up_failures = CounterMetricFamily("appliance_upstream_failures", "Failed attempts by kind", labels=["model", "upstream", "kind"])
+        up_retries = CounterMetricFamily("appliance_upstream_retries", "Attempts retried before any token was streamed", labels=["model", "upstream"])
+        up_refused = CounterMetricFamily("appliance_upstream_refused", "Requests failed fast by an open breaker, without a connection", labels=["model", "upstream"])
         for alias, stats in self._stats().items():
+            for u in stats.upstreams:
+                for state in ("closed", "open", "half_open"):
+                    up_state.add_metric([alias, u.name, state], 1.0 if u.breaker == state else 0.0)
+                up_healthy.add_metric([alias, u.name], 1.0 if u.healthy else 0.0)
+                up_outstanding.add_metric([alias, u.name], u.outstanding)
+                up_requests.add_metric([alias, u.name], u.requests)
+                for kind, count in u.failures:
+                    up_failures.add_metric([alias, u.name, kind], count)
+                up_retries.add_metric([alias, u.name], u.retries)
+                up_refused.add_metric([alias, u.name], u.refused)
             if stats.speculation is not None:
                 drafted.add_metric([alias], stats.speculation.drafted)
                 accepted.add_metric([alias], stats.speculation.accepted)
@@ -86,4 +103,5 @@ class _EngineCollector:
             host_entries.add_metric([alias], p.host_entries)
             host_saves.add_metric([alias], p.host_saves)
             host_evictions.add_metric([alias], p.host_evictions)
-        yield from (busy, total, queue, prompt, reused, ratio, host_bytes, host_entries, host_saves, host_evictions, drafted, accepted, acceptance)
+        yield from (busy, total, queue, prompt, reused, ratio, host_bytes, host_entries, host_saves, host_evictions, drafted, accepted, acceptance,
+                    up_state, up_healthy, up_outstanding, up_requests, up_failures, up_retries, up_refused)

@@ -92,9 +92,13 @@ class FaultProxy:
             if line.lower().startswith(b"content-length:"):
                 length = int(line.split(b":", 1)[1])
         body = await reader.readexactly(length) if length else b""
-        # Health checks (GET) pass untouched and are not counted; only completions misbehave.
+        # Health checks (GET) are not counted, and a down server (drop) is down for them too;
+        # the other faults are the completions' only.
         if head.startswith(b"GET "):
-            await self._forward(head, body, writer, None)
+            if self._mode.kind == "drop":
+                writer.transport.abort()
+            else:
+                await self._forward(head, body, writer, None)
             return
         mode = self._take_mode()
         if mode.kind == "drop":

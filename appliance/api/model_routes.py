@@ -62,6 +62,7 @@ def _model_view(model: LoadedModel) -> dict[str, Any]:
         "prefix": dataclasses.asdict(stats.prefix) if stats.prefix else None,
         "speculation_stats": dataclasses.asdict(stats.speculation) if stats.speculation else None,
         "adapters": [dataclasses.asdict(a) for a in model.engine.adapters()],
+        "upstreams": [{**dataclasses.asdict(u), "failures": dict(u.failures)} for u in stats.upstreams],
     }
 
 
