@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import faulthandler
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -37,6 +37,12 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     settings = _settings(args.path)
     problems = 0
     for model in settings.models:
+        if model.engine == "openai":
+            missing = [u.api_key_env for u in model.upstreams if u.api_key_env and not os.environ.get(u.api_key_env)]
+            if missing:  # `serve` would refuse to start; the check says so now
+                print(f"{settings.file}: model {model.alias!r}: api_key_env: the environment variable {missing[0]} is not set", file=sys.stderr)
+                problems += 1
+            continue
         try:
             resolve(model, settings.server.data_dir)
         except ModelFileError as exc:
@@ -60,7 +66,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     rows = []
     for m in settings.models:
         try:
-            where = str(resolve(m, settings.server.data_dir))
+            where = " ".join(u.base_url for u in m.upstreams) if m.engine == "openai" else str(resolve(m, settings.server.data_dir))
         except ModelFileError as exc:
             where = f"missing: {exc}"
         rows.append((m.alias, m.engine, m.kind, m.tier, str(m.slots), str(m.context_length),
@@ -88,6 +94,9 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
         print(f"{settings.file}: models: no model with alias {', '.join(sorted(unknown))}", file=sys.stderr)
         return 1
     for m in chosen:
+        if m.engine == "openai":
+            print(f"{m.alias}: runs upstream, nothing to download")
+            continue
         try:
             if m.hf_repo and m.hf_file:
                 path = download(m.hf_repo, m.hf_file, settings.server.data_dir)
@@ -151,6 +160,9 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(config) if config.is_file() else None
         source = settings.model(str(args.source)) if settings else None
+        if source is not None and source.engine == "openai":
+            print(f"error: {config}: model {source.alias!r} runs upstream; there is no file here to quantize", file=sys.stderr)
+            return 1
         if source is not None:  # a configured alias: quantize its file, and copy its settings
             src, like = resolve(source, settings.server.data_dir), source.alias  # type: ignore[union-attr]
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import sys
 from pathlib import Path
@@ -38,6 +39,21 @@ def build_flags() -> str:
     return f"{info}\ninstaller build: {recorded}"
 
 
+def _probe(base_url: str, key_env: str | None) -> tuple[str, str]:
+    """Whether an upstream answers GET /models with the configured key: (key state, answer)."""
+    import httpx
+
+    key = os.environ.get(key_env) if key_env else None
+    key_state = "-" if key_env is None else (f"${key_env} set" if key else f"[red]${key_env} not set[/red]")
+    try:
+        response = httpx.get(f"{base_url}/models", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=5, trust_env=False)
+    except httpx.HTTPError as exc:
+        return key_state, f"[red]no: {type(exc).__name__}[/red]"
+    if response.status_code in (401, 403):
+        return key_state, f"[red]no: HTTP {response.status_code}, the key is refused[/red]"
+    return key_state, "yes" if response.status_code < 500 else f"[red]no: HTTP {response.status_code}[/red]"
+
+
 def run_doctor(config: Path | None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)
     ok = True
@@ -66,6 +82,8 @@ def run_doctor(config: Path | None) -> int:
 
     models = Table("alias", "file", "size", "sha256", "matches config")
     for m in settings.models:
+        if m.engine == "openai":
+            continue  # listed with their reachability below
         try:
             file = resolve(m, settings.server.data_dir)
             digest = sha256(file)
@@ -76,6 +94,15 @@ def run_doctor(config: Path | None) -> int:
             ok = False
             models.add_row(m.alias, f"[red]{exc}[/red]", "", "", "")
     console.print(models)
+    upstream = [m for m in settings.models if m.engine == "openai"]
+    if upstream:
+        reach = Table("alias", "upstream", "url", "key", "answers")
+        for m in upstream:
+            for u in m.upstreams:
+                key, answer = _probe(u.base_url, u.api_key_env)
+                ok &= answer.startswith("yes")
+                reach.add_row(m.alias, u.name, u.base_url, key, answer)
+        console.print(reach)
     from appliance.server import port_free
 
     free = port_free(settings.server.host, settings.server.port)

@@ -112,6 +112,9 @@ class FinishEvent:
     error_status: int | None = None
     error_code: str | None = None
     retry_after_s: int | None = None
+    # An upstream engine's: which server answered (or failed last), after how many attempts.
+    upstream: str | None = None
+    upstream_attempts: int = 0
 
 
 EngineEvent = TokenEvent | FinishEvent

@@ -181,6 +181,27 @@ def test_another_appliance_serves_through_the_gateway_token_for_token(gateway: S
     assert chunks[-1].usage.completion_tokens == direct.usage.completion_tokens
 
 
+def test_the_upstreams_usage_is_what_the_caller_pays_and_the_trace_names_the_upstream(gateway: Server, server: Server) -> None:
+    spent = _metric(gateway, "appliance_spend_nanousd_total", model="via-appliance")
+    response = _post(gateway, "via-appliance", max_tokens=12)
+    usage = response.json()["usage"]
+    # $1 and $2 per million tokens: 1,000 and 2,000 nano-dollars a token, on the upstream's counts.
+    cost = usage["prompt_tokens"] * 1000 + usage["completion_tokens"] * 2000
+    assert _metric(gateway, "appliance_spend_nanousd_total", model="via-appliance") - spent == pytest.approx(cost, abs=1)
+    trace_id = response.headers["x-trace-id"]
+    deadline = time.monotonic() + 15
+    while True:
+        found = httpx.get(f"{gateway.base_url}/admin/traces/{trace_id}", timeout=10)
+        engine = [c for c in found.json()["spans"][0]["children"] if c["name"] == "engine.generate"] if found.status_code == 200 else []
+        if engine and "upstream.name" in engine[0]["attributes"]:
+            break
+        assert time.monotonic() < deadline, found.text
+        time.sleep(0.1)
+    attributes = engine[0]["attributes"]
+    assert attributes["upstream.name"] == server.base_url.split("://")[1] and attributes["upstream.attempts"] == 1
+    assert attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+
+
 def test_logprobs_and_json_schema_pass_through(gateway: Server) -> None:
     client = gateway.client()
     answer = client.chat.completions.create(model="via-appliance", messages=_ask(), max_tokens=4, temperature=0, logprobs=True,

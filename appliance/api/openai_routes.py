@@ -367,6 +367,8 @@ def account(
         annotate(traced.engine, gen_ai__usage__input_tokens=prompt, gen_ai__usage__output_tokens=completion, finish_reason=outcome,
                  cached_prompt_tokens=finish.usage.cached_prompt_tokens if finish else None,
                  time_to_first_token_s=finish.time_to_first_token_s if finish else None)
+        if finish is not None and finish.upstream is not None:
+            annotate(traced.engine, upstream__name=finish.upstream, upstream__attempts=finish.upstream_attempts)
     return prompt, completion, outcome
 
 

@@ -9,6 +9,7 @@ pure functions in `engines.upstream.policy`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
@@ -218,7 +219,8 @@ class UpstreamEngine:
             upstream.outstanding += 1
             upstream.requests += 1
             try:
-                await self._stream_once(upstream.spec, request, stream, counted, started)
+                finish = await self._stream_once(upstream.spec, request, counted, stream, started)
+                stream.push(dataclasses.replace(finish, upstream=upstream.spec.name, upstream_attempts=attempt))
             except _Failure as failure:
                 self._record_failure(upstream, failure.kind)
                 if policy.may_retry(failure.kind, attempt, counted.streamed, self.config.retry):
@@ -229,9 +231,10 @@ class UpstreamEngine:
                              failure.kind, failure, attempt, delay)
                     await asyncio.sleep(delay)
                     continue
-                stream.push(self._error_finish(counted, request, started, failure.kind,
-                                               f"The upstream '{upstream.spec.name}' of model '{self.config.alias}' failed: {failure}",
-                                               failure.status, failure.retry_after_s))
+                finish = self._error_finish(counted, request, started, failure.kind,
+                                            f"The upstream '{upstream.spec.name}' of model '{self.config.alias}' failed: {failure}",
+                                            failure.status, failure.retry_after_s)
+                stream.push(dataclasses.replace(finish, upstream=upstream.spec.name, upstream_attempts=attempt))
                 return
             except asyncio.CancelledError:
                 upstream.breaker = policy.released(upstream.breaker)  # no verdict on a probe the caller abandoned
@@ -274,8 +277,9 @@ class UpstreamEngine:
                            total_time_s=time.monotonic() - started, error=message, error_status=answer_status, error_code=code,
                            retry_after_s=math.ceil(retry_after_s) if retry_after_s else None)
 
-    async def _stream_once(self, upstream: Upstream, request: GenerationRequest, stream: EventStream, counted: _Counted,
-                           started: float) -> None:
+    async def _stream_once(self, upstream: Upstream, request: GenerationRequest, counted: _Counted, stream: EventStream,
+                           started: float) -> FinishEvent:
+        """One attempt: relays its tokens into `stream` and returns its finish, or raises _Failure."""
         assert self._client is not None
         headers = {"Accept": "text/event-stream"}
         if upstream.api_key:
@@ -295,7 +299,7 @@ class UpstreamEngine:
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
             kind = "broken_stream" if counted.streamed else "server"
             raise _Failure(kind, f"the connection broke ({type(exc).__name__}: {exc})") from None
-        stream.push(finish)
+        return finish
 
     async def _relay(self, response: httpx.Response, request: GenerationRequest, stream: EventStream, counted: _Counted,
                      started: float) -> FinishEvent:
