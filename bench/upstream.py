@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -74,10 +75,14 @@ async def one(client: httpx.AsyncClient, base: str, question: str, max_tokens: i
     async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if line.startswith("data: {") and '"content"' in line and first is None:
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            # The first token, not the role chunk that some servers send before any token.
+            if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                 first = time.perf_counter() - started
-            if '"usage"' in line and '"completion_tokens"' in line:
-                tokens = int(line.split('"completion_tokens":')[1].split(",")[0].split("}")[0])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
     return first or 0.0, time.perf_counter() - started, tokens
 
 

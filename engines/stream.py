@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 
 from engines.base import EngineEvent, FinishEvent, TokenEvent
@@ -14,6 +15,8 @@ class EventStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        # The loop's thread, when the stream is made on it (engines make them in `generate`).
+        self._loop_thread = threading.get_ident() if asyncio._get_running_loop() is loop else None
         self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self._finished = False
         self._closed = False
@@ -27,6 +30,10 @@ class EventStream:
         """Thread-safe (one producer thread)."""
         if isinstance(event, TokenEvent):
             self.tokens_pushed += 1
+        if threading.get_ident() == self._loop_thread:
+            # A producer on the loop itself (an upstream's relay): no wake-up through the loop's pipe.
+            self._queue.put_nowait(event)
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:  # the loop is gone; nobody is listening
