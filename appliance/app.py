@@ -35,6 +35,8 @@ def health(services: Services) -> dict[str, Any]:
     for m in services.registry.all():
         stats = m.engine.stats()
         models[m.settings.alias] = {"slots_total": stats.slots_total, "slots_busy": stats.slots_busy, "queue_depth": stats.queue_depth}
+        if stats.upstreams:
+            models[m.settings.alias]["upstreams"] = {u.name: {"breaker": u.breaker, "healthy": u.healthy} for u in stats.upstreams}
     return {"status": "ok", "version": __version__, "uptime_s": round(time.time() - services.started_at, 3), "models": models}
 
 

@@ -122,6 +122,9 @@ def test_views_are_plain_functions() -> None:
     models = {"models": [{"alias": "m", "slots": [{"slot": 0, "state": "decode", "tokens": 300}, {"slot": 1, "state": "idle", "tokens": 100},
                                                   {"slot": 2, "state": "waiting", "tokens": 0}], "kv_used_tokens": 400, "kv_capacity_tokens": 1000}]}
     assert views.slot_lines(models) == ["m                        slots D·W              KV 40% of 1000 tokens"]
+    upstream = {"models": [{"alias": "big", "upstreams": [{"name": "gpu1:8000", "breaker": "closed", "healthy": True, "outstanding": 2},
+                                                          {"name": "gpu2:8000", "breaker": "half_open", "healthy": False, "outstanding": 0}]}]}
+    assert views.slot_lines(upstream) == ["big                      upstream gpu1:8000 closed 2 in flight; gpu2:8000 half-open unhealthy 0 in flight"]
     assert views.progress_bar(0.5, 10) == "█████░░░░░" and views.progress_bar(None, 4) == "····"
 
 

@@ -307,6 +307,7 @@ def test_the_breaker_turns_a_dead_upstream_into_one_fast_failure_and_recovers(ga
     assert int(fast.headers["retry-after"]) >= 1
     assert proxy.requests == 2 and elapsed < 0.5  # no connection attempted
     assert _metric(gateway, "appliance_upstream_breaker_state", model="breaking", state="open") == 1
+    assert gateway.health()["models"]["breaking"]["upstreams"][f"127.0.0.1:{proxy.port}"]["breaker"] == "open"
     # After the cooldown, one probe goes through; it succeeds, and the breaker closes.
     proxy.set(kind="pass")
     time.sleep(2.1)

@@ -252,6 +252,12 @@ def slot_lines(models: dict[str, Any]) -> list[str]:
     slot's prefix) and how full the KV cache is."""
     lines = []
     for m in models["models"]:
+        if m.get("upstreams"):
+            # A model on other servers: each upstream's breaker, health and requests in flight.
+            parts = [f"{u['name']} {u['breaker'].replace('_', '-')}{'' if u['healthy'] else ' unhealthy'} {u['outstanding']} in flight"
+                     for u in m["upstreams"]]
+            lines.append(f"{m['alias']:<24} upstream {'; '.join(parts)}")
+            continue
         marks = "".join(_SLOT_MARKS.get(s["state"], "?") for s in m.get("slots", []))
         capacity = m.get("kv_capacity_tokens") or 0
         used = f"{m.get('kv_used_tokens', 0) / capacity:.0%}" if capacity else "–"
