@@ -74,6 +74,7 @@ def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
         from engines.mlx.engine import MlxConfig, MlxEngine
     except ImportError as exc:
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine is not installed here ({exc.name})") from None
+    vocabulary = None
     if model.path is not None and model.path.is_dir():
         folder = model.path
     else:
@@ -85,10 +86,11 @@ def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
                 gguf_to_mlx(source, folder)
             except ConversionError as exc:
                 raise RuntimeError(f"{settings.file}: model {model.alias!r}: {exc}") from None
+        vocabulary = source  # the same vocabulary token for token: grammars and seeds run llama.cpp's sampler on it
     if model.kind != "chat" or model.adapters or model.speculation_mode != "off":
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine serves chat models without adapters or speculation so far")
     cache_bytes = model.prefix_cache_host_mb << 20 if model.prefix_cache else 0
-    return MlxEngine(MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue, cache_bytes))
+    return MlxEngine(MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue, cache_bytes, vocabulary=vocabulary))
 
 
 def _build_upstream(model: ModelSettings, settings: Settings) -> Engine:

@@ -51,11 +51,12 @@ def system_info() -> str:
 class Model:
     """A loaded GGUF model: weights and vocabulary, shared by the contexts made from it."""
 
-    def __init__(self, path: Path, *, use_extra_buffers: bool = True) -> None:
+    def __init__(self, path: Path, *, use_extra_buffers: bool = True, vocab_only: bool = False) -> None:
         init_backend()
         params = L.llama_model_default_params()
         # Repacked weights take other kernels for one row than for many; see docs/architecture.md.
         params.use_extra_bufts = use_extra_buffers
+        params.vocab_only = vocab_only  # the vocabulary alone: another engine's grammars and samplers
         self.ptr = L.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
             raise EngineError(f"llama.cpp could not load model file {path}")
@@ -262,6 +263,10 @@ class Context:
             self.ptr = None
 
 
+# llama_token_data: {int32 id; float logit; float p}, 12 bytes, as a numpy record.
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+
+
 class Sampler:
     """A llama.cpp sampler chain for one request: grammar, then top-p and temperature, then a
     seeded draw (or greedy at temperature 0)."""
@@ -270,6 +275,7 @@ class Sampler:
         params = L.llama_sampler_chain_default_params()
         params.no_perf = True
         self.ptr = L.llama_sampler_chain_init(params)
+        self._candidates: np.ndarray | None = None  # `pick`'s token data, reused across steps
         try:
             if grammar is not None:
                 g = L.llama_sampler_init_grammar(model.vocab, grammar.encode(), b"root")
@@ -290,6 +296,25 @@ class Sampler:
 
     def sample(self, ctx: Context, index: int) -> int:
         return L.llama_sampler_sample(self.ptr, ctx.ptr, index)
+
+    def pick(self, logits: np.ndarray) -> int:
+        """Samples from logits computed elsewhere (the MLX engine's) with this chain, and advances
+        its grammar: the same constraints, seeds and draws as a llama.cpp request."""
+        n = logits.shape[-1]
+        if self._candidates is None or len(self._candidates) != n:
+            self._candidates = np.zeros(n, dtype=_TOKEN_DATA)
+            self._ids = np.arange(n, dtype=np.int32)
+        candidates = self._candidates
+        candidates["id"] = self._ids  # the chain sorts in place
+        candidates["logit"] = logits.reshape(-1)
+        candidates["p"] = 0.0
+        array = L.llama_token_data_array(candidates.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n, -1, False)
+        L.llama_sampler_apply(self.ptr, ctypes.byref(array))
+        if not 0 <= array.selected < array.size:
+            raise EngineError("the grammar allows no token here")
+        token = int(array.data[array.selected].id)
+        L.llama_sampler_accept(self.ptr, token)
+        return token
 
     def close(self) -> None:
         if self.ptr:

@@ -3,8 +3,9 @@
 New requests join the running batch at the next step; each request has its own sampler, stop
 strings, UTF-8 streaming and cancellation, as in the llama.cpp engine. A prompt cache across
 requests: every finished sequence's KV is kept (LRU by bytes) in a prefix index, and a new prompt
-starts from the longest shared prefix. Not yet here: speculative decoding, adapters and grammars (a
-request with a grammar is refused with a clear error).
+starts from the longest shared prefix. Grammars and seeded draws run llama.cpp's own sampler chain
+over MLX's logits, through the vocabulary of the GGUF the folder was converted from. Not yet here:
+speculative decoding and adapters (refused with a clear error).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class MlxConfig:
     max_queue: int
     prompt_cache_bytes: int = 256 << 20  # 0 turns the prompt cache off
     prompt_cache_min_tokens: int = 16  # shorter shared prefixes are recomputed
+    # A GGUF with the same vocabulary (the file the folder was converted from): llama.cpp's sampler
+    # chain then runs over MLX's logits, for grammars (response_format) and seeded draws.
+    vocabulary: Path | None = None
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -77,6 +81,7 @@ class _Job:
         self.stops = StopMatcher(request.stop)
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
+        self.sampler: Any = None  # llama.cpp's chain over this job's logits (grammar, seed), closed when it ends
 
 
 class MlxEngine:
@@ -92,6 +97,12 @@ class MlxEngine:
 
         self.config = config
         self.model, self.tokenizer = mlx_lm.load(str(config.path))
+        self._vocabulary = None
+        if config.vocabulary is not None:
+            from engines.llamacpp.runtime import Model
+
+            self._vocabulary = Model(config.vocabulary, vocab_only=True)
+        self.supports_grammar = self._vocabulary is not None
         hf = self.tokenizer._tokenizer  # the transformers tokenizer mlx-lm wraps
         self._hf = hf
         decoder = _byte_decoder()
@@ -142,8 +153,9 @@ class MlxEngine:
     def generate(self, request: GenerationRequest) -> EventStream:
         if self._closing:
             raise EngineClosed("the model is shutting down")
-        if request.sampling.grammar is not None:
-            raise EngineError("this model's engine (mlx) does not constrain output with a grammar yet; use a llama.cpp model for response_format")
+        if request.sampling.grammar is not None and self._vocabulary is None:
+            raise EngineError("this MLX model was not converted from a GGUF here, so it has no grammar vocabulary; "
+                              "response_format needs a model converted by the appliance or a llama.cpp model")
         if request.adapters:
             raise EngineError("this model's engine (mlx) does not serve adapters yet")
         needed = len(request.prompt_tokens) + request.max_tokens
@@ -153,12 +165,16 @@ class MlxEngine:
                 f"({len(request.prompt_tokens)} in the prompt, {request.max_tokens} for the completion). Please reduce the prompt or the completion length.")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty")
+        sampler = self._llama_sampler(request)  # a grammar that does not parse is refused here, not mid-stream
         with self._lock:
             if self._queued >= self.config.max_queue + self.config.slots:
+                if sampler is not None:
+                    sampler.close()
                 raise EngineOverloaded(f"the queue for this model is full ({self.config.max_queue} waiting)")
             self._queued += 1
         stream = EventStream(asyncio.get_running_loop())
         job = _Job(request, stream)
+        job.sampler = sampler
         stream.on_close = lambda: self._cancel(job)
         self._inbox.put(job)
         return stream
@@ -179,6 +195,8 @@ class MlxEngine:
         self._closing = True
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        if self._vocabulary is not None and not self._thread.is_alive():  # its samplers are closed with their jobs
+            self._vocabulary.close()
 
     def _cancel(self, job: _Job) -> None:
         job.cancelled = True
@@ -215,7 +233,7 @@ class MlxEngine:
                     uids = generator.insert([list(j.request.prompt_tokens[j.reused:]) for j in admitted],
                                             max_tokens=[j.request.max_tokens for j in admitted],
                                             caches=[cache for cache, _ in starts], all_tokens=[done for _, done in starts],
-                                            samplers=[self._sampler(j.request) for j in admitted])
+                                            samplers=[self._sampler(j) for j in admitted])
                     for job, uid in zip(admitted, uids):
                         job.uid = uid
                         self._jobs[uid] = job
@@ -282,10 +300,25 @@ class MlxEngine:
             stats.host_evictions += 1
         stats.host_entries = len(self._caches)
 
-    def _sampler(self, request: GenerationRequest):  # type: ignore[no-untyped-def]
+    def _llama_sampler(self, request: GenerationRequest):  # type: ignore[no-untyped-def]
+        """llama.cpp's chain for requests that need it: a grammar, or a draw (for its seed). Greedy
+        requests without a grammar stay on MLX's own argmax, which keeps the step pipelined."""
+        s = request.sampling
+        if self._vocabulary is None or (s.grammar is None and s.temperature <= 0.0):
+            return None
+        from engines.llamacpp.runtime import Sampler
+
+        return Sampler(self._vocabulary, temperature=s.temperature, top_p=s.top_p, seed=s.seed, grammar=s.grammar)
+
+    def _sampler(self, job: _Job):  # type: ignore[no-untyped-def]
+        import mlx.core as mx
+        import numpy as np
         from mlx_lm.sample_utils import make_sampler
 
-        s = request.sampling
+        if job.sampler is not None:
+            chain = job.sampler
+            return lambda logprobs: mx.array([chain.pick(np.array(logprobs.astype(mx.float32)))], dtype=mx.uint32)
+        s = job.request.sampling
         return make_sampler(temp=max(s.temperature, 0.0), top_p=s.top_p if 0 < s.top_p < 1 else 0.0)
 
     def _token(self, job: _Job, response, generator) -> None:  # type: ignore[no-untyped-def]
@@ -324,6 +357,8 @@ class MlxEngine:
     def _finish(self, job: _Job, reason: FinishReason, error: str | None = None) -> None:
         if job.uid is not None:
             self._jobs.pop(job.uid, None)
+        if job.sampler is not None:
+            job.sampler.close()
         with self._lock:
             self._queued -= 1
         tail = job.stops.feed(job.utf8.flush()) + job.stops.flush() if reason in ("stop", "length") else ""
