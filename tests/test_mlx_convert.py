@@ -58,33 +58,65 @@ def test_the_tokenizer_splits_text_exactly_like_llama_cpp(converted: Path) -> No
         llama.close()
 
 
-def test_mlx_answers_like_llama_cpp(converted: Path) -> None:
-    """The two engines compute nearly the same next-token logits (their arithmetic differs:
-    llama.cpp quantizes activations for its dot products, MLX does not), so near-ties aside they
-    answer alike: here both answer the chat question with Paris."""
+CROSS_ENGINE_PROMPTS = [
+    ("chat", "What is the capital of France?"),
+    ("chat", "Write a haiku about autumn leaves."),
+    ("chat", "Explain in one sentence why the sky is blue."),
+    ("chat", "Translate 'good morning' into Spanish."),
+    ("chat", "List three prime numbers."),
+    ("raw", "The capital of France is"),
+    ("raw", "def add(a, b):\n    return"),
+    ("raw", "1, 2, 3, 4, 5,"),
+    ("raw", "Once upon a time, in a small village by the sea,"),
+    ("raw", "naïve café, Straße, 東京 and"),
+]
+
+
+def test_both_engines_compute_the_same_logits_and_mostly_the_same_greedy_text(converted: Path) -> None:
+    """On the same weights: the first-step logits correlate (r >= 0.99) and agree on the top token
+    wherever llama.cpp's top two are more than one logit apart (llama.cpp rounds activations to 8
+    bits in its quantized dot products, so near-ties may flip). How many of the first 32 greedy
+    tokens agree is printed and recorded in docs/performance.md."""
     import mlx.core as mx
     import numpy as np
+    from mlx_lm.generate import generate_step
 
     from engines.llamacpp.runtime import Context, ContextShape, Model
 
     model, tokenizer = mlx_lm.load(str(converted))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False)
-    assert "Paris" in mlx_lm.generate(model, tokenizer, prompt, max_tokens=12, verbose=False)
     llama = Model(package_file(MODEL_FILE))
+    agreement = []
     try:
-        for text in (prompt, "The capital of France is", "def add(a, b):\n    return"):
-            tokens = llama.tokenize(text, add_special=False, parse_special=True)
-            assert tokens == tokenizer.encode(text, add_special_tokens=False)
+        for kind, text in CROSS_ENGINE_PROMPTS:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False) \
+                if kind == "chat" else text
+            tokens = llama.tokenize(prompt, add_special=False, parse_special=True)
+            assert tokens == tokenizer.encode(prompt, add_special_tokens=False)
             ctx = Context(llama, ContextShape(1, 256, 64, 2, False, True, "q8_0"))
-            ctx.decode([(t, i, 0, i == len(tokens) - 1) for i, t in enumerate(tokens)])
-            ours = ctx.logits(len(tokens) - 1).astype(np.float64)
-            ctx.close()
+            try:
+                ctx.decode([(t, i, 0, i == len(tokens) - 1) for i, t in enumerate(tokens)])
+                ours = ctx.logits(len(tokens) - 1).astype(np.float64).copy()
+                greedy_llama = []
+                for step in range(32):
+                    nxt = int(np.argmax(ctx.logits(len(tokens) - 1 if step == 0 else 0)))
+                    greedy_llama.append(nxt)
+                    ctx.decode([(nxt, len(tokens) + step, 0, True)])
+            finally:
+                ctx.close()
             theirs = np.array(model(mx.array([tokens]))[0, -1].astype(mx.float32), dtype=np.float64)
-            cosine = ours @ theirs / np.linalg.norm(ours) / np.linalg.norm(theirs)
-            assert cosine > 0.99, (text, cosine)
-            assert set(np.argsort(-ours)[:5]) & set(np.argsort(-theirs)[:5])  # the likely next tokens overlap
+            r = np.corrcoef(ours, theirs)[0, 1]
+            assert r >= 0.99, (text, r)
+            top2 = np.sort(ours)[-2:]
+            if top2[1] - top2[0] > 1.0:
+                assert int(np.argmax(ours)) == int(np.argmax(theirs)), text
+            greedy_mlx = [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=32, sampler=lambda lp: mx.argmax(lp, axis=-1))]
+            same = next((i for i, (a, b) in enumerate(zip(greedy_llama, greedy_mlx)) if a != b), 32)
+            agreement.append(same)
+            print(f"{kind:5} r={r:.4f} top-2 gap={top2[1] - top2[0]:.2f} greedy tokens agreeing: {same}/32  {text[:40]!r}")
     finally:
         llama.close()
+    print(f"greedy agreement: {sum(agreement)}/{32 * len(agreement)} tokens before the first difference; {agreement}")
+    assert sum(agreement) >= 8 * len(agreement)  # near-ties flip some texts early, but not most
 
 
 def test_what_cannot_convert_says_so(tmp_path: Path) -> None:
