@@ -167,6 +167,11 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
             src, like = resolve(source, settings.server.data_dir), source.alias  # type: ignore[union-attr]
         else:
             src = args.source.expanduser().resolve()
+        if args.engine == "mlx":
+            return _quantize_mlx(args, config, src, like)
+        if args.type is None:
+            print("error: --type is required (one of the llama.cpp types; see --help)", file=sys.stderr)
+            return 2
         dst = (args.out or quantized_name(src, args.type)).expanduser().resolve()
         # The output is close to source size x new bits / old bits; the bar only needs a scale.
         with Progress(TextColumn(f"quantizing to {args.type}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(), transient=True) as bar:
@@ -180,6 +185,36 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
             register(config, alias, dst, digest, like=like)
             print(f"registered as {alias!r} in {config}")
     except (ModelAdminError, ModelFileError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _quantize_mlx(args: argparse.Namespace, config: Path, src: Path, like: str | None) -> int:
+    """mlx-lm's quantization into an MLX folder, registered with engine = "mlx"."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from appliance.model_admin import ModelAdminError, alias_for, register
+    from engines.mlx.convert import ConversionError
+
+    try:
+        from engines.mlx.quantize import quantize_mlx
+    except ImportError as exc:
+        print(f"error: the MLX engine is not installed here ({exc.name}); installer/install.sh installs mlx and mlx-lm", file=sys.stderr)
+        return 1
+    stem = src.stem if src.is_file() else src.name
+    dst = (args.out or src.with_name(f"{stem}-mlx-{args.bits}bit-g{args.group_size}")).expanduser().resolve()
+    try:
+        with Progress(SpinnerColumn(), TextColumn(f"quantizing for MLX to {args.bits} bits, group {args.group_size}"),
+                      TimeElapsedColumn(), transient=True) as bar:
+            bar.add_task("quantize", total=None)
+            done = quantize_mlx(src, dst, args.bits, args.group_size)
+        print(f"{done.folder}\nweights {done.bytes / 1e6:.1f} MB, {done.bits}-bit, group {done.group_size}")
+        if not args.no_register:
+            alias = args.alias or (f"{like}-mlx-{args.bits}bit" if like else alias_for(dst))
+            register(config, alias, dst, None, like=like, engine="mlx")
+            print(f"registered as {alias!r} in {config}")
+    except (ConversionError, ModelAdminError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -490,11 +525,15 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--alias")
     add.add_argument("--config", type=Path)
     add.set_defaults(func=cmd_models_add)
-    quant = models.add_parser("quantize", help="quantize a GGUF (a path or a configured alias) with llama.cpp and register it")
+    quant = models.add_parser("quantize", help="quantize a model (a path or a configured alias) with llama.cpp or mlx-lm and register it")
     quant.add_argument("source", type=Path)
     from appliance.model_admin import QUANT_TYPES
 
-    quant.add_argument("--type", required=True, choices=sorted(QUANT_TYPES), metavar="TYPE", help=f"one of {', '.join(QUANT_TYPES)}")
+    quant.add_argument("--engine", choices=["llamacpp", "mlx"], default="llamacpp",
+                       help="llamacpp: a GGUF of --type; mlx: an MLX folder of --bits and --group-size (from a GGUF or an MLX folder)")
+    quant.add_argument("--type", choices=sorted(QUANT_TYPES), metavar="TYPE", help=f"llama.cpp: one of {', '.join(QUANT_TYPES)}")
+    quant.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="mlx: bits per weight (default 4)")
+    quant.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="mlx: weights per scale (default 64)")
     quant.add_argument("--out", type=Path, help="the output file (default: beside the source, named by the type)")
     quant.add_argument("--alias", help="the alias to register it under")
     quant.add_argument("--allow-requantize", action="store_true", help="quantize a file that is already quantized")

@@ -106,14 +106,19 @@ def quantize(src: Path, dst: Path, type_name: str, *, threads: int, allow_requan
         raise ModelAdminError(f"llama.cpp could not quantize {src} to {type_name} (see the log above for why)")
 
 
-def register(config: Path, alias: str, path: Path, sha256: str, *, like: str | None = None) -> None:
-    """Appends a [[models]] table for `path`; settings other than the source are copied from the
-    model `like` (the source's alias, when it came from this config)."""
+def register(config: Path, alias: str, path: Path, sha256: str | None, *, like: str | None = None, engine: str | None = None) -> None:
+    """Appends a [[models]] table for `path` (a GGUF with its sha256, or an MLX folder with
+    engine "mlx"); settings other than the source are copied from the model `like` (the source's
+    alias, when it came from this config)."""
     text = config.read_text()
     settings = parse_settings(text, str(config), config.resolve().parent)
     if settings.model(alias) is not None:
         raise ModelAdminError(f"{config}: models: there is already a model with alias {alias!r}; choose another with --alias")
-    table = [f'\n[[models]]\nalias = "{alias}"\npath = "{path}"\nsha256 = "{sha256}"']
+    table = [f'\n[[models]]\nalias = "{alias}"\npath = "{path}"']
+    if sha256 is not None:
+        table.append(f'sha256 = "{sha256}"')
+    if engine is not None:
+        table.append(f'engine = "{engine}"')
     template = settings.model(like) if like else None
     if template is not None:
         table += [f"context_length = {template.context_length}", f"slots = {template.slots}", f"threads = {template.threads}",

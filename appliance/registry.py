@@ -70,13 +70,14 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
 def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
     """An MLX folder as given, or a GGUF converted once into the data directory (no second download)."""
     try:
-        from engines.mlx.convert import ConversionError, gguf_to_mlx
+        from engines.mlx.convert import ConversionError, gguf_to_mlx, source_of
         from engines.mlx.engine import MlxConfig, MlxEngine
     except ImportError as exc:
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine is not installed here ({exc.name})") from None
     vocabulary = None
     if model.path is not None and model.path.is_dir():
         folder = model.path
+        vocabulary = source_of(folder)  # a folder the appliance converted or quantized names its GGUF
     else:
         source = resolve(model, settings.server.data_dir, allow_download=True)
         folder = settings.server.data_dir / "mlx" / f"{source.stem}-{sha256(source)[:12]}"

@@ -128,3 +128,32 @@ def test_what_cannot_convert_says_so(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "convert", str(tmp_path / "missing.gguf"), "--to", "mlx"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "MLX cannot read this GGUF" in run.stderr
+
+
+def test_quantize_for_mlx_with_bits_and_group_size(tmp_path: Path) -> None:
+    """`models quantize --engine mlx`: the GGUF converted, dequantized and quantized again by
+    mlx-lm at the asked bits and group size, registered with engine = "mlx", and still answering."""
+    import shutil
+
+    gguf = tmp_path / "small.gguf"
+    shutil.copy(package_file(MODEL_FILE), gguf)
+    config = tmp_path / "models.toml"
+    config.write_text('[[models]]\nalias = "small"\npath = "small.gguf"\nslots = 2\ntier = "small"\n')
+    run = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "quantize", "small", "--engine", "mlx", "--bits", "8",
+                          "--group-size", "64", "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    folder = tmp_path / "small-mlx-8bit-g64"
+    assert "registered as 'small-mlx-8bit'" in run.stdout
+    quantization = json.loads((folder / "config.json").read_text())["quantization"]
+    assert (quantization["bits"], quantization["group_size"]) == (8, 64)
+    assert json.loads((folder / "appliance-source.json").read_text())["gguf"] == str(gguf)  # grammars use its vocabulary
+    from appliance.settings import load_settings
+
+    registered = load_settings(config).model("small-mlx-8bit")
+    assert registered is not None and registered.engine == "mlx" and registered.path == folder and registered.tier == "small"
+    model, tokenizer = mlx_lm.load(str(folder))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False)
+    assert "Paris" in mlx_lm.generate(model, tokenizer, prompt, max_tokens=12, verbose=False)
+    again = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "quantize", "small", "--engine", "mlx", "--bits", "7",
+                            "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "invalid choice: 7" in again.stderr

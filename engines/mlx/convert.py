@@ -140,7 +140,25 @@ def gguf_to_mlx(src: Path, dst: Path) -> ConversionReport:
     mx.save_safetensors(str(dst / "model.safetensors"), out, metadata={"format": "mlx"})
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     _write_tokenizer(meta, pre, dst)
+    write_source(dst, src)
     return report
+
+
+SOURCE_FILE = "appliance-source.json"
+
+
+def write_source(folder: Path, gguf: Path) -> None:
+    """Which GGUF a folder came from: its vocabulary is the same token for token, and the MLX
+    engine runs llama.cpp's grammars and samplers on it."""
+    (folder / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}, indent=2))
+
+
+def source_of(folder: Path) -> Path | None:
+    try:
+        path = Path(json.loads((folder / SOURCE_FILE).read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if path.is_file() else None
 
 
 def _in_features(name: str, hidden: int, ffn: int) -> int:
