@@ -88,10 +88,16 @@ def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
             except ConversionError as exc:
                 raise RuntimeError(f"{settings.file}: model {model.alias!r}: {exc}") from None
         vocabulary = source  # the same vocabulary token for token: grammars and seeds run llama.cpp's sampler on it
-    if model.kind != "chat" or model.adapters or model.speculation_mode != "off":
-        raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine serves chat models without adapters or speculation so far")
+    if model.kind != "chat" or model.speculation_mode != "off":
+        raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine serves chat models without speculation so far")
     cache_bytes = model.prefix_cache_host_mb << 20 if model.prefix_cache else 0
-    return MlxEngine(MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue, cache_bytes, vocabulary=vocabulary))
+    from engines.base import EngineError
+
+    try:
+        return MlxEngine(MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue, cache_bytes, vocabulary=vocabulary,
+                                   adapters=tuple((a.name, a.path, a.scale) for a in model.adapters)))
+    except EngineError as exc:  # an adapter that does not fit the model
+        raise RuntimeError(f"{settings.file}: model {model.alias!r}: adapters: {exc}") from None
 
 
 def _build_upstream(model: ModelSettings, settings: Settings) -> Engine:

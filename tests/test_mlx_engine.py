@@ -5,18 +5,53 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
 
 import openai
 import pytest
 
-from tests.conftest import CHAT_MODEL, Server, config_text, start_server, stop_server
+from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
 
 pytest.importorskip("mlx_lm", reason="the installer installs mlx[cpu] and mlx-lm on Linux")
 
 
+def write_mlx_adapter(folder: Path, seed: int, modules: tuple[str, ...] = ("q_proj", "v_proj"), rank: int = 8) -> Path:
+    """A real mlx-lm LoRA adapter (random low-rank pairs) for the bundled model's attention."""
+    import mlx.core as mx
+
+    from appliance.model_files import package_file
+    from engines.llamacpp.runtime import Model
+
+    meta = Model(package_file(MODEL_FILE), vocab_only=True)
+    try:
+        hidden, layers = int(meta.meta("llama.embedding_length") or 0), int(meta.meta("llama.block_count") or 0)
+        heads, kv_heads = int(meta.meta("llama.attention.head_count") or 0), int(meta.meta("llama.attention.head_count_kv") or 0)
+    finally:
+        meta.close()
+    out = {"q_proj": hidden, "k_proj": hidden // heads * kv_heads, "v_proj": hidden // heads * kv_heads, "o_proj": hidden}
+    key = mx.random.key(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module in modules:
+            key, ka, kb = mx.random.split(key, 3)
+            path = f"model.layers.{layer}.self_attn.{module}"
+            tensors[f"{path}.lora_a"] = 0.02 * mx.random.normal((hidden, rank), key=ka)
+            tensors[f"{path}.lora_b"] = 0.02 * mx.random.normal((rank, out[module]), key=kb)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "adapters.safetensors"), tensors)
+    (folder / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": layers,
+                                                             "lora_parameters": {"rank": rank, "scale": 20.0, "dropout": 0.0}}))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def mlx_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("mlx"), config_text(slots=4, embeddings=False, model_extra='engine = "mlx"'))
+    work = tmp_path_factory.mktemp("mlx")
+    adapter = write_mlx_adapter(work / "tone", seed=1)
+    extra = f'engine = "mlx"\n\n[[models.adapters]]\nname = "tone"\npath = "{adapter}"\n'
+    server = start_server(work, config_text(slots=4, embeddings=False, model_extra=extra))
     yield server
     stop_server(server)
 
@@ -87,11 +122,44 @@ def test_json_schema_output_and_seeds(mlx_server: Server) -> None:
     assert len({first, draw(8), draw(9)}) > 1  # and other seeds, other draws
 
 
-def test_what_mlx_cannot_do_yet_is_refused_clearly(mlx_server: Server) -> None:
-    with pytest.raises(openai.NotFoundError, match="has no adapter 'x'"):
-        mlx_server.client(timeout=300).chat.completions.create(
-            model=CHAT_MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-            extra_body={"adapters": [{"name": "x"}]})
+def test_lora_adapters_per_request_without_reloading_the_base(mlx_server: Server, tmp_path: Path) -> None:
+    question = "Tell me about the ocean."
+
+    def answer(model: str = CHAT_MODEL, **extra: object) -> str:
+        r = mlx_server.client(timeout=300).chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0, extra_body=extra or None)
+        return r.choices[0].message.content or ""
+
+    base = answer()
+    assert answer(adapters=[{"name": "tone", "scale": 0.0}]) == base  # scale 0 is the base model
+    tuned = answer(f"{CHAT_MODEL}:tone")
+    assert tuned != base
+    assert answer(adapters=[{"name": "tone", "scale": 1.0}]) == tuned
+
+    # Base and adapter requests at once: each set is its own batch, the sets take turns.
+    async def together() -> list[str]:
+        async with mlx_server.async_client(timeout=300) as client:
+            async def one(model: str) -> str:
+                r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                                         max_tokens=12, temperature=0)
+                return r.choices[0].message.content or ""
+            return list(await asyncio.gather(one(CHAT_MODEL), one(f"{CHAT_MODEL}:tone"), one(CHAT_MODEL), one(f"{CHAT_MODEL}:tone")))
+
+    assert asyncio.run(together()) == [base, tuned, base, tuned]
+
+    # At runtime through the admin API: load a second adapter, use it, unload it.
+    admin = f"{mlx_server.base_url}/admin/models/{CHAT_MODEL}/adapters"
+    other = write_mlx_adapter(tmp_path / "other", seed=2, modules=("k_proj", "o_proj"))
+    loaded = httpx.put(f"{admin}/other", json={"path": str(other), "scale": 1.0}, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    assert answer(f"{CHAT_MODEL}:other") not in (base, tuned)
+    assert {a["name"] for a in httpx.get(admin, timeout=10).json()["adapters"]} == {"tone", "other"}
+    assert httpx.delete(f"{admin}/other", timeout=60).status_code == 200
+    with pytest.raises(openai.NotFoundError, match="has no adapter 'other'"):
+        answer(f"{CHAT_MODEL}:other")
+    assert answer() == base  # unloading left the base as it was
+    broken = httpx.put(f"{admin}/bad", json={"path": str(tmp_path)}, timeout=60)
+    assert broken.status_code == 400 and "not an mlx-lm LoRA adapter" in broken.json()["error"]["message"]
 
 
 def test_a_shared_prefix_is_served_from_the_prompt_cache(mlx_server: Server) -> None:

@@ -88,8 +88,8 @@ async def load_adapter(request: Request[Any, Any, Any], services: Services, alia
     if not -10.0 <= body.scale <= 10.0:
         raise invalid("scale must be between -10 and 10.", "scale")
     path = Path(body.path).expanduser()
-    if not path.is_file():
-        raise invalid(f"There is no file {path} on the server.", "path")
+    if not path.exists():  # a GGUF file for llama.cpp, an mlx-lm adapter folder for MLX
+        raise invalid(f"There is no file or folder {path} on the server.", "path")
     try:
         info = await model.engine.load_adapter(name, path.resolve(), body.scale)
     except EngineError as exc:

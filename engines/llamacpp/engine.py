@@ -43,6 +43,7 @@ from engines.base import (
 )
 from engines.llamacpp.drafting import DraftModelDrafter, DraftState, Drafter, PromptLookupDrafter, measure_step_cost
 from engines.llamacpp.runtime import Adapter, Context, ContextShape, Model, Sampler
+from engines.calls import ModelThreadCall
 from engines.prefix import PrefixIndex
 from engines.scheduler import Admission, BatchItem, Source, SlotView, plan_admission, plan_batch
 from engines.speculation import Acceptance, StepCost, draft_length
@@ -348,7 +349,7 @@ class LlamaCppEngine:
     async def _on_model_thread(self, fn: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._inbox.put(_Call(fn, loop, future))  # type: ignore[arg-type]
+        self._inbox.put(ModelThreadCall(fn, loop, future))  # type: ignore[arg-type]
         return await future
 
     def stats(self) -> EngineStats:
@@ -426,7 +427,7 @@ class LlamaCppEngine:
                 return False
             if isinstance(item, _EmbedJob):
                 self._run_embeddings(item)
-            elif isinstance(item, _Call):
+            elif isinstance(item, ModelThreadCall):
                 item.run()
             elif isinstance(item, _Job):
                 self._waiting.append(item)
@@ -800,7 +801,7 @@ class LlamaCppEngine:
                 break
             if isinstance(item, _Job):
                 self._finish(item, "error", error=message)
-            elif isinstance(item, (_EmbedJob, _Call)):
+            elif isinstance(item, (_EmbedJob, ModelThreadCall)):
                 item.fail(EngineClosed(message))
 
     # ---- embeddings -----------------------------------------------------------------------------
@@ -816,24 +817,6 @@ class LlamaCppEngine:
             job.succeed(vectors)
         except Exception as exc:
             job.fail(exc)
-
-
-class _Call:
-    """A function to run on the model thread between steps, its result handed to a future."""
-
-    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> None:
-        self.fn, self.loop, self.future = fn, loop, future
-
-    def run(self) -> None:
-        try:
-            result = self.fn()
-        except Exception as exc:
-            self.fail(exc)
-        else:
-            self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_result(result))
-
-    def fail(self, exc: Exception) -> None:
-        self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_exception(exc))
 
 
 class _EmbedJob:

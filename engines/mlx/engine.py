@@ -36,8 +36,11 @@ from engines.base import (
     TokenEvent,
     TokenLogprob,
     TopLogprob,
+    UnknownAdapter,
     Usage,
 )
+from engines.calls import ModelThreadCall
+from engines.mlx.lora import AdapterSet, read_adapter
 from engines.prefix import PrefixIndex
 from engines.stream import EventStream
 from engines.text import StopMatcher, Utf8Stream
@@ -56,6 +59,7 @@ class MlxConfig:
     # A GGUF with the same vocabulary (the file the folder was converted from): llama.cpp's sampler
     # chain then runs over MLX's logits, for grammars (response_format) and seeded draws.
     vocabulary: Path | None = None
+    adapters: tuple[tuple[str, Path, float], ...] = ()  # LoRA adapters loaded at start: name, folder, scale
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -74,6 +78,8 @@ class _Job:
     def __init__(self, request: GenerationRequest, stream: EventStream) -> None:
         self.request, self.stream = request, stream
         self.uid: int | None = None
+        self.key = request.adapter_key  # the adapter set; its KV and its generator are this set's only
+        self.generator: Any = None  # the BatchGenerator of its adapter set, once admitted
         self.reused = 0
         self.cancelled = False
         self.generated = 0
@@ -89,7 +95,7 @@ class MlxEngine:
     supports_grammar = False
     supports_logprobs = True
     supports_embeddings = False
-    supports_adapters = False
+    supports_adapters = True
     takes_messages = False
 
     def __init__(self, config: MlxConfig) -> None:
@@ -119,7 +125,13 @@ class MlxEngine:
         self._cache_ids = itertools.count()
         self.prefix_stats = PrefixStats()
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[tuple[Any, int], _Job] = {}  # (adapter set, uid in its generator) -> job
+        self._waiting: list[_Job] = []
+        self._lora = AdapterSet(self.model)
+        self._adapter_scales: dict[str, float] = {}  # name -> the scale a request gets by default
+        for name, path, scale in config.adapters:  # before the model thread starts: this thread may touch the model
+            self._lora.load(name, read_adapter(path))
+            self._adapter_scales[name] = scale
         self._queued = 0
         self._closing = False
         self._lock = threading.Lock()
@@ -156,8 +168,9 @@ class MlxEngine:
         if request.sampling.grammar is not None and self._vocabulary is None:
             raise EngineError("this MLX model was not converted from a GGUF here, so it has no grammar vocabulary; "
                               "response_format needs a model converted by the appliance or a llama.cpp model")
-        if request.adapters:
-            raise EngineError("this model's engine (mlx) does not serve adapters yet")
+        unknown = [name for name, _ in request.adapters if name not in self._adapter_scales]
+        if unknown:
+            raise UnknownAdapter(f"no adapter named {unknown[0]!r} is loaded on this model")
         needed = len(request.prompt_tokens) + request.max_tokens
         if needed > self.context_length:
             raise ContextLengthExceeded(
@@ -183,7 +196,47 @@ class MlxEngine:
         raise EngineError("this model is not configured for embeddings")
 
     def adapters(self) -> list[AdapterInfo]:
-        return []
+        using: dict[str, int] = {}
+        for job in list(self._jobs.values()) + list(self._waiting):
+            for name, _ in job.request.adapters:
+                using[name] = using.get(name, 0) + 1
+        return [AdapterInfo(name, str(self._lora.path(name)), scale, using.get(name, 0))
+                for name, scale in sorted(self._adapter_scales.items())]
+
+    async def load_adapter(self, name: str, path: Path, scale: float = 1.0) -> AdapterInfo:
+        """Loads (or replaces, when idle) an mlx-lm LoRA adapter without reloading the base."""
+        weights = await asyncio.to_thread(read_adapter, path)
+
+        def load() -> AdapterInfo:
+            if name in self._adapter_scales and self._in_use(name):
+                raise EngineError(f"adapter {name!r} is serving requests; unload it when they finish")
+            self._lora.load(name, weights)
+            self._forget_prefixes(name)
+            self._adapter_scales[name] = scale
+            return AdapterInfo(name, str(path), scale)
+
+        return await self._on_model_thread(load)
+
+    async def unload_adapter(self, name: str) -> None:
+        def unload() -> None:
+            if name not in self._adapter_scales:
+                raise UnknownAdapter(f"no adapter named {name!r} is loaded on this model")
+            if self._in_use(name):
+                raise EngineError(f"adapter {name!r} is serving requests; unload it when they finish")
+            del self._adapter_scales[name]
+            self._lora.unload(name)
+            self._forget_prefixes(name)
+
+        await self._on_model_thread(unload)
+
+    def _in_use(self, name: str) -> bool:
+        return any(name == n for job in list(self._jobs.values()) + list(self._waiting) for n, _ in job.request.adapters)
+
+    async def _on_model_thread(self, fn: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(ModelThreadCall(fn, loop, future))  # type: ignore[arg-type]
+        return await future
 
     def stats(self) -> EngineStats:
         return EngineStats(self.config.slots, len(self._jobs), max(0, self._queued - len(self._jobs)), replace(self.prefix_stats))
@@ -204,11 +257,11 @@ class MlxEngine:
     # ---- the model thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        from mlx_lm.generate import BatchGenerator
-
-        generator = BatchGenerator(self.model, completion_batch_size=self.config.slots, prefill_batch_size=self.config.slots,
-                                   stop_tokens=[[t] for t in self._eos])
-        waiting: list[_Job] = []
+        """Requests with the same adapter set share one BatchGenerator (one batch); the sets take
+        turns step by step, each step under its own adapters, as in the llama.cpp engine."""
+        generators: dict[Any, Any] = {}
+        served: Any = None
+        waiting = self._waiting
         try:
             while True:
                 try:
@@ -216,43 +269,75 @@ class MlxEngine:
                     while True:
                         if item is None:
                             return
-                        waiting.append(item)
+                        if isinstance(item, ModelThreadCall):
+                            item.run()
+                        else:
+                            waiting.append(item)
                         item = self._inbox.get_nowait()
                 except queue.Empty:
                     pass
                 for job in [j for j in self._jobs.values() if j.cancelled]:
-                    generator.remove([job.uid])
+                    job.generator.remove([job.uid])
                     self._finish(job, "cancelled")
                 for job in [j for j in waiting if j.cancelled]:
                     waiting.remove(job)
                     self._finish(job, "cancelled")
                 room = self.config.slots - len(self._jobs)
                 if room > 0 and waiting:
-                    admitted, waiting = waiting[:room], waiting[room:]
-                    starts = [self._cached_prefix(j) for j in admitted]
-                    uids = generator.insert([list(j.request.prompt_tokens[j.reused:]) for j in admitted],
-                                            max_tokens=[j.request.max_tokens for j in admitted],
-                                            caches=[cache for cache, _ in starts], all_tokens=[done for _, done in starts],
-                                            samplers=[self._sampler(j) for j in admitted])
-                    for job, uid in zip(admitted, uids):
-                        job.uid = uid
-                        self._jobs[uid] = job
+                    admitted = waiting[:room]
+                    del waiting[:room]
+                    for key in sorted({j.key for j in admitted}):
+                        group = [j for j in admitted if j.key == key]
+                        if key not in generators:
+                            generators[key] = self._generator()
+                        self._admit(generators[key], group)
                 if not self._jobs:
                     continue
-                _, responses = generator.next()
+                keys = sorted({j.key for j in self._jobs.values()})
+                key = keys[0] if served is None else next((k for k in keys if k > served), keys[0])
+                served = key
+                if self._lora.active_key != key:
+                    self._lora.activate(key)
+                _, responses = generators[key].next()
                 for response in responses:
-                    job = self._jobs.get(response.uid)
+                    job = self._jobs.get((key, response.uid))
                     if job is not None:
-                        self._token(job, response, generator)
+                        self._token(job, response)
+                for idle in [k for k in generators if k != () and all(j.key != k for j in self._jobs.values())]:
+                    generators.pop(idle).close()  # an adapter set nobody uses now keeps no batch state
         except Exception as exc:
             log.exception("MLX model thread crashed")
             for job in list(self._jobs.values()) + waiting:
                 self._finish(job, "error", error=f"engine failure: {exc}")
         finally:
             self._closing = True
-            generator.close()
+            for generator in generators.values():
+                generator.close()
             for job in list(self._jobs.values()) + waiting:
                 self._finish(job, "error", error="the model is shutting down")
+            while True:  # calls that arrived after the last step are answered, not left hanging
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, ModelThreadCall):
+                    item.fail(EngineClosed("the model is shutting down"))
+
+    def _generator(self):  # type: ignore[no-untyped-def]
+        from mlx_lm.generate import BatchGenerator
+
+        return BatchGenerator(self.model, completion_batch_size=self.config.slots, prefill_batch_size=self.config.slots,
+                              stop_tokens=[[t] for t in self._eos])
+
+    def _admit(self, generator, jobs: list[_Job]) -> None:  # type: ignore[no-untyped-def]
+        starts = [self._cached_prefix(j) for j in jobs]
+        uids = generator.insert([list(j.request.prompt_tokens[j.reused:]) for j in jobs],
+                                max_tokens=[j.request.max_tokens for j in jobs],
+                                caches=[cache for cache, _ in starts], all_tokens=[done for _, done in starts],
+                                samplers=[self._sampler(j) for j in jobs])
+        for job, uid in zip(jobs, uids):
+            job.uid, job.generator = uid, generator
+            self._jobs[(job.key, uid)] = job
 
     # ---- the prompt cache ----------------------------------------------------------------------
 
@@ -263,7 +348,7 @@ class MlxEngine:
         self.prefix_stats.prompt_tokens += len(prompt)
         if not self.config.prompt_cache_bytes:
             return None, []
-        shared = self._index.match((), prompt)
+        shared = self._index.match(job.key, prompt)
         if not shared:
             return None, []
         holder, length = max(shared.items(), key=lambda kv: kv[1])
@@ -280,7 +365,16 @@ class MlxEngine:
         self.prefix_stats.reused_from_host += length
         return start, list(prompt[:length])
 
-    def _keep(self, cache: list[Any] | None, tokens: list[int] | None) -> None:
+    def _forget_prefixes(self, name: str) -> None:
+        """Drops every cached prefix computed with the adapter (a reload may change its weights)."""
+        for holder in self._index.holders():
+            if any(n == name for n, _ in self._index.key(holder)):  # type: ignore[attr-defined]
+                self._index.remove(holder)
+                _, size = self._caches.pop(holder[1])
+                self.prefix_stats.host_bytes -= size
+        self.prefix_stats.host_entries = len(self._caches)
+
+    def _keep(self, key: Any, cache: list[Any] | None, tokens: list[int] | None) -> None:
         if not self.config.prompt_cache_bytes or not cache or not tokens:
             return
         length = min(cache[0].offset, len(tokens))
@@ -289,7 +383,7 @@ class MlxEngine:
             return
         ident = next(self._cache_ids)
         self._caches[ident] = (cache, size)
-        self._index.insert((), ("cache", ident), tuple(tokens[:length]))
+        self._index.insert(key, ("cache", ident), tuple(tokens[:length]))
         stats = self.prefix_stats
         stats.host_saves += 1
         stats.host_bytes += size
@@ -321,24 +415,24 @@ class MlxEngine:
         s = job.request.sampling
         return make_sampler(temp=max(s.temperature, 0.0), top_p=s.top_p if 0 < s.top_p < 1 else 0.0)
 
-    def _token(self, job: _Job, response, generator) -> None:  # type: ignore[no-untyped-def]
+    def _token(self, job: _Job, response) -> None:  # type: ignore[no-untyped-def]
         token = int(response.token)
         job.first_token_at = job.first_token_at or time.perf_counter()
         job.generated += 1
         if token in self._eos:
-            self._keep(response.prompt_cache, response.all_tokens)
+            self._keep(job.key, response.prompt_cache, response.all_tokens)
             self._finish(job, "stop")
             return
         logprob = self._logprob(job, response.logprobs, token) if job.request.sampling.logprobs else None
         text = job.stops.feed(job.utf8.feed(self._pieces.get(token, b"")))
         job.stream.push(TokenEvent(text, token, logprob))
         if job.stops.stopped:
-            kept = generator.remove([job.uid], return_prompt_caches=True).get(job.uid)
+            kept = job.generator.remove([job.uid], return_prompt_caches=True).get(job.uid)
             if kept:
-                self._keep(*kept)
+                self._keep(job.key, *kept)
             self._finish(job, "stop")
         elif response.finish_reason is not None:
-            self._keep(response.prompt_cache, response.all_tokens)
+            self._keep(job.key, response.prompt_cache, response.all_tokens)
             self._finish(job, "length" if response.finish_reason == "length" else "stop")
 
     def _logprob(self, job: _Job, logprobs, token: int) -> TokenLogprob:  # type: ignore[no-untyped-def]
@@ -356,7 +450,7 @@ class MlxEngine:
 
     def _finish(self, job: _Job, reason: FinishReason, error: str | None = None) -> None:
         if job.uid is not None:
-            self._jobs.pop(job.uid, None)
+            self._jobs.pop((job.key, job.uid), None)
         if job.sampler is not None:
             job.sampler.close()
         with self._lock:
