@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from appliance.chat_template import CHATML, ChatTemplate
 from appliance.model_files import resolve, sha256
@@ -67,37 +68,46 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
     )
 
 
+def _mlx_folder(model: ModelSettings, settings: Settings) -> tuple[Path, Path | None]:
+    """An MLX folder as given, or a GGUF converted once into the data directory (no second
+    download); and the GGUF whose vocabulary it shares, when known."""
+    from engines.mlx.convert import ConversionError, gguf_to_mlx, source_of
+
+    if model.path is not None and model.path.is_dir():
+        return model.path, source_of(model.path)  # a folder the appliance converted or quantized names its GGUF
+    source = resolve(model, settings.server.data_dir, allow_download=True)
+    folder = settings.server.data_dir / "mlx" / f"{source.stem}-{sha256(source)[:12]}"
+    if not (folder / "config.json").is_file():
+        log.info("converting %s for MLX into %s", source.name, folder)
+        try:
+            gguf_to_mlx(source, folder)
+        except ConversionError as exc:
+            raise RuntimeError(f"{settings.file}: model {model.alias!r}: {exc}") from None
+    return folder, source  # the same vocabulary token for token: grammars and seeds run llama.cpp's sampler on it
+
+
 def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
-    """An MLX folder as given, or a GGUF converted once into the data directory (no second download)."""
     try:
-        from engines.mlx.convert import ConversionError, gguf_to_mlx, source_of
         from engines.mlx.engine import MlxConfig, MlxEngine
     except ImportError as exc:
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine is not installed here ({exc.name})") from None
-    vocabulary = None
-    if model.path is not None and model.path.is_dir():
-        folder = model.path
-        vocabulary = source_of(folder)  # a folder the appliance converted or quantized names its GGUF
-    else:
-        source = resolve(model, settings.server.data_dir, allow_download=True)
-        folder = settings.server.data_dir / "mlx" / f"{source.stem}-{sha256(source)[:12]}"
-        if not (folder / "config.json").is_file():
-            log.info("converting %s for MLX into %s", source.name, folder)
-            try:
-                gguf_to_mlx(source, folder)
-            except ConversionError as exc:
-                raise RuntimeError(f"{settings.file}: model {model.alias!r}: {exc}") from None
-        vocabulary = source  # the same vocabulary token for token: grammars and seeds run llama.cpp's sampler on it
-    if model.kind != "chat" or model.speculation_mode != "off":
-        raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine serves chat models without speculation so far")
+    if model.kind != "chat" or model.speculation_mode == "prompt_lookup":
+        raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine serves chat models, and speculates with a draft model only")
+    folder, vocabulary = _mlx_folder(model, settings)
+    draft = None
+    if model.speculation_mode == "draft":
+        draft_settings = settings.model(model.draft_model or "")
+        assert draft_settings is not None  # checked when the config was parsed
+        draft, _ = _mlx_folder(draft_settings, settings)
     cache_bytes = model.prefix_cache_host_mb << 20 if model.prefix_cache else 0
     from engines.base import EngineError
 
     try:
         return MlxEngine(MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue, cache_bytes, vocabulary=vocabulary,
-                                   adapters=tuple((a.name, a.path, a.scale) for a in model.adapters)))
-    except EngineError as exc:  # an adapter that does not fit the model
-        raise RuntimeError(f"{settings.file}: model {model.alias!r}: adapters: {exc}") from None
+                                   adapters=tuple((a.name, a.path, a.scale) for a in model.adapters), draft=draft,
+                                   draft_tokens=model.speculation_fixed_tokens or min(4, model.speculation_max_tokens)))
+    except EngineError as exc:  # an adapter that does not fit the model, a draft with another vocabulary
+        raise RuntimeError(f"{settings.file}: model {model.alias!r}: {exc}") from None
 
 
 def _build_upstream(model: ModelSettings, settings: Settings) -> Engine:

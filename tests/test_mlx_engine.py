@@ -179,3 +179,30 @@ def test_a_shared_prefix_is_served_from_the_prompt_cache(mlx_server: Server) -> 
     assert cached[1] == again.usage.prompt_tokens - 1  # all but the last token, which is computed for its logits
     assert first.usage.prompt_tokens - 20 < cached[2] < other.usage.prompt_tokens  # the system prompt, not the question
     assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def test_speculative_decoding_with_the_model_as_its_own_draft_equals_plain_decoding(mlx_server: Server,
+                                                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    draft = f'\n[[models]]\nalias = "draft"\nkind = "draft"\nengine = "mlx"\npackage_file = "{MODEL_FILE}"\ncontext_length = 2048\nslots = 1\n'
+    config = config_text(slots=2, embeddings=False, model_extra='engine = "mlx"\ndraft_model = "draft"') + draft
+    speculative = start_server(tmp_path_factory.mktemp("mlx-draft"), config)
+    try:
+        questions = ["Count from 1 to 10.", "What is the capital of France?", "Write one sentence about rain."]
+        plain = [ask(mlx_server, q, max_tokens=24).choices[0].message.content for q in questions]
+        assert [ask(speculative, q, max_tokens=24).choices[0].message.content for q in questions] == plain
+
+        async def together() -> list[str]:
+            async with speculative.async_client(timeout=300) as client:
+                async def one(q: str) -> str:
+                    r = await client.chat.completions.create(model=CHAT_MODEL, messages=[{"role": "user", "content": q}],
+                                                             max_tokens=24, temperature=0)
+                    return r.choices[0].message.content or ""
+                return list(await asyncio.gather(*(one(q) for q in questions[:2])))
+
+        assert asyncio.run(together()) == plain[:2]  # one speculates, the other is batched beside it
+        metrics = httpx.get(f"{speculative.base_url}/metrics", timeout=10).text
+        accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("appliance_speculation_accepted_tokens_total{"))
+        assert accepted > 0  # its own draft agrees with it nearly always
+    finally:
+        stop_server(speculative)

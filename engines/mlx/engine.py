@@ -31,6 +31,7 @@ from engines.base import (
     EngineStats,
     FinishEvent,
     PrefixStats,
+    SpeculationStats,
     FinishReason,
     GenerationRequest,
     TokenEvent,
@@ -60,6 +61,8 @@ class MlxConfig:
     # chain then runs over MLX's logits, for grammars (response_format) and seeded draws.
     vocabulary: Path | None = None
     adapters: tuple[tuple[str, Path, float], ...] = ()  # LoRA adapters loaded at start: name, folder, scale
+    draft: Path | None = None  # an MLX folder with the same vocabulary: speculative decoding
+    draft_tokens: int = 4  # drafted per verification
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -88,6 +91,7 @@ class _Job:
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.sampler: Any = None  # llama.cpp's chain over this job's logits (grammar, seed), closed when it ends
+        self.lane: Any = None  # mlx-lm's speculative generator, when the job decodes speculatively
 
 
 class MlxEngine:
@@ -129,6 +133,11 @@ class MlxEngine:
         self._waiting: list[_Job] = []
         self._lora = AdapterSet(self.model)
         self._adapter_scales: dict[str, float] = {}  # name -> the scale a request gets by default
+        self._draft = None
+        self.speculation_stats = SpeculationStats()
+        self._lane: _Job | None = None  # the request decoding speculatively, alone
+        if config.draft is not None:
+            self._draft = self._load_draft(config.draft)
         for name, path, scale in config.adapters:  # before the model thread starts: this thread may touch the model
             self._lora.load(name, read_adapter(path))
             self._adapter_scales[name] = scale
@@ -239,7 +248,21 @@ class MlxEngine:
         return await future
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.config.slots, len(self._jobs), max(0, self._queued - len(self._jobs)), replace(self.prefix_stats))
+        busy = len(self._jobs) + (self._lane is not None)
+        return EngineStats(self.config.slots, busy, max(0, self._queued - busy), replace(self.prefix_stats),
+                           replace(self.speculation_stats) if self._draft is not None else None)
+
+    def _load_draft(self, folder: Path):  # type: ignore[no-untyped-def]
+        """The draft model, refused unless its vocabulary is the target's token for token."""
+        import mlx_lm
+
+        draft, tokenizer = mlx_lm.load(str(folder))
+        ours, theirs = self._hf.get_vocab(), tokenizer._tokenizer.get_vocab()
+        if ours != theirs:
+            differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda kv: kv[1])
+            raise EngineError(f"the draft model {folder} has another vocabulary than {self.config.path} "
+                              f"({len(theirs)} against {len(ours)} tokens; first difference: token {differing[0][1]} {differing[0][0]!r})")
+        return draft
 
     async def start(self) -> None:
         pass  # the model thread started with the engine
@@ -265,7 +288,8 @@ class MlxEngine:
         try:
             while True:
                 try:
-                    item = self._inbox.get(timeout=0.5) if not self._jobs and not waiting else self._inbox.get_nowait()
+                    idle = not self._jobs and not waiting and self._lane is None
+                    item = self._inbox.get(timeout=0.5) if idle else self._inbox.get_nowait()
                     while True:
                         if item is None:
                             return
@@ -282,7 +306,14 @@ class MlxEngine:
                 for job in [j for j in waiting if j.cancelled]:
                     waiting.remove(job)
                     self._finish(job, "cancelled")
-                room = self.config.slots - len(self._jobs)
+                if self._lane is not None and self._lane.cancelled:
+                    self._lane.lane.close()
+                    self._finish(self._lane, "cancelled")
+                    self._lane = None
+                room = self.config.slots - len(self._jobs) - (self._lane is not None)
+                if room > 0 and waiting and self._speculates(waiting[0], alone=len(waiting) == 1):
+                    self._start_lane(waiting.pop(0))
+                    room -= 1
                 if room > 0 and waiting:
                     admitted = waiting[:room]
                     del waiting[:room]
@@ -291,6 +322,8 @@ class MlxEngine:
                         if key not in generators:
                             generators[key] = self._generator()
                         self._admit(generators[key], group)
+                if self._lane is not None:
+                    self._step_lane()  # takes its turn beside the batch
                 if not self._jobs:
                     continue
                 keys = sorted({j.key for j in self._jobs.values()})
@@ -307,14 +340,16 @@ class MlxEngine:
                     generators.pop(idle).close()  # an adapter set nobody uses now keeps no batch state
         except Exception as exc:
             log.exception("MLX model thread crashed")
-            for job in list(self._jobs.values()) + waiting:
+            for job in list(self._jobs.values()) + waiting + ([self._lane] if self._lane else []):
                 self._finish(job, "error", error=f"engine failure: {exc}")
+            self._lane = None
         finally:
             self._closing = True
             for generator in generators.values():
                 generator.close()
-            for job in list(self._jobs.values()) + waiting:
+            for job in list(self._jobs.values()) + waiting + ([self._lane] if self._lane else []):
                 self._finish(job, "error", error="the model is shutting down")
+            self._lane = None
             while True:  # calls that arrived after the last step are answered, not left hanging
                 try:
                     item = self._inbox.get_nowait()
@@ -322,6 +357,57 @@ class MlxEngine:
                     break
                 if isinstance(item, ModelThreadCall):
                     item.fail(EngineClosed("the model is shutting down"))
+
+    # ---- speculative decoding ------------------------------------------------------------------
+
+    def _speculates(self, job: _Job, alone: bool) -> bool:
+        """A request decodes speculatively when it would otherwise decode alone: mlx-lm's
+        speculative step serves one sequence, and a batch already keeps the cores busy. Grammars
+        (the sampler would see drafted tokens) and adapters (the draft has none) stay batched."""
+        return (self._draft is not None and self._lane is None and alone and not self._jobs
+                and job.sampler is None and job.key == ())
+
+    def _start_lane(self, job: _Job) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import speculative_generate_step
+
+        self.prefix_stats.prompt_tokens += len(job.request.prompt_tokens)
+        job.lane = speculative_generate_step(mx.array(job.request.prompt_tokens), self.model, self._draft,
+                                             num_draft_tokens=self.config.draft_tokens, max_tokens=job.request.max_tokens,
+                                             sampler=self._sampler(job))
+        self._lane = job
+
+    def _step_lane(self) -> None:
+        job = self._lane
+        assert job is not None
+        try:
+            token, logprobs, drafted = next(job.lane)
+        except StopIteration:
+            self._lane = None
+            self._finish(job, "length")
+            return
+        token = int(token)
+        stats = self.speculation_stats
+        if drafted:
+            stats.accepted += 1
+        else:
+            # A round ends with one token of the target's own; it had drafted up to draft_tokens.
+            stats.verify_steps += 1
+            stats.drafted += min(self.config.draft_tokens, job.request.max_tokens - job.generated)
+        job.first_token_at = job.first_token_at or time.perf_counter()
+        job.generated += 1
+        if token in self._eos:
+            job.lane.close()
+            self._lane = None
+            self._finish(job, "stop")
+            return
+        logprob = self._logprob(job, logprobs, token) if job.request.sampling.logprobs else None
+        text = job.stops.feed(job.utf8.feed(self._pieces.get(token, b"")))
+        job.stream.push(TokenEvent(text, token, logprob))
+        if job.stops.stopped or job.generated >= job.request.max_tokens:
+            job.lane.close()
+            self._lane = None
+            self._finish(job, "stop" if job.stops.stopped else "length")
 
     def _generator(self):  # type: ignore[no-untyped-def]
         from mlx_lm.generate import BatchGenerator
