@@ -205,3 +205,12 @@ def test_several_upstreams_get_names_and_inherit_the_model_name() -> None:
     assert [(u.name, u.base_url, u.model, u.api_key_env) for u in m.upstreams] == [
         ("gpu1:8000", "http://gpu1:8000/v1", "qwen", None), ("b", "http://gpu1:8000/v1", "qwen-b", "B_KEY")]
     assert m.tier == "frontier" and m.upstream.max_retries == 0
+
+
+def test_event_stream_lines_are_split_across_blocks() -> None:
+    from engines.upstream.wire import DataLines
+
+    lines = DataLines()
+    assert lines.feed(b'data: {"a"') == []
+    assert lines.feed(b': 1}\r\n\r\n: a comment\nevent: x\ndata: [DONE]\n') == [b'{"a": 1}', b"[DONE]"]
+    assert lines.feed(b"data: tail") == [] and lines.end() == [b"tail"]

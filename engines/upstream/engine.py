@@ -21,13 +21,13 @@ from typing import NoReturn
 import httpx
 
 from engines.base import (
-    AdapterInfo, EngineClosed, EngineError, EngineStats, FinishEvent, GenerationRequest, TokenEvent, UpstreamStats,
+    AdapterInfo, EngineClosed, EngineError, EngineStats, FinishEvent, FinishReason, GenerationRequest, TokenEvent, UpstreamStats,
     UpstreamUnavailable, Usage,
 )
 from engines.stream import EventStream
 from engines.upstream import policy
 from engines.upstream.policy import Breaker, BreakerPolicy, Candidate, FailureKind, RetryPolicy
-from engines.upstream.wire import ChunkError, Piece, error_message, parse_chunk, request_body
+from engines.upstream.wire import ChunkError, DataLines, Piece, error_message, parse_chunk, request_body
 
 log = logging.getLogger("appliance.upstream")
 
@@ -304,28 +304,39 @@ class UpstreamEngine:
     async def _relay(self, response: httpx.Response, request: GenerationRequest, stream: EventStream, counted: _Counted,
                      started: float) -> FinishEvent:
         """Passes each chunk on as it arrives; returns the finish event."""
-        reason = None
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue  # blank separators, comments, `event:` lines
-            data = line[5:].strip()
-            if data == "[DONE]":
+        reason: FinishReason | None = None
+        lines = DataLines()
+        done = False
+        async for block in response.aiter_bytes():
+            for data in lines.feed(block):
+                done = data == b"[DONE]"
+                if done:
+                    break
+                reason = self._take(data, stream, counted, started) or reason
+            if done:
                 break
-            try:
-                piece = parse_chunk(data)
-            except ChunkError as exc:
-                raise _Failure("broken_stream" if counted.streamed else "server", str(exc)) from None
-            if piece.error is not None:
-                raise _Failure("broken_stream" if counted.streamed else "server", f"error in the stream: {piece.error}")
-            for event in counted.events(piece, started):
-                stream.push(event)
-            if piece.usage is not None:
-                counted.reported = piece.usage
-            reason = piece.finish_reason or reason
+        if not done:  # a last line without its newline
+            for data in lines.end():
+                if data != b"[DONE]":
+                    reason = self._take(data, stream, counted, started) or reason
         if reason is None:
             raise _Failure("broken_stream" if counted.streamed else "server", "the stream ended without a finish reason")
         return FinishEvent(reason, counted.usage(request), time_to_first_token_s=counted.first_token_s,
                            total_time_s=time.monotonic() - started)
+
+    def _take(self, data: bytes, stream: EventStream, counted: _Counted, started: float) -> FinishReason | None:
+        """One chunk: its tokens go out at once; returns its finish reason, if it has one."""
+        try:
+            piece = parse_chunk(data)
+        except ChunkError as exc:
+            raise _Failure("broken_stream" if counted.streamed else "server", str(exc)) from None
+        if piece.error is not None:
+            raise _Failure("broken_stream" if counted.streamed else "server", f"error in the stream: {piece.error}")
+        for event in counted.events(piece, started):
+            stream.push(event)
+        if piece.usage is not None:
+            counted.reported = piece.usage
+        return piece.finish_reason
 
     # -- health --------------------------------------------------------------------------------
 

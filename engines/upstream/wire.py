@@ -131,6 +131,23 @@ def parse_chunk(data: bytes | str) -> Piece:
     return Piece(text, logprobs, reason, usage)
 
 
+class DataLines:
+    """The `data:` payloads of a server-sent event stream, as its bytes arrive (a line may span
+    blocks). Bytes all the way: msgspec decodes them without a text copy."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, block: bytes) -> list[bytes]:
+        lines = (self._rest + block).split(b"\n")
+        self._rest = lines.pop()
+        return [line[5:].strip() for line in lines if line.startswith(b"data:")]
+
+    def end(self) -> list[bytes]:
+        rest, self._rest = self._rest, b""
+        return [rest[5:].strip()] if rest.startswith(b"data:") else []
+
+
 def error_message(body: object) -> str:
     """The human part of an upstream's error body, whatever shape it came in."""
     if isinstance(body, (bytes, str)):
