@@ -105,7 +105,7 @@ def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
     try:
         return MlxEngine(MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue, cache_bytes, vocabulary=vocabulary,
                                    adapters=tuple((a.name, a.path, a.scale) for a in model.adapters), draft=draft,
-                                   draft_tokens=model.speculation_fixed_tokens or min(4, model.speculation_max_tokens)))
+                                   draft_max_tokens=model.speculation_max_tokens, draft_fixed_tokens=model.speculation_fixed_tokens))
     except EngineError as exc:  # an adapter that does not fit the model, a draft with another vocabulary
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: {exc}") from None
 

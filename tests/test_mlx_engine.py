@@ -184,7 +184,9 @@ def test_a_shared_prefix_is_served_from_the_prompt_cache(mlx_server: Server) -> 
 def test_speculative_decoding_with_the_model_as_its_own_draft_equals_plain_decoding(mlx_server: Server,
                                                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
     draft = f'\n[[models]]\nalias = "draft"\nkind = "draft"\nengine = "mlx"\npackage_file = "{MODEL_FILE}"\ncontext_length = 2048\nslots = 1\n'
-    config = config_text(slots=2, embeddings=False, model_extra='engine = "mlx"\ndraft_model = "draft"') + draft
+    # Fixed draft length: as its own draft the model cannot pay (a draft token costs a target step),
+    # so the measured decision would never draft; this test is about the path, not the decision.
+    config = config_text(slots=2, embeddings=False, model_extra='engine = "mlx"\ndraft_model = "draft"\nspeculation_fixed_tokens = 4') + draft
     speculative = start_server(tmp_path_factory.mktemp("mlx-draft"), config)
     try:
         questions = ["Count from 1 to 10.", "What is the capital of France?", "Write one sentence about rain."]
@@ -206,3 +208,28 @@ def test_speculative_decoding_with_the_model_as_its_own_draft_equals_plain_decod
         assert accepted > 0  # its own draft agrees with it nearly always
     finally:
         stop_server(speculative)
+
+
+def test_a_draft_that_cannot_pay_is_measured_and_not_used(tmp_path: Path) -> None:
+    """Without a fixed draft length the engine measures what verifying and drafting cost and
+    drafts only where that pays. The model as its own draft never pays: a draft token costs a
+    target step. So the request decodes in the batch, and nothing is drafted."""
+    from appliance.model_files import package_file
+    from engines.base import GenerationRequest, SamplingParams, TokenEvent
+    from engines.mlx.convert import gguf_to_mlx
+    from engines.mlx.engine import MlxConfig, MlxEngine
+
+    folder = tmp_path / "m"
+    gguf_to_mlx(package_file(MODEL_FILE), folder)
+    engine = MlxEngine(MlxConfig(folder, 2, 1024, 4, draft=folder, draft_max_tokens=4))
+    try:
+        tokens = tuple(engine.tokenize("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", add_special=False, parse_special=True))
+
+        async def run() -> int:
+            return sum([isinstance(e, TokenEvent) async for e in engine.generate(GenerationRequest("r", tokens, 6, SamplingParams(temperature=0)))])
+
+        assert asyncio.run(run()) >= 1
+        speculation = engine.stats().speculation
+        assert speculation is not None and speculation.drafted == 0 and speculation.verify_steps == 0
+    finally:
+        engine.close()
