@@ -41,6 +41,8 @@ class Metrics:
         self.route_injection_flags = Counter("appliance_route_injection_flags", "Routed requests whose text tried to steer the router or pose as the system", registry=r)
         self.guard_pii = Counter("appliance_guard_pii", "Requests with personal data found, by kind and what was done", ["kind", "action"], registry=r)
         self.guard_injection = Counter("appliance_guard_injection_flags", "Requests with text posing as instructions to the system", registry=r)
+        self.guard_judge_calls = Counter("appliance_guard_judge_calls", "Unsure inputs sent to the guardrail's LLM judge, by verdict", ["verdict"], registry=r)
+        self.guard_judge_cost_nanos = Counter("appliance_guard_judge_cost_nanousd", "What the guardrail judge's calls cost", registry=r)
         r.register(_EngineCollector(engine_stats))
 
     def render(self) -> bytes:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,18 +21,16 @@ import numpy as np
 
 from appliance.embedders import Embedder, EngineEmbedder
 from appliance.metrics import Metrics
+from appliance.judge import yes_probability
 from appliance.registry import LoadedModel, Registry
 from appliance.settings import CacheSettings, ModelSettings, TracingSettings
 from appliance.store.worker import StoreWorker
 from appliance.tracing import Tracing, annotate
-from engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from engines.base import FinishEvent, GenerationRequest, SamplingParams
 from policy.cache import AskJudge, Cacheable, CachePolicy, Hit, Miss, judge_candidates, normalise, servable
 from policy.cache_store import CacheStore, Entry
 
 log = logging.getLogger("appliance.cache")
-
-_YES_NO = 'root ::= "yes" | "no"'
-
 
 @dataclass(frozen=True)
 class Lookup:
@@ -71,28 +68,11 @@ def bundled_minilm() -> Embedder:
 
 
 async def ask_judge(model: LoadedModel, cached: str, asked: str) -> tuple[float, tuple[int, int]]:
-    """P(yes) from one constrained yes/no token of a small local chat model, and the tokens spent."""
-    assert model.template is not None
-    messages = [
+    """P(one answer serves both questions), from a small local chat model, and the tokens spent."""
+    return await yes_probability(model, [
         {"role": "system", "content": "You compare two user questions. Answer yes if one answer fully and correctly answers both, otherwise no."},
         {"role": "user", "content": f"Question 1: {cached}\nQuestion 2: {asked}\nDo these two questions have the same answer? Answer yes or no."},
-    ]
-    prompt = model.template.render(messages)
-    tokens = tuple(model.engine.tokenize(prompt, add_special=model.engine.add_bos(), parse_special=True))
-    request = GenerationRequest(f"judge-{uuid.uuid4().hex}", tokens, 1,
-                                SamplingParams(temperature=0.0, logprobs=True, top_logprobs=20, grammar=_YES_NO))
-    yes = no = 0.0
-    async for event in model.engine.generate(request):
-        if isinstance(event, TokenEvent) and event.logprob is not None:
-            for top in event.logprob.top:
-                word = top.token.strip().lower()
-                if word == "yes":
-                    yes += math.exp(top.logprob)
-                elif word == "no":
-                    no += math.exp(top.logprob)
-        elif isinstance(event, FinishEvent):
-            break
-    return (yes / (yes + no) if yes + no > 0 else 0.0), (len(tokens), 1)
+    ])
 
 
 class SemanticCache:

@@ -227,6 +227,12 @@ class Settings:
     routes: tuple[RouteSettings, ...] = ()
     # Personal data in a request: "off", "flag" (traced and counted), or "block" (refused, 400).
     guard_pii: str = "flag"
+    # An optional LLM judge for text the injection patterns are unsure about: a local chat model's
+    # P(yes) to "does this try to instruct the system?"; at or above the threshold the request is
+    # flagged, or refused with judge_action = "block". Its tokens are charged like any call.
+    guard_judge_model: str | None = None
+    guard_judge_action: str = "flag"
+    guard_judge_threshold: float = 0.5
 
     def route(self, alias: str) -> RouteSettings | None:
         return next((r for r in self.routes if r.alias == alias), None)
@@ -661,6 +667,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
             raise ConfigError(file, f"models[{i}].speculation_fixed_tokens", f"more than speculation_max_tokens ({m.speculation_max_tokens})")
     if not any(m.kind != "draft" for m in models):
         raise top.fail("models", "every model is a draft model: declare at least one chat or embedding model")
+    guard = _Reader(file, "guardrails", top.subtable("guardrails"), {"pii", "judge_model", "judge_action", "judge_threshold"})
     settings = Settings(
         file=Path(file),
         server=_server(file, top.subtable("server"), base),
@@ -672,8 +679,16 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         cache=_cache(file, top.subtable("cache")),
         tracing=_tracing(file, top.subtable("tracing")),
         routes=_routes(file, raw.get("routes", []), models),
-        guard_pii=_Reader(file, "guardrails", top.subtable("guardrails"), {"pii"}).string("pii", "flag", ("off", "flag", "block")) or "flag",
+        guard_pii=guard.string("pii", "flag", ("off", "flag", "block")) or "flag",
+        guard_judge_model=guard.string("judge_model"),
+        guard_judge_action=guard.string("judge_action", "flag", ("flag", "block")) or "flag",
+        guard_judge_threshold=guard.number("judge_threshold", 0.5, maximum=1.0),
     )
+    if settings.guard_judge_model is not None:
+        target = settings.model(settings.guard_judge_model)
+        if target is None or target.kind != "chat" or target.engine == "openai":
+            raise guard.fail("judge_model", f"{settings.guard_judge_model!r} is not the alias of a local chat model in this file "
+                                            "(the judge answers through a grammar)")
     cache = settings.cache
     if cache.enabled and cache.embedder != "minilm":
         target = settings.model(cache.embedder)

@@ -117,6 +117,8 @@ class RequestTrace:
 
     def fail(self, exc: BaseException) -> None:
         status = getattr(exc, "status", None)
+        if hasattr(exc, "trace_id") and getattr(exc, "trace_id", None) is None:
+            exc.trace_id = self.trace_id  # type: ignore[attr-defined]  # an APIError's response carries it
         self.root.record_exception(exc)
         self.root.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
         self.annotate(http__status_code=status)

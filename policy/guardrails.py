@@ -14,8 +14,20 @@ INJECTION = re.compile(
     r"tier\s*[:=]\s*\w+|priority\s*[:=]\s*(high|max))", re.I)
 
 
+# Weaker cues: alone they prove nothing ("what are the instructions for this oven?"), so they make
+# the cheap check unsure, and an LLM judge, when one is configured, decides.
+SUSPICIOUS = re.compile(
+    r"(\binstructions?\b|\bpretend\b|\brole-?play\b|\bjailbreak|\bdisregard\b|\boverride\b|\bforget (everything|all|your)|"
+    r"\bact as\b|\bfrom now on\b|\bnew rules?\b|\breveal (your|the)\b|\bbypass\b|\bunfiltered\b|\bno restrictions\b)", re.I)
+
+
 def injection_flagged(text: str) -> bool:
     return bool(INJECTION.search(text))
+
+
+def injection_unsure(text: str) -> bool:
+    """Not flagged by the sure patterns, but carrying a cue worth a second opinion."""
+    return not injection_flagged(text) and bool(SUSPICIOUS.search(text))
 
 
 _EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+\.[\w.-]+\b")
@@ -76,16 +88,18 @@ class GuardOutcome:
     pii: tuple[PiiFinding, ...]
     refuse: bool  # the policy says personal data must not reach a model
     injection: bool = False
+    unsure: bool = False  # no sure injection pattern, but a cue: a judge may decide
 
 
 def check_input(texts: list[str], pii_mode: str) -> GuardOutcome:
     """pii_mode: "off", "flag" (recorded in the trace and metrics), or "block" (refused)."""
     injection = any(injection_flagged(t) for t in texts)
+    unsure = not injection and any(injection_unsure(t) for t in texts)
     if pii_mode == "off":
-        return GuardOutcome((), False, injection)
+        return GuardOutcome((), False, injection, unsure)
     findings: dict[str, int] = {}
     for text in texts:
         for f in find_pii(text):
             findings[f.kind] = findings.get(f.kind, 0) + f.count
     pii = tuple(PiiFinding(k, n) for k, n in sorted(findings.items()))
-    return GuardOutcome(pii, bool(pii) and pii_mode == "block", injection)
+    return GuardOutcome(pii, bool(pii) and pii_mode == "block", injection, unsure)

@@ -26,6 +26,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.retry_after_s = retry_after_s
+        self.trace_id: str | None = None  # set when the call was traced: the error names its trace too
 
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -53,6 +54,8 @@ def from_validation(exc: msgspec.ValidationError | msgspec.DecodeError) -> APIEr
 
 def error_response(error: APIError) -> Response[bytes]:
     headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else {}
+    if error.trace_id is not None:
+        headers["x-trace-id"] = error.trace_id
     return Response(msgspec.json.encode(error.body()), status_code=error.status, media_type="application/json", headers=headers)
 
 

@@ -1,0 +1,34 @@
+"""A yes/no question to a small local chat model: one token forced by a grammar to "yes" or "no",
+read as P(yes) from its log-probabilities. The cache's equivalence judge and the guardrails'
+injection judge both ask this way; each caller accounts for the tokens it spent."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+from appliance.registry import LoadedModel
+from engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+
+YES_NO = 'root ::= "yes" | "no"'
+
+
+async def yes_probability(model: LoadedModel, messages: list[dict[str, str]]) -> tuple[float, tuple[int, int]]:
+    """P(yes), and the (prompt, completion) tokens spent."""
+    assert model.template is not None  # settings allow only local chat models as judges
+    prompt = model.template.render(messages)
+    tokens = tuple(model.engine.tokenize(prompt, add_special=model.engine.add_bos(), parse_special=True))
+    request = GenerationRequest(f"judge-{uuid.uuid4().hex}", tokens, 1,
+                                SamplingParams(temperature=0.0, logprobs=True, top_logprobs=20, grammar=YES_NO))
+    yes = no = 0.0
+    async for event in model.engine.generate(request):
+        if isinstance(event, TokenEvent) and event.logprob is not None:
+            for top in event.logprob.top:
+                word = top.token.strip().lower()
+                if word == "yes":
+                    yes += math.exp(top.logprob)
+                elif word == "no":
+                    no += math.exp(top.logprob)
+        elif isinstance(event, FinishEvent):
+            break
+    return (yes / (yes + no) if yes + no > 0 else 0.0), (len(tokens), 1)
