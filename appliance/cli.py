@@ -463,7 +463,7 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
             task = progress.add_task(f"{len(questions)} questions x {len(route.tiers) + 1} targets", total=len(questions))
             summary = evaluate.run(url, args.key or "unused", route.alias, list(route.tiers), prices, questions, args.max_tokens,
                                    lambda done: progress.update(task, completed=done))
-        run_id = evaluate.store(db, "gsm8k", len(questions), summary)
+        run_id = evaluate.store(db, args.file.name if args.file else "gsm8k", len(questions), summary)
     finally:
         db.close()
     header = ("target", "accuracy", "cost_usd", "p50_latency_s", "answered_by", "errors")
