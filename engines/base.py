@@ -138,6 +138,16 @@ class EngineClosed(EngineError):
     pass
 
 
+def check_context(request: GenerationRequest, context_length: int) -> None:
+    """A prompt plus max_tokens beyond the context is refused, in OpenAI's words, never truncated."""
+    needed = len(request.prompt_tokens) + request.max_tokens
+    if needed > context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {context_length} tokens. However, you requested {needed} tokens "
+            f"({len(request.prompt_tokens)} in the prompt, {request.max_tokens} for the completion). "
+            "Please reduce the prompt or the completion length.")
+
+
 class UnknownAdapter(EngineError):
     pass
 

@@ -17,8 +17,8 @@ from litestar.response import Stream
 from appliance.api import render
 from appliance.api.cached import CachePlan, cache_plan, serve_hit
 from appliance.api.common import authenticate, decode_body
-from appliance.api.routed import routed_chat
 from appliance.api.errors import APIError, invalid
+from appliance.api.routed import routed_chat
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from appliance.api.translate import Prepared, chat_messages, prepare_chat, prepare_completion
 from appliance.gate import Admission
@@ -27,7 +27,14 @@ from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
 from appliance.tracing import RequestTrace, annotate
 from engines.base import (
-    ContextLengthExceeded, EngineClosed, EngineError, EngineOverloaded, FinishEvent, TokenEvent, UnknownAdapter, UpstreamUnavailable,
+    ContextLengthExceeded,
+    EngineClosed,
+    EngineError,
+    EngineOverloaded,
+    FinishEvent,
+    TokenEvent,
+    UnknownAdapter,
+    UpstreamUnavailable,
 )
 from engines.stream import EventStream
 from policy.guardrails import check_input

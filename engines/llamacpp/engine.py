@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from engines.base import (
+    check_context,
     AdapterInfo,
     ContextLengthExceeded,
     EngineClosed,
@@ -246,13 +247,7 @@ class LlamaCppEngine:
             raise EngineClosed("the model is shutting down")
         if self.config.embeddings:
             raise EngineError("this model is configured for embeddings only")
-        needed = len(request.prompt_tokens) + request.max_tokens
-        if needed > self.context_length:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
-                f"{needed} tokens ({len(request.prompt_tokens)} in the prompt, {request.max_tokens} for the "
-                f"completion). Please reduce the prompt or the completion length."
-            )
+        check_context(request, self.context_length)
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty")
         with self._lock:

@@ -24,21 +24,21 @@ from typing import Any
 
 from engines.base import (
     AdapterInfo,
-    ContextLengthExceeded,
     EngineClosed,
     EngineError,
     EngineOverloaded,
     EngineStats,
     FinishEvent,
-    PrefixStats,
-    SpeculationStats,
     FinishReason,
     GenerationRequest,
+    PrefixStats,
+    SpeculationStats,
     TokenEvent,
     TokenLogprob,
     TopLogprob,
     UnknownAdapter,
     Usage,
+    check_context,
 )
 from engines.calls import ModelThreadCall
 from engines.mlx.lora import AdapterSet, read_adapter
@@ -188,11 +188,7 @@ class MlxEngine:
         unknown = [name for name, _ in request.adapters if name not in self._adapter_scales]
         if unknown:
             raise UnknownAdapter(f"no adapter named {unknown[0]!r} is loaded on this model")
-        needed = len(request.prompt_tokens) + request.max_tokens
-        if needed > self.context_length:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.context_length} tokens. However, you requested {needed} tokens "
-                f"({len(request.prompt_tokens)} in the prompt, {request.max_tokens} for the completion). Please reduce the prompt or the completion length.")
+        check_context(request, self.context_length)
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty")
         sampler = self._llama_sampler(request)  # a grammar that does not parse is refused here, not mid-stream

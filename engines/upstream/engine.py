@@ -9,6 +9,7 @@ pure functions in `engines.upstream.policy`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -21,8 +22,17 @@ from typing import NoReturn
 import httpx
 
 from engines.base import (
-    AdapterInfo, EngineClosed, EngineError, EngineStats, FinishEvent, FinishReason, GenerationRequest, TokenEvent, UpstreamStats,
-    UpstreamUnavailable, Usage,
+    AdapterInfo,
+    EngineClosed,
+    EngineError,
+    EngineStats,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+    UpstreamStats,
+    UpstreamUnavailable,
+    Usage,
 )
 from engines.stream import EventStream
 from engines.upstream import policy
@@ -188,8 +198,8 @@ class UpstreamEngine:
         if done is not None:
             try:
                 done.result(timeout=5)
-            except Exception:  # the loop stopped first: nothing left to cancel
-                pass
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError, RuntimeError):
+                log.warning("upstream engine %s: shutdown did not finish in 5 s", self.config.alias)
         else:
             loop.create_task(self._shutdown())
 
