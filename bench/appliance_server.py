@@ -52,16 +52,22 @@ def start(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--config", str(workdir / "models.toml"), "--port", str(port)],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    wait_until_up(proc, f"{base}/health", 120, "the appliance did not start")
+    return proc, base
+
+
+def wait_until_up(proc: subprocess.Popen[bytes], url: str, timeout_s: float, failure: str) -> None:
+    """Polls `url` until it answers 200; kills the process and raises `failure` if it exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()
-            raise RuntimeError("the appliance did not start")
+            raise RuntimeError(failure)
         time.sleep(0.2)
 
 

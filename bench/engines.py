@@ -31,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from appliance.model_files import package_file  # noqa: E402
-from bench.appliance_server import ENGINE_ONLY, free_port, start, stop, write_config  # noqa: E402
+from bench.appliance_server import ENGINE_ONLY, free_port, start, stop, wait_until_up, write_config  # noqa: E402
 from engines.base import GenerationRequest, SamplingParams, TokenEvent  # noqa: E402
 
 QUESTIONS = ["Write a short poem about the sea.", "Explain photosynthesis to a child.", "Give me a recipe for pancakes.",
@@ -101,17 +101,11 @@ def mlx_lm_server(folder: Path, log: Path) -> tuple[subprocess.Popen[bytes], str
                              "--decode-concurrency", "8", "--log-level", "WARNING"], stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             env={**os.environ})
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"{base}/v1/models", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"mlx_lm.server did not start:\n{log.read_text()}")
-        time.sleep(0.5)
+    try:
+        wait_until_up(proc, f"{base}/v1/models", 300, "mlx_lm.server did not start")
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}:\n{log.read_text()}") from None
+    return proc, base
 
 
 def main() -> None:
