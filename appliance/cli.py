@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from appliance.settings import ConfigError, Settings, find_config, load_settings
@@ -274,7 +275,6 @@ def parse_expiry(text: str, now: float) -> float:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    import time
 
     from policy.keystore import KeyStore
 
@@ -298,7 +298,6 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    import time
 
     from policy.keystore import KeyStore
 
@@ -349,7 +348,6 @@ def _print_rows(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
 
 
 def cmd_budgets_set(args: argparse.Namespace) -> int:
-    import time
 
     from policy.budgets import nanos_from_usd
     from policy.ledger import Ledger, LedgerError
@@ -388,7 +386,6 @@ def cmd_budgets_unset(args: argparse.Namespace) -> int:
 
 
 def cmd_budgets_reset(args: argparse.Namespace) -> int:
-    import time
 
     from policy.budgets import usd
     from policy.ledger import Ledger
@@ -404,7 +401,6 @@ def cmd_budgets_reset(args: argparse.Namespace) -> int:
 
 def cmd_budgets_show(args: argparse.Namespace) -> int:
     import json
-    import time
 
     from policy.budgets import usd
     from policy.ledger import Ledger
@@ -459,18 +455,61 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
         prices = {m.alias: Price.per_million(m.price_input_per_mtok, m.price_output_per_mtok) for m in settings.models}
         questions = evaluate.gsm8k(args.limit, args.file)
         url = args.url or f"http://{settings.server.host}:{settings.server.port}"
+        answers: list[evaluate.Answer] = []
+        targets = len(route.tiers) + (0 if args.tiers_only else 1)
         with Progress() as progress:
-            task = progress.add_task(f"{len(questions)} questions x {len(route.tiers) + 1} targets", total=len(questions))
+            task = progress.add_task(f"{len(questions)} questions x {targets} targets", total=len(questions))
             summary = evaluate.run(url, args.key or "unused", route.alias, list(route.tiers), prices, questions, args.max_tokens,
-                                   lambda done: progress.update(task, completed=done))
-        run_id = evaluate.store(db, args.file.name if args.file else "gsm8k", len(questions), summary)
+                                   lambda done: progress.update(task, completed=done), answers, include_route=not args.tiers_only)
+        run_id = evaluate.store(db, args.file.name if args.file else "gsm8k", len(questions), summary, answers)
     finally:
         db.close()
     header = ("target", "accuracy", "cost_usd", "p50_latency_s", "answered_by", "errors")
     rows = [(name, f"{s['accuracy']:.1%}", f"{s['cost_usd']:.6f}", f"{s['p50_latency_s']:.2f}", json.dumps(s["answered_by"]), str(s["errors"]))
             for name, s in summary.items() if not name.startswith("_")]
     _print_rows(header, rows)
-    print(json.dumps({"run": run_id, **summary["_comparison"]}, indent=2))
+    print(json.dumps({"run": run_id, **summary.get("_comparison", {})}, indent=2))
+    return 0
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
+def cmd_eval_calibrate(args: argparse.Namespace) -> int:
+    """Stored eval runs' per-question results to a calibration file a route reads (`calibration = PATH`)."""
+    from appliance import calibration_file, evaluate
+    from policy.router import calibrate
+
+    db = _ledger_db(args.config)
+    try:
+        runs = args.run or [r for r in [evaluate.latest_run(db)] if r is not None]
+        if not runs:
+            print("error: no stored eval run with per-question results: run `appliance eval router` first", file=sys.stderr)
+            return 2
+        tiers = evaluate.tiers_of(db, runs[-1])
+        if not tiers:
+            print(f"error: eval run {runs[-1]} does not exist or predates per-question results", file=sys.stderr)
+            return 2
+        found = evaluate.observations(db, runs, tuple(tiers))
+    finally:
+        db.close()
+    if not found:
+        print(f"error: eval runs {runs} hold no answers from the tiers {tiers}", file=sys.stderr)
+        return 2
+    calibration = calibrate(found, tuple(tiers), args.keep, args.min_samples)
+    note = (f"Written by `appliance eval calibrate` from eval runs {', '.join(map(str, runs))} ({len(found)} answers) on {_when(time.time())}.\n"
+            f"Each bucket's tier is the cheapest whose smoothed accuracy there is at least keep x the best tier's.\n"
+            f"A route uses it with `calibration = \"{args.out}\"` (relative to the config file's folder).")
+    calibration_file.write(args.out, calibration, note)
+    header = ("bucket", "samples", "tier", *(f"accuracy {t}" for t in tiers), "used")
+    rows = [(name, str(c.samples), tiers[c.tier], *(f"{a:.2f}" for a in c.accuracy), "yes" if c.samples >= args.min_samples else "too few")
+            for name, c in calibration.choices]
+    _print_rows(header, rows)
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -598,8 +637,16 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--key", help="an API key (not needed in open mode)")
     router.add_argument("--file", type=Path, help="JSONL with question and answer ('#### N') instead of GSM8K")
     router.add_argument("--history", action="store_true", help="list earlier runs")
+    router.add_argument("--tiers-only", action="store_true", help="skip the route: measure the tiers alone (for a calibration)")
     router.add_argument("--config", type=Path)
     router.set_defaults(func=cmd_eval_router)
+    calibration = evaluation.add_parser("calibrate", help="a tier per kind of request, from stored eval runs")
+    calibration.add_argument("--run", type=int, action="append", help="an eval run's id (repeat to pool runs; default: the latest)")
+    calibration.add_argument("--keep", type=_fraction, default=0.9, help="share of the best tier's accuracy to keep in each bucket")
+    calibration.add_argument("--min-samples", type=int, default=4, help="questions a bucket needs before its tier is used")
+    calibration.add_argument("--out", type=Path, required=True, help="the calibration file to write")
+    calibration.add_argument("--config", type=Path)
+    calibration.set_defaults(func=cmd_eval_calibrate)
 
     tui = sub.add_parser("tui", help="the operator's terminal UI, over the admin API")
     tui.add_argument("--url", help="the appliance (default: the config's host and port)")

@@ -18,6 +18,7 @@ import apsw
 import httpx
 
 from policy.budgets import Price
+from policy.router import Observation, buckets, features
 
 SYSTEM = "Solve the problem step by step, briefly. End with a last line of the form 'Answer: <number>'."
 _ANSWER = re.compile(r"answer\s*[:=]?\s*\$?\s*(-?[\d,]*\.?\d+)", re.I)
@@ -33,6 +34,24 @@ def create_tables(db: apsw.Connection) -> None:
             dataset TEXT NOT NULL,
             questions INTEGER NOT NULL,
             summary TEXT NOT NULL
+        ) STRICT
+    """)
+
+
+def create_answer_table(db: apsw.Connection) -> None:
+    """Each question's result per target, kept so a calibration can be derived from a run later."""
+    db.execute("""
+        CREATE TABLE eval_answers (
+            run_id INTEGER NOT NULL REFERENCES eval_runs(id) ON DELETE CASCADE,
+            question INTEGER NOT NULL,
+            target TEXT NOT NULL,
+            tier INTEGER,
+            bucket TEXT NOT NULL,
+            correct INTEGER NOT NULL,
+            cost_nanos INTEGER NOT NULL,
+            latency_s REAL NOT NULL,
+            answered_by TEXT,
+            PRIMARY KEY (run_id, question, target)
         ) STRICT
     """)
 
@@ -87,35 +106,61 @@ class Target:
                 "answered_by": self.models, "errors": self.errors}
 
 
+@dataclass(frozen=True)
+class Answer:
+    question: int
+    target: str
+    tier: int | None  # the target's index among the route's tiers; None for the route itself
+    bucket: str
+    correct: bool
+    cost_nanos: int
+    latency_s: float
+    answered_by: str | None
+
+
 def run(base_url: str, key: str, route: str, tiers: list[str], prices: dict[str, Price], questions: list[tuple[str, str]],
-        max_tokens: int, progress: Any = None) -> dict[str, Any]:
-    targets = {name: Target(name) for name in [route, *tiers]}
+        max_tokens: int, progress: Any = None, answers: list[Answer] | None = None, include_route: bool = True) -> dict[str, Any]:
+    """Every question through the route and each tier alone; `answers`, when given, receives each
+    question's result per target."""
+    targets = {name: Target(name) for name in ([route] if include_route else []) + tiers}
     headers = {"Authorization": f"Bearer {key}", "Cache-Control": "no-cache, no-store"}  # measure models, not the cache
     with httpx.Client(base_url=base_url, headers=headers, timeout=600) as client:
         for i, (question, gold) in enumerate(questions):
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            bucket = buckets(features(messages, False))[0]  # the same features the router computes
             for name, target in targets.items():
-                body = {"model": name, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-                        "max_tokens": max_tokens, "temperature": 0}
+                body = {"model": name, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
                 started = time.perf_counter()
                 response = client.post("/v1/chat/completions", json=body)
-                target.latencies.append(time.perf_counter() - started)
+                latency = time.perf_counter() - started
+                target.latencies.append(latency)
+                tier = tiers.index(name) if name != route else None
                 if response.status_code != 200:
                     target.errors += 1
+                    if answers is not None:
+                        answers.append(Answer(i, name, tier, bucket, False, 0, latency, None))
                     continue
                 data = response.json()
                 served = response.headers.get("x-route-model") or ("default" if response.headers.get("x-route-default") else data["model"])
                 target.models[served] = target.models.get(served, 0) + 1
-                target.correct += same_number(extract(data["choices"][0]["message"]["content"]), gold)
+                correct = same_number(extract(data["choices"][0]["message"]["content"]), gold)
+                target.correct += correct
                 # A routed answer also paid for its failed attempts (and its classifier call is settled
                 # apart): x-route-cost-nanousd sums every attempt.
                 usage = data["usage"]
                 price = prices.get(served) or prices.get(data["model"]) or Price(0, 0)
                 routed_cost = response.headers.get("x-route-cost-nanousd")
-                target.cost_nanos += int(routed_cost) if routed_cost is not None else price.cost(usage["prompt_tokens"], usage["completion_tokens"])
+                cost = int(routed_cost) if routed_cost is not None else price.cost(usage["prompt_tokens"], usage["completion_tokens"])
+                target.cost_nanos += cost
+                if answers is not None:
+                    answers.append(Answer(i, name, tier, bucket, correct, cost, latency, served))
             if progress is not None:
                 progress(i + 1)
     n = len(questions)
-    summary = {name: t.summary(n) for name, t in targets.items()}
+    summary: dict[str, Any] = {name: t.summary(n) for name, t in targets.items()}
+    summary["_tiers"] = list(tiers)
+    if not include_route:
+        return summary
     small, frontier, routed = summary[tiers[0]], summary[tiers[-1]], summary[route]
     span = frontier["cost_usd"] - small["cost_usd"]
     line = small["accuracy"] + (frontier["accuracy"] - small["accuracy"]) * ((routed["cost_usd"] - small["cost_usd"]) / span) if span > 0 else None
@@ -131,11 +176,37 @@ def run(base_url: str, key: str, route: str, tiers: list[str], prices: dict[str,
     return summary
 
 
-def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, Any]) -> int:
+def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, Any], answers: list[Answer] = ()) -> int:
     with db:
         db.execute("INSERT INTO eval_runs(at, kind, dataset, questions, summary) VALUES (?, 'router', ?, ?, ?)",
                    (time.time(), dataset, questions, json.dumps(summary)))
-        return db.last_insert_rowid()
+        run_id = db.last_insert_rowid()
+        db.executemany("INSERT INTO eval_answers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       [(run_id, a.question, a.target, a.tier, a.bucket, int(a.correct), a.cost_nanos, a.latency_s, a.answered_by)
+                        for a in answers])
+        return run_id
+
+
+def observations(db: apsw.Connection, run_ids: list[int], tiers: tuple[str, ...]) -> list[Observation]:
+    """The tiers' answers from stored runs, matched to `tiers` by alias (a run measured with other
+    tiers contributes only those it shares)."""
+    found = []
+    for run_id in run_ids:
+        for target, bucket, correct, cost in db.execute(
+                "SELECT target, bucket, correct, cost_nanos FROM eval_answers WHERE run_id = ? AND tier IS NOT NULL", (run_id,)):
+            if target in tiers:
+                found.append(Observation(bucket, tiers.index(target), bool(correct), cost))
+    return found
+
+
+def tiers_of(db: apsw.Connection, run_id: int) -> list[str] | None:
+    row = db.execute("SELECT summary FROM eval_runs WHERE id = ?", (run_id,)).fetchone()
+    return json.loads(row[0]).get("_tiers") if row else None
+
+
+def latest_run(db: apsw.Connection) -> int | None:
+    row = db.execute("SELECT max(run_id) FROM eval_answers").fetchone()
+    return row[0] if row else None
 
 
 def history(db: apsw.Connection, limit: int = 20) -> list[dict[str, Any]]:

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance import calibration_file
 from appliance.paths import default_data_dir
 from policy.limits import LIMIT_LEVELS, LimitRule
+from policy.router import Calibration
 
 ENGINES = ("llamacpp", "mlx", "auto", "openai")  # openai: a model served by another server (engines/upstream)
 KINDS = ("chat", "embedding", "draft")  # a draft model is loaded only inside the models it drafts for
@@ -191,6 +193,7 @@ class RouteSettings:
     attempt_timeout_s: float = 120.0  # an attempt slower than this is abandoned for the next tier
     role_floor: tuple[tuple[str, str], ...] = ()  # (role, tier name)
     role_ceiling: tuple[tuple[str, str], ...] = ()
+    calibration: Calibration | None = None  # measured tier per kind of request (`appliance eval calibrate`)
 
     def tier_index(self, name: str) -> int:
         """small, mid, frontier onto this route's tiers (frontier is always the last)."""
@@ -394,7 +397,23 @@ def _tracing(file: str, table: dict[str, Any]) -> TracingSettings:
     )
 
 
-def _routes(file: str, raw: object, models: tuple[ModelSettings, ...]) -> tuple[RouteSettings, ...]:
+def _calibration(file: str, key: str, value: str | None, base: Path, tiers: tuple[str, ...]) -> Calibration | None:
+    """Read once with the config; a problem names the calibration file and its key, and which route uses it."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else base / path
+    try:
+        calibration = calibration_file.read(path)
+    except calibration_file.CalibrationError as exc:
+        raise ConfigError(str(path), exc.key, f"{exc.problem} (the calibration of {file}: {key})") from None
+    if calibration.tiers != tiers:
+        raise ConfigError(file, key, f"{path} was measured with tiers {list(calibration.tiers)}, this route has {list(tiers)}: "
+                                     "remove this key, then run `appliance eval router` and `appliance eval calibrate` again")
+    return calibration
+
+
+def _routes(file: str, raw: object, models: tuple[ModelSettings, ...], base: Path) -> tuple[RouteSettings, ...]:
     if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
         raise ConfigError(file, "routes", "expected an array of tables: [[routes]]")
     chat = {m.alias for m in models if m.kind == "chat"}
@@ -403,7 +422,7 @@ def _routes(file: str, raw: object, models: tuple[ModelSettings, ...]) -> tuple[
     for i, table in enumerate(raw):
         r = _Reader(file, f"routes[{i}]", table, {
             "alias", "tiers", "default_response", "min_confidence", "max_repetition", "classifier_model", "classifier_below",
-            "cooldown_s", "role_floor", "role_ceiling", "attempt_timeout_s"})
+            "cooldown_s", "role_floor", "role_ceiling", "attempt_timeout_s", "calibration"})
         alias = r.string("alias")
         if alias is None:
             raise r.fail("alias", "missing: the name clients send as `model`, for example \"auto\"")
@@ -427,6 +446,7 @@ def _routes(file: str, raw: object, models: tuple[ModelSettings, ...]) -> tuple[
                 if tier not in TIERS:
                     raise ConfigError(file, f"routes[{i}].{key}.{role}", f"expected one of {', '.join(TIERS)}, got {tier!r}")
             bounds[key] = tuple(sorted(sub.items()))
+        calibration = _calibration(file, f"routes[{i}].calibration", r.string("calibration"), base, tuple(tiers))
         routes.append(RouteSettings(
             alias=alias,
             tiers=tuple(tiers),
@@ -439,6 +459,7 @@ def _routes(file: str, raw: object, models: tuple[ModelSettings, ...]) -> tuple[
             attempt_timeout_s=r.number("attempt_timeout_s", 120.0, minimum=0.1),
             role_floor=bounds["role_floor"],
             role_ceiling=bounds["role_ceiling"],
+            calibration=calibration,
         ))
     aliases = [r.alias for r in routes]
     for i, a in enumerate(aliases):
@@ -678,7 +699,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         limits=_limits(file, raw.get("limits", [])),
         cache=_cache(file, top.subtable("cache")),
         tracing=_tracing(file, top.subtable("tracing")),
-        routes=_routes(file, raw.get("routes", []), models),
+        routes=_routes(file, raw.get("routes", []), models, base),
         guard_pii=guard.string("pii", "flag", ("off", "flag", "block")) or "flag",
         guard_judge_model=guard.string("judge_model"),
         guard_judge_action=guard.string("judge_action", "flag", ("flag", "block")) or "flag",

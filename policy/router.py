@@ -40,6 +40,7 @@ class Decision:
     confidence: float  # 0..1: how sure the heuristics are
     score: float
     reason: str
+    by: str = "heuristics"  # or "calibration"
 
 
 _CODE = re.compile(r"```|\bdef |\bclass |\bfunction\b|\breturn\b|=>|[{};]\s*$|\bimport |#include|\bSELECT\b|\bfn \w+\(", re.M)
@@ -199,3 +200,91 @@ def schema_problem(value: object, schema: dict) -> str | None:
         return None
     where = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
     return f"{where}: {error.message}"
+
+
+# -- calibration: tiers from measured accuracy ----------------------------------------------------
+
+KINDS = ("code", "word_problem", "math", "text")
+
+
+def buckets(f: Features) -> tuple[str, str]:
+    """(fine, coarse) names of the kind of request: the coarse one is the kind alone, the fine one adds
+    what changes the work (JSON output, length, asked-for steps, conversation depth, script)."""
+    kind = "code" if f.code else "word_problem" if f.word_problem else "math" if f.math else "text"
+    extras = [name for name, present in (("json", f.structured_output), ("long", f.words >= 60), ("steps", f.steps >= 2),
+                                         ("chat", f.turns >= 2), ("intl", f.non_ascii_ratio > 0.3)) if present]
+    return "+".join([kind, *extras]), kind
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One labelled question answered by one tier alone, from an eval run."""
+    bucket: str  # fine bucket
+    tier: int
+    correct: bool
+    cost_nanos: int
+
+
+@dataclass(frozen=True)
+class BucketChoice:
+    tier: int
+    samples: int  # questions measured in this bucket
+    accuracy: tuple[float, ...]  # per tier, smoothed
+    cost_nanos: tuple[float, ...]  # mean per answer, per tier
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per bucket, the cheapest tier that keeps `keep` of the best tier's accuracy there, as measured.
+    Keeping that share in every bucket keeps it overall, whatever the workload's mix of buckets."""
+    tiers: tuple[str, ...]  # the aliases it was measured with, cheapest first
+    keep: float
+    min_samples: int
+    choices: tuple[tuple[str, BucketChoice], ...]  # fine and coarse buckets
+
+    def choice(self, name: str) -> BucketChoice | None:
+        for key, found in self.choices:
+            if key == name:
+                return found if found.samples >= self.min_samples else None
+        return None
+
+
+def calibrate(observations: list[Observation], tiers: tuple[str, ...], keep: float = 0.9, min_samples: int = 4) -> Calibration:
+    """Pure: from per-question, per-tier results to a tier per bucket. Accuracy is smoothed (Laplace:
+    (right + 1) / (n + 2)), so a tier measured on a handful of questions is neither perfect nor hopeless;
+    a bucket no tier answers well goes to the cheapest tier, where the validators may still escalate."""
+    def coarse(name: str) -> str:
+        return name.split("+", 1)[0]
+
+    grouped: dict[str, list[Observation]] = {}
+    for o in observations:
+        for key in {o.bucket, coarse(o.bucket)}:
+            grouped.setdefault(key, []).append(o)
+    choices = []
+    for key in sorted(grouped):
+        rows = grouped[key]
+        accuracy, cost, counts = [], [], []
+        for tier in range(len(tiers)):
+            mine = [o for o in rows if o.tier == tier]
+            counts.append(len(mine))
+            accuracy.append(round((sum(o.correct for o in mine) + 1) / (len(mine) + 2), 4))
+            cost.append(round(sum(o.cost_nanos for o in mine) / len(mine), 1) if mine else 0.0)
+        best = max(accuracy)
+        chosen = next(t for t in range(len(tiers)) if accuracy[t] >= keep * best)
+        choices.append((key, BucketChoice(chosen, min(counts), tuple(accuracy), tuple(cost))))
+    return Calibration(tuple(tiers), keep, min_samples, tuple(choices))
+
+
+def decide_calibrated(f: Features, tiers: int, calibration: Calibration | None) -> Decision:
+    """The measured tier for the request's bucket (fine if measured often enough, else coarse); the
+    heuristics where neither was. Confidence grows with the bucket's sample count, so a thinly measured
+    bucket may still consult the classifier model."""
+    fine, coarse = buckets(f)
+    for name in (fine, coarse):
+        found = calibration.choice(name) if calibration is not None else None
+        if found is not None and found.tier < tiers:
+            confidence = found.samples / (found.samples + calibration.min_samples)
+            accuracy = "/".join(f"{a:.2f}" for a in found.accuracy)
+            return Decision(found.tier, round(confidence, 3), round(score(f), 3),
+                            f"calibrated: {name} (n={found.samples}, accuracy by tier {accuracy})", "calibration")
+    return decide(f, tiers)

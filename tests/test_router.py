@@ -12,7 +12,27 @@ import apsw
 import httpx
 import pytest
 
-from policy.router import Features, clamp_tier, confidence_of, decide, features, repetition, validate
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance import calibration_file
+from appliance.settings import ConfigError, parse_settings
+from policy.router import (
+    KINDS,
+    BucketChoice,
+    Calibration,
+    Features,
+    Observation,
+    buckets,
+    calibrate,
+    clamp_tier,
+    confidence_of,
+    decide,
+    decide_calibrated,
+    features,
+    repetition,
+    validate,
+)
 from tests.conftest import MODEL_FILE, Server, config_text, start_server, stop_server
 from tests.test_gate_api import new_key
 from tests.test_tracing import Collector
@@ -72,8 +92,119 @@ def test_validators() -> None:
     assert confidence_of([]) is None
 
 
+# -- calibration ---------------------------------------------------------------------------------
+
+TIERS = ("small", "mid", "big")
+
+
+def _user(text: str) -> Features:
+    return features([{"role": "user", "content": text}], False)
+
+
+def _observe(bucket: str, right_by_tier: tuple[int, ...], n: int, cost: tuple[int, ...] = (1, 4, 12)) -> list[Observation]:
+    return [Observation(bucket, tier, i < right, cost[tier]) for tier, right in enumerate(right_by_tier) for i in range(n)]
+
+
+def test_buckets_name_the_kind_of_request() -> None:
+    assert buckets(_user("What is 7 + 5?")) == ("math", "math")
+    assert buckets(_user("Say hello.")) == ("text", "text")
+    assert buckets(_user("def f(x):\n    return x")) == ("code", "code")
+    problem = "Tom has 3 apples and buys 4 bags of 5 apples each. He gives 2 away. How many apples does he have left?"
+    assert buckets(_user(problem)) == ("word_problem", "word_problem")
+    assert buckets(features([{"role": "user", "content": "List three colours."}], True)) == ("text+json", "text")
+    assert buckets(_user("Explain step by step and compare the two approaches.")) == ("text+steps", "text")
+
+
+def test_calibration_picks_the_cheapest_tier_that_keeps_the_share() -> None:
+    # Easy maths: the small tier gets half right, the mid tier all: the mid tier. Word problems: only the big one.
+    found = _observe("math", (5, 10, 10), 10) + _observe("word_problem", (0, 2, 8), 10) + _observe("text", (9, 10, 10), 10)
+    calibration = calibrate(found, TIERS, keep=0.9, min_samples=4)
+    assert calibration.choice("math").tier == 1
+    assert calibration.choice("word_problem").tier == 2
+    assert calibration.choice("text").tier == 0  # 10/12 >= 0.9 x 11/12
+    assert calibration.choice("math").accuracy == (round(6 / 12, 4), round(11 / 12, 4), round(11 / 12, 4))
+    assert calibration.choice("math").cost_nanos == (1.0, 4.0, 12.0)
+    # Nobody solves it: the cheapest, where the validators may still escalate.
+    assert calibrate(_observe("code", (0, 0, 0), 6), TIERS).choice("code").tier == 0
+    # A stricter keep moves up.
+    assert calibrate(_observe("text", (9, 10, 10), 10), TIERS, keep=0.99).choice("text").tier == 1
+
+
+def test_a_thin_bucket_defers_to_its_kind_then_to_the_heuristics() -> None:
+    found = _observe("math", (5, 10, 10), 10) + _observe("math+json", (0, 0, 3), 3)
+    calibration = calibrate(found, TIERS, min_samples=4)
+    assert calibration.choice("math+json") is None  # 3 questions: too few
+    assert calibration.choice("math").samples == 13  # the kind pools its fine buckets
+    as_json = features([{"role": "user", "content": "What is 7 + 5?"}], True)
+    decision = decide_calibrated(as_json, 3, calibration)
+    assert decision.by == "calibration" and "calibrated: math " in decision.reason
+    unmeasured = decide_calibrated(_user("Say hello."), 3, calibration)
+    assert unmeasured == decide(_user("Say hello."), 3) and unmeasured.by == "heuristics"
+    assert decide_calibrated(_user("Say hello."), 3, None) == decide(_user("Say hello."), 3)
+    # Confidence grows with what was measured.
+    few = decide_calibrated(_user("What is 7 + 5?"), 3, calibrate(_observe("math", (0, 4, 4), 4), TIERS))
+    many = decide_calibrated(_user("What is 7 + 5?"), 3, calibrate(_observe("math", (0, 40, 40), 40), TIERS))
+    assert few.tier == many.tier == 1 and few.confidence < 0.6 < many.confidence
+
+
+@given(st.lists(st.tuples(st.sampled_from(["math", "math+json", "text", "code+long"]), st.integers(0, 2), st.booleans(),
+                          st.integers(0, 10_000)), max_size=60),
+       st.floats(0.5, 1.0))
+def test_every_bucket_keeps_its_share_at_the_lowest_cost(rows: list[tuple[str, int, bool, int]], keep: float) -> None:
+    calibration = calibrate([Observation(*row) for row in rows], TIERS, keep=keep, min_samples=1)
+    for name, choice in calibration.choices:
+        best = max(choice.accuracy)
+        assert choice.accuracy[choice.tier] >= keep * best
+        assert all(choice.accuracy[t] < keep * best for t in range(choice.tier))  # nothing cheaper would do
+        assert choice.samples == min(sum(1 for b, t, _, _ in rows if t == tier and (b == name or b.split("+")[0] == name))
+                                     for tier in range(3))
+
+
+def test_a_calibration_cannot_be_bought_by_the_adversarial_set() -> None:
+    # Any calibration maps a bucket to a tier; none of the attacks moves its request to another bucket.
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    for row in rows:
+        assert buckets(_user(row["attack"])) == buckets(_user(row["base"])), row
+    every = [(kind + "".join(f"+{e}" for e in extras), BucketChoice(min(2, len(extras)), 50, (0.5, 0.7, 0.9), (1, 2, 3)))
+             for kind in KINDS for extras in ([], ["json"], ["long"], ["steps"], ["long", "steps"])]
+    calibration = Calibration(TIERS, 0.9, 4, tuple(every))
+    for row in rows:
+        assert decide_calibrated(_user(row["attack"]), 3, calibration).tier <= decide_calibrated(_user(row["base"]), 3, calibration).tier
+
+
+def test_a_calibration_file_round_trips_and_its_errors_name_the_key(tmp_path: Path) -> None:
+    calibration = calibrate(_observe("math", (5, 10, 10), 10) + _observe("word_problem+long", (0, 2, 8), 10), TIERS)
+    path = tmp_path / "calibration.toml"
+    calibration_file.write(path, calibration, "from a test\nsecond line")
+    assert calibration_file.read(path) == calibration
+    assert path.read_text().startswith("# from a test\n# second line\n")
+    for text, key in (('tiers = []', "tiers"), ('tiers = ["a"]\nkeep = 2', "keep"), ('tiers = ["a"]\nextra = 1', "extra"),
+                      ('tiers = ["a"]\n[buckets.math]\ntier = 3', "buckets.\"math\".tier"),
+                      ('tiers = ["a"]\n[buckets.math]\ntier = 0\naccuracy = [1, 2]', "buckets.\"math\".accuracy"),
+                      ("tiers = [", "(syntax)")):
+        path.write_text(text)
+        with pytest.raises(calibration_file.CalibrationError) as caught:
+            calibration_file.read(path)
+        assert caught.value.key == key, text
+
+
+def test_a_route_reads_its_calibration_once_with_the_config(tmp_path: Path) -> None:
+    models = "".join(f'[[models]]\nalias = "{a}"\npath = "m.gguf"\n\n' for a in TIERS)
+    calibration_file.write(tmp_path / "cal.toml", calibrate(_observe("math", (5, 10, 10), 10), TIERS), "test")
+    text = models + '[[routes]]\nalias = "auto"\ntiers = ["small", "mid", "big"]\ncalibration = "cal.toml"\n'
+    settings = parse_settings(text, str(tmp_path / "models.toml"), tmp_path)
+    assert settings.route("auto").calibration.choice("math").tier == 1
+    with pytest.raises(ConfigError) as caught:
+        parse_settings(text.replace('"small", "mid", "big"]', '"mid", "big"]'), str(tmp_path / "models.toml"), tmp_path)
+    assert caught.value.key == "routes[0].calibration" and "measured with tiers" in caught.value.problem
+    with pytest.raises(ConfigError) as caught:
+        parse_settings(text.replace("cal.toml", "missing.toml"), str(tmp_path / "models.toml"), tmp_path)
+    assert caught.value.file == str(tmp_path / "missing.toml") and "routes[0].calibration" in caught.value.problem
+
+
 # -- through the server ---------------------------------------------------------------------------
 
+CALIBRATED_TIERS = ("tier-small", "tier-mid", "smollm2-135m")
 SYSTEM_PAD = "You are a helpful assistant for the Example Company. " * 22  # leaves the small tier a few tokens
 
 
@@ -110,6 +241,11 @@ attempt_timeout_s = 0.3
 cooldown_s = 1
 
 [[routes]]
+alias = "calibrated"
+tiers = ["tier-small", "tier-mid", "smollm2-135m"]
+calibration = "calibration.toml"
+
+[[routes]]
 alias = "strict"
 tiers = ["tier-small", "tier-mid"]
 min_confidence = 0.999
@@ -120,7 +256,11 @@ default_response = "No reliable answer: this is the route's default."
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, str], Collector]]:
     collector = Collector()
-    server = start_server(tmp_path_factory.mktemp("routed"), router_config(collector.port))
+    workdir = tmp_path_factory.mktemp("routed")
+    # Measured (as a test would have it): simple maths needs the frontier tier; everything else is unmeasured.
+    maths = calibrate([Observation("math", tier, tier == 2, 10) for tier in range(3) for _ in range(6)], CALIBRATED_TIERS)
+    calibration_file.write(workdir / "calibration.toml", maths, "for tests/test_router.py")
+    server = start_server(workdir, router_config(collector.port))
     keys = {"dev": new_key(server, "acme"), "analyst": "", "intern": ""}
     for role in ("analyst", "intern"):
         out = __import__("tests.test_gate_api", fromlist=["cli"]).cli(
@@ -287,3 +427,46 @@ def test_a_routed_answer_is_cached_for_the_route(routed: tuple[Server, dict[str,
     feedback = httpx.post(f"{server.base_url}/v1/cache/feedback", json={"response_id": first.json()["id"], "rating": "good"},
                           headers={"Authorization": f"Bearer {keys['dev']}"})
     assert feedback.status_code == 200
+
+
+def test_a_calibrated_route_sends_a_bucket_to_its_measured_tier(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, collector = routed
+    question = "What is 7 + 5?"
+    assert ask(server, keys["dev"], question, max_tokens=8).headers["x-route-tier"] == "0"  # the heuristics: trivial
+    response = ask(server, keys["dev"], question, model="calibrated", max_tokens=8)
+    assert response.status_code == 200 and response.headers["x-route-tier"] == "2"
+    decide_span = next(s for s in spans_of(collector, response.headers["x-trace-id"]) if s["name"] == "route.decide")
+    attributes = decide_span["attributes"]
+    assert attributes["route.by"] == "calibration" and attributes["route.bucket"] == "math"
+    assert attributes["route.reason"].startswith("calibrated: math (n=6")
+    # An unmeasured kind of request falls back to the heuristics.
+    other = ask(server, keys["dev"], "What is the capital of France?", model="calibrated", max_tokens=8)
+    assert other.headers["x-route-tier"] == "0"
+
+
+def test_eval_runs_store_each_answer_and_calibrate_from_them(routed: tuple[Server, dict[str, str], Collector], tmp_path: Path) -> None:
+    from tests.test_gate_api import cli
+
+    server, keys, _ = routed
+    questions = tmp_path / "set.jsonl"
+    rows = [("What is 2 + 2?", 4), ("How many days are in a week?", 7), ("What is 3 + 5?", 8)]
+    questions.write_text("".join(json.dumps({"question": q, "answer": f"#### {a}"}) + "\n" for q, a in rows))
+    out = cli(server, "eval", "router", "--route", "calibrated", "--file", str(questions), "--limit", "3", "--max-tokens", "16",
+              "--url", server.base_url, "--key", keys["dev"])
+    run_id = json.loads(out[out.index("\n{") + 1:])["run"]
+    db = apsw.Connection(str(server.home / "appliance.db"))
+    stored = db.execute("SELECT target, tier, bucket, correct, cost_nanos FROM eval_answers WHERE run_id = ? ORDER BY question, target",
+                        (run_id,)).fetchall()
+    db.close()
+    assert len(stored) == 12  # 3 questions x (the route + 3 tiers)
+    assert {r[0] for r in stored} == {"calibrated", *CALIBRATED_TIERS}
+    assert {r[2] for r in stored} == {"math"} and all(r[4] > 0 for r in stored)
+    assert [r[1] for r in stored if r[0] == "tier-mid"] == [1, 1, 1] and [r[1] for r in stored if r[0] == "calibrated"] == [None] * 3
+    target = tmp_path / "measured.toml"
+    cli(server, "eval", "calibrate", "--run", str(run_id), "--min-samples", "1", "--out", str(target))
+    measured = calibration_file.read(target)
+    assert measured.tiers == CALIBRATED_TIERS and measured.min_samples == 1
+    choice = measured.choice("math")
+    assert choice is not None and choice.samples == 3
+    right = [sum(r[3] for r in stored if r[0] == alias) for alias in CALIBRATED_TIERS]
+    assert choice.accuracy == tuple(round((c + 1) / 5, 4) for c in right)

@@ -29,7 +29,7 @@ from appliance.settings import RouteSettings
 from appliance.tracing import RequestTrace, annotate
 from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
 from policy.identity import Principal
-from policy.router import TIER_NAMES, Verdict, clamp_tier, decide, features, validate
+from policy.router import TIER_NAMES, Verdict, buckets, clamp_tier, decide_calibrated, features, validate
 
 _NOT_SERVED = ("cooling down", "timeout", "failed to serve")
 _cooling: dict[str, float] = {}  # model alias -> until when it is skipped after failing to serve
@@ -105,8 +105,8 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     if body.response_format is not None and body.response_format.json_schema is not None:
         schema = body.response_format.json_schema.schema
     found = features(messages, wants_json)
-    decision = decide(found, len(route.tiers))
-    tier, how = decision.tier, "heuristics"
+    decision = decide_calibrated(found, len(route.tiers), route.calibration)
+    tier, how = decision.tier, decision.by
     with traced.child("route.decide", route=route.alias) as span:
         if decision.confidence < route.classifier_below and route.classifier_model:
             opinion = await classify_with_llm(services, route, principal, request_id, messages[-1]["content"], tier, traced)
@@ -115,7 +115,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
         floor, ceiling = _role_bounds(route, principal.role)
         bounded = clamp_tier(tier, len(route.tiers), floor, ceiling)
         annotate(span, route__score=decision.score, route__confidence=decision.confidence, route__reason=decision.reason,
-                 route__by=how, route__tier=bounded, route__tier_before_role=tier, route__injection_flagged=found.injection,
+                 route__by=how, route__bucket=buckets(found)[0], route__tier=bounded, route__tier_before_role=tier, route__injection_flagged=found.injection,
                  route__features=json.dumps(dataclasses.asdict(found)))
     if found.injection:
         services.metrics.route_injection_flags.inc()

@@ -94,6 +94,12 @@ def _create_eval_runs(db: apsw.Connection) -> None:
     create_tables(db)
 
 
+def _create_eval_answers(db: apsw.Connection) -> None:
+    from appliance.evaluate import create_answer_table
+
+    create_answer_table(db)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     ("0001_request_log", _create_request_log),
     ("0002_api_keys", keystore.create_tables),
@@ -102,6 +108,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0005_semantic_cache", cache_store.create_tables),
     ("0006_spans", _create_spans),
     ("0007_eval_runs", _create_eval_runs),
+    ("0008_eval_answers", _create_eval_answers),
 )
 
 
