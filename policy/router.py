@@ -209,9 +209,10 @@ KINDS = ("code", "word_problem", "math", "text")
 
 def buckets(f: Features) -> tuple[str, str]:
     """(fine, coarse) names of the kind of request: the coarse one is the kind alone, the fine one adds
-    what changes the work (JSON output, length, asked-for steps, conversation depth, script)."""
+    what changes the work (JSON output, length in distinct words, asked-for steps, conversation depth,
+    script). "What is 7 + 5?" and a GSM8K problem are both maths; only the fine bucket tells them apart."""
     kind = "code" if f.code else "word_problem" if f.word_problem else "math" if f.math else "text"
-    extras = [name for name, present in (("json", f.structured_output), ("long", f.words >= 60), ("steps", f.steps >= 2),
+    extras = [name for name, present in (("json", f.structured_output), ("short", f.words < 20), ("long", f.words >= 60), ("steps", f.steps >= 2),
                                          ("chat", f.turns >= 2), ("intl", f.non_ascii_ratio > 0.3)) if present]
     return "+".join([kind, *extras]), kind
 

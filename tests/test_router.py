@@ -106,13 +106,16 @@ def _observe(bucket: str, right_by_tier: tuple[int, ...], n: int, cost: tuple[in
 
 
 def test_buckets_name_the_kind_of_request() -> None:
-    assert buckets(_user("What is 7 + 5?")) == ("math", "math")
-    assert buckets(_user("Say hello.")) == ("text", "text")
-    assert buckets(_user("def f(x):\n    return x")) == ("code", "code")
-    problem = "Tom has 3 apples and buys 4 bags of 5 apples each. He gives 2 away. How many apples does he have left?"
+    assert buckets(_user("What is 7 + 5?")) == ("math+short", "math")
+    assert buckets(_user("Say hello.")) == ("text+short", "text")
+    assert buckets(_user("def f(x):\n    return x")) == ("code+short", "code")
+    problem = ("Tom has 3 apples and buys 4 bags of 5 apples each at the market on Saturday morning. He gives 2 away to "
+               "his sister. How many apples does he have left?")
     assert buckets(_user(problem)) == ("word_problem", "word_problem")
-    assert buckets(features([{"role": "user", "content": "List three colours."}], True)) == ("text+json", "text")
-    assert buckets(_user("Explain step by step and compare the two approaches.")) == ("text+steps", "text")
+    assert buckets(features([{"role": "user", "content": "List three colours."}], True)) == ("text+json+short", "text")
+    assert buckets(_user("Explain step by step and compare the two approaches.")) == ("text+short+steps", "text")
+    essay = " ".join(f"word{i}" for i in range(70))
+    assert buckets(_user(essay)) == ("text+long", "text")
 
 
 def test_calibration_picks_the_cheapest_tier_that_keeps_the_share() -> None:
@@ -437,7 +440,7 @@ def test_a_calibrated_route_sends_a_bucket_to_its_measured_tier(routed: tuple[Se
     assert response.status_code == 200 and response.headers["x-route-tier"] == "2"
     decide_span = next(s for s in spans_of(collector, response.headers["x-trace-id"]) if s["name"] == "route.decide")
     attributes = decide_span["attributes"]
-    assert attributes["route.by"] == "calibration" and attributes["route.bucket"] == "math"
+    assert attributes["route.by"] == "calibration" and attributes["route.bucket"] == "math+short"
     assert attributes["route.reason"].startswith("calibrated: math (n=6")
     # An unmeasured kind of request falls back to the heuristics.
     other = ask(server, keys["dev"], "What is the capital of France?", model="calibrated", max_tokens=8)
@@ -460,13 +463,13 @@ def test_eval_runs_store_each_answer_and_calibrate_from_them(routed: tuple[Serve
     db.close()
     assert len(stored) == 12  # 3 questions x (the route + 3 tiers)
     assert {r[0] for r in stored} == {"calibrated", *CALIBRATED_TIERS}
-    assert {r[2] for r in stored} == {"math"} and all(r[4] > 0 for r in stored)
+    assert {r[2] for r in stored} == {"math+short"} and all(r[4] > 0 for r in stored)
     assert [r[1] for r in stored if r[0] == "tier-mid"] == [1, 1, 1] and [r[1] for r in stored if r[0] == "calibrated"] == [None] * 3
     target = tmp_path / "measured.toml"
     cli(server, "eval", "calibrate", "--run", str(run_id), "--min-samples", "1", "--out", str(target))
     measured = calibration_file.read(target)
     assert measured.tiers == CALIBRATED_TIERS and measured.min_samples == 1
-    choice = measured.choice("math")
-    assert choice is not None and choice.samples == 3
+    choice = measured.choice("math+short")
+    assert choice is not None and choice.samples == 3 and measured.choice("math") == choice
     right = [sum(r[3] for r in stored if r[0] == alias) for alias in CALIBRATED_TIERS]
     assert choice.accuracy == tuple(round((c + 1) / 5, 4) for c in right)
