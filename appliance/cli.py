@@ -501,9 +501,13 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
         print(f"error: eval runs {runs} hold no answers from the tiers {tiers}", file=sys.stderr)
         return 2
     calibration = calibrate(found, tuple(tiers), args.keep, args.min_samples)
+    try:  # the route names it relative to the config file's folder
+        shown = os.path.relpath(args.out.resolve(), find_config(args.config).resolve().parent)
+    except (ConfigError, ValueError):
+        shown = str(args.out.resolve())
     note = (f"Written by `appliance eval calibrate` from eval runs {', '.join(map(str, runs))} ({len(found)} answers) on {_when(time.time())}.\n"
             f"Each bucket's tier is the cheapest whose smoothed accuracy there is at least keep x the best tier's.\n"
-            f"A route uses it with `calibration = \"{args.out}\"` (relative to the config file's folder).")
+            f"A route uses it with `calibration = \"{shown}\"`.")
     calibration_file.write(args.out, calibration, note)
     header = ("bucket", "samples", "tier", *(f"accuracy {t}" for t in tiers), "used")
     rows = [(name, str(c.samples), tiers[c.tier], *(f"{a:.2f}" for a in c.accuracy), "yes" if c.samples >= args.min_samples else "too few")

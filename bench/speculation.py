@@ -58,7 +58,8 @@ WORKLOADS = {
 }
 
 
-def config(target: Path, draft: Path, mode: str) -> str:
+def config(target: Path, draft: Path, mode: str, invariant: bool) -> str:
+    layout = f"batch_invariant = {'true' if invariant else 'false'}"
     return f"""
 {ENGINE_ONLY}[[models]]
 alias = "target"
@@ -67,20 +68,23 @@ context_length = 2048
 slots = 1
 threads = 2
 prefix_cache = false
+{layout}
 speculation = "{mode}"
 {'draft_model = "draft"' if mode == "draft" else ""}
 [[models]]
 alias = "draft"
 kind = "draft"
 path = "{draft}"
+{layout}
 """
 
 
-def decode_rate(base: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+def decode_rate(base: str, prompt: str, max_tokens: int) -> tuple[float, int, str]:
     body = {"model": "target", "stream": True, "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": prompt}]}
     first = last = None
     tokens = 0
+    text = []
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=900) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -89,12 +93,13 @@ def decode_rate(base: str, prompt: str, max_tokens: int) -> tuple[float, int]:
             chunk = json.loads(line[6:])
             choices = chunk.get("choices") or []
             if choices and choices[0]["delta"].get("content"):
+                text.append(choices[0]["delta"]["content"])
                 last = time.perf_counter()
                 first = first or last
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     assert first is not None and last is not None
-    return (tokens - 1) / (last - first) if last > first else float("nan"), tokens
+    return (tokens - 1) / (last - first) if last > first else float("nan"), tokens, "".join(text)
 
 
 def acceptance(base: str) -> tuple[float, float]:
@@ -110,23 +115,27 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", default="edit,rewrite,story")
+    ap.add_argument("--layout", choices=("invariant", "fast"), default="invariant",
+                    help="fast: batch_invariant = false (llama.cpp's defaults, repacked weights) for target and draft")
     args = ap.parse_args()
     workloads = args.only.split(",")
     modes = ("off", "draft", "prompt_lookup")
     runs: dict[tuple[str, str], list[float]] = {(m, w): [] for m in modes for w in workloads}
     drafted: dict[tuple[str, str], list[float]] = {(m, w): [0.0, 0.0] for m in modes for w in workloads}
+    texts: dict[tuple[str, str], set[str]] = {(m, w): set() for m in modes for w in workloads}
     with tempfile.TemporaryDirectory() as tmp:
         # Rounds take turns (off, draft, lookup, off, ...): this machine's speed drifts by tens of
         # percent over minutes, and turns spread the drift over every mode alike.
         for round_ in range(args.repeat):
             for mode in modes:
                 work = Path(tmp) / f"{mode}-{round_}"
-                write_config(work, config(args.target, args.draft, mode))
+                write_config(work, config(args.target, args.draft, mode, args.layout == "invariant"))
                 proc, base = start(work)
                 try:
                     for name in workloads:
                         before = acceptance(base)
-                        rate, tokens = decode_rate(base, WORKLOADS[name], args.max_tokens)
+                        rate, tokens, text = decode_rate(base, WORKLOADS[name], args.max_tokens)
+                        texts[mode, name].add(text)
                         after = acceptance(base)
                         runs[mode, name].append(rate)
                         drafted[mode, name][0] += after[0] - before[0]
@@ -137,12 +146,17 @@ def main() -> None:
                     stop(proc)
     rates = {key: statistics.median(values) for key, values in runs.items()}
     accepted = {key: (f"{v[1]:.0f}/{v[0]:.0f}" if v[0] else "-") for key, v in drafted.items()}
-    print(f"target {args.target.name}, draft {args.draft.name}; decode tok/s after the first token, median of {args.repeat} rounds")
+    print(f"target {args.target.name}, draft {args.draft.name}, {args.layout} layout; "
+          f"decode tok/s after the first token, median of {args.repeat} rounds")
     print(f"{'workload':<10}{'plain':>8}{'draft':>8}{'ratio':>7}{'accepted':>12}{'lookup':>8}{'ratio':>7}{'accepted':>12}")
     for name in workloads:
         plain = rates["off", name]
         print(f"{name:<10}{plain:>8.1f}{rates['draft', name]:>8.1f}{rates['draft', name] / plain:>7.2f}{accepted['draft', name]:>12}"
               f"{rates['prompt_lookup', name]:>8.1f}{rates['prompt_lookup', name] / plain:>7.2f}{accepted['prompt_lookup', name]:>12}")
+    # Greedy output must not change with speculation; every round of every mode should give one text.
+    for name in workloads:
+        same = all(texts[mode, name] == texts["off", name] and len(texts[mode, name]) == 1 for mode in modes)
+        print(f"{name}: {'same text in every mode and round' if same else 'TEXT DIFFERS between modes or rounds'}")
 
 
 if __name__ == "__main__":

@@ -208,13 +208,18 @@ KINDS = ("code", "word_problem", "math", "text")
 
 
 def buckets(f: Features) -> tuple[str, str]:
-    """(fine, coarse) names of the kind of request: the coarse one is the kind alone, the fine one adds
+    """(fine, coarse) names of the kind of request: the coarse one is the kind alone ("math*"), the fine one adds
     what changes the work (JSON output, length in distinct words, asked-for steps, conversation depth,
     script). "What is 7 + 5?" and a GSM8K problem are both maths; only the fine bucket tells them apart."""
     kind = "code" if f.code else "word_problem" if f.word_problem else "math" if f.math else "text"
     extras = [name for name, present in (("json", f.structured_output), ("short", f.words < 20), ("long", f.words >= 60), ("steps", f.steps >= 2),
                                          ("chat", f.turns >= 2), ("intl", f.non_ascii_ratio > 0.3)) if present]
-    return "+".join([kind, *extras]), kind
+    return "+".join([kind, *extras]), coarse_bucket(kind)
+
+
+def coarse_bucket(fine: str) -> str:
+    """The kind alone, marked so that a plain fine bucket ("math") never shares its name."""
+    return fine.split("+", 1)[0] + "*"
 
 
 @dataclass(frozen=True)
@@ -254,12 +259,9 @@ def calibrate(observations: list[Observation], tiers: tuple[str, ...], keep: flo
     """Pure: from per-question, per-tier results to a tier per bucket. Accuracy is smoothed (Laplace:
     (right + 1) / (n + 2)), so a tier measured on a handful of questions is neither perfect nor hopeless;
     a bucket no tier answers well goes to the cheapest tier, where the validators may still escalate."""
-    def coarse(name: str) -> str:
-        return name.split("+", 1)[0]
-
     grouped: dict[str, list[Observation]] = {}
     for o in observations:
-        for key in {o.bucket, coarse(o.bucket)}:
+        for key in (o.bucket, coarse_bucket(o.bucket)):
             grouped.setdefault(key, []).append(o)
     choices = []
     for key in sorted(grouped):

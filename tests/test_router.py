@@ -106,16 +106,16 @@ def _observe(bucket: str, right_by_tier: tuple[int, ...], n: int, cost: tuple[in
 
 
 def test_buckets_name_the_kind_of_request() -> None:
-    assert buckets(_user("What is 7 + 5?")) == ("math+short", "math")
-    assert buckets(_user("Say hello.")) == ("text+short", "text")
-    assert buckets(_user("def f(x):\n    return x")) == ("code+short", "code")
+    assert buckets(_user("What is 7 + 5?")) == ("math+short", "math*")
+    assert buckets(_user("Say hello.")) == ("text+short", "text*")
+    assert buckets(_user("def f(x):\n    return x")) == ("code+short", "code*")
     problem = ("Tom has 3 apples and buys 4 bags of 5 apples each at the market on Saturday morning. He gives 2 away to "
                "his sister. How many apples does he have left?")
-    assert buckets(_user(problem)) == ("word_problem", "word_problem")
-    assert buckets(features([{"role": "user", "content": "List three colours."}], True)) == ("text+json+short", "text")
-    assert buckets(_user("Explain step by step and compare the two approaches.")) == ("text+short+steps", "text")
+    assert buckets(_user(problem)) == ("word_problem", "word_problem*")
+    assert buckets(features([{"role": "user", "content": "List three colours."}], True)) == ("text+json+short", "text*")
+    assert buckets(_user("Explain step by step and compare the two approaches.")) == ("text+short+steps", "text*")
     essay = " ".join(f"word{i}" for i in range(70))
-    assert buckets(_user(essay)) == ("text+long", "text")
+    assert buckets(_user(essay)) == ("text+long", "text*")
 
 
 def test_calibration_picks_the_cheapest_tier_that_keeps_the_share() -> None:
@@ -137,10 +137,10 @@ def test_a_thin_bucket_defers_to_its_kind_then_to_the_heuristics() -> None:
     found = _observe("math", (5, 10, 10), 10) + _observe("math+json", (0, 0, 3), 3)
     calibration = calibrate(found, TIERS, min_samples=4)
     assert calibration.choice("math+json") is None  # 3 questions: too few
-    assert calibration.choice("math").samples == 13  # the kind pools its fine buckets
+    assert calibration.choice("math*").samples == 13 and calibration.choice("math").samples == 10  # the kind pools its fine buckets
     as_json = features([{"role": "user", "content": "What is 7 + 5?"}], True)
     decision = decide_calibrated(as_json, 3, calibration)
-    assert decision.by == "calibration" and "calibrated: math " in decision.reason
+    assert decision.by == "calibration" and "calibrated: math* " in decision.reason
     unmeasured = decide_calibrated(_user("Say hello."), 3, calibration)
     assert unmeasured == decide(_user("Say hello."), 3) and unmeasured.by == "heuristics"
     assert decide_calibrated(_user("Say hello."), 3, None) == decide(_user("Say hello."), 3)
@@ -159,7 +159,7 @@ def test_every_bucket_keeps_its_share_at_the_lowest_cost(rows: list[tuple[str, i
         best = max(choice.accuracy)
         assert choice.accuracy[choice.tier] >= keep * best
         assert all(choice.accuracy[t] < keep * best for t in range(choice.tier))  # nothing cheaper would do
-        assert choice.samples == min(sum(1 for b, t, _, _ in rows if t == tier and (b == name or b.split("+")[0] == name))
+        assert choice.samples == min(sum(1 for b, t, _, _ in rows if t == tier and (b == name or b.split("+")[0] + "*" == name))
                                      for tier in range(3))
 
 
@@ -441,7 +441,7 @@ def test_a_calibrated_route_sends_a_bucket_to_its_measured_tier(routed: tuple[Se
     decide_span = next(s for s in spans_of(collector, response.headers["x-trace-id"]) if s["name"] == "route.decide")
     attributes = decide_span["attributes"]
     assert attributes["route.by"] == "calibration" and attributes["route.bucket"] == "math+short"
-    assert attributes["route.reason"].startswith("calibrated: math (n=6")
+    assert attributes["route.reason"].startswith("calibrated: math* (n=6")
     # An unmeasured kind of request falls back to the heuristics.
     other = ask(server, keys["dev"], "What is the capital of France?", model="calibrated", max_tokens=8)
     assert other.headers["x-route-tier"] == "0"
@@ -470,6 +470,6 @@ def test_eval_runs_store_each_answer_and_calibrate_from_them(routed: tuple[Serve
     measured = calibration_file.read(target)
     assert measured.tiers == CALIBRATED_TIERS and measured.min_samples == 1
     choice = measured.choice("math+short")
-    assert choice is not None and choice.samples == 3 and measured.choice("math") == choice
+    assert choice is not None and choice.samples == 3 and measured.choice("math*") == choice
     right = [sum(r[3] for r in stored if r[0] == alias) for alias in CALIBRATED_TIERS]
     assert choice.accuracy == tuple(round((c + 1) / 5, 4) for c in right)
