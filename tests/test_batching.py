@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import CHAT_MODEL, Server, config_text, start_server, stop_server
+from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
 
 PROMPTS = [
     "Write a poem about the sea.",
@@ -132,3 +133,26 @@ def test_full_queue_is_503_with_retry_after(tiny_server: Server) -> None:
     assert rejected.headers["Retry-After"] == "1"
     assert rejected.json()["error"]["code"] == "overloaded"
     tiny_server.wait_idle(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def kquant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The bundled model requantized to Q4_K_M by the suite: its K-quant tensors take llama.cpp's tiled
+    matmul from 8 rows up and a vector kernel below, which round differently."""
+    from appliance.model_admin import quantize
+    from appliance.model_files import package_file
+
+    work = tmp_path_factory.mktemp("kquant")
+    source = package_file(MODEL_FILE)
+    path = work / "smollm2.Q4_K_M.gguf"
+    quantize(source, path, "Q4_K_M", threads=2, allow_requantize=True)
+    srv = start_server(work, config_text(embeddings=False).replace(f'package_file = "{MODEL_FILE}"', f'path = "{path}"'))
+    yield srv
+    stop_server(srv)
+
+
+def test_k_quant_weights_stay_batch_invariant(kquant_server: Server) -> None:
+    alone, together = asyncio.run(alone_and_together(kquant_server, 48))
+    assert all(alone)
+    for question, a, b in zip(PROMPTS, alone, together):
+        assert a == b, f"{question!r} changed when batched:\nalone:    {a!r}\ntogether: {b!r}"
