@@ -78,6 +78,14 @@ def run_doctor(config: Path | None) -> int:
         return 1
     console.print(f"[bold]config[/bold]: {path.resolve()}")
     console.print(f"[bold]data dir[/bold]: {settings.server.data_dir}")
+    invariant = [m.alias for m in settings.models if m.engine == "llamacpp" and m.batch_invariant]
+    tiled = os.environ.get("GGML_CPU_TILED_MM")
+    if invariant and tiled not in (None, "0"):
+        ok = False
+        console.print(f"[red]kernels[/red]: GGML_CPU_TILED_MM={tiled} in the environment: K-quant models among "
+                      f"{', '.join(invariant)} are not batch-invariant (unset it; docs/architecture.md, Batch invariance)")
+    else:
+        console.print("[bold]kernels[/bold]: K-quant tiled matmul " + ("off (batch-invariant models)" if invariant else "on"))
     from appliance.model_files import ModelFileError, resolve, sha256
 
     models = Table("alias", "file", "size", "sha256", "matches config")

@@ -102,3 +102,4 @@ def test_models_list_and_doctor(tmp_path: Path) -> None:
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53" in doctor.stdout.replace("\n", "")
     assert "llama.cpp" in doctor.stdout and "data dir" in doctor.stdout
+    assert "K-quant tiled matmul off" in doctor.stdout
