@@ -442,6 +442,9 @@ def test_a_calibrated_route_sends_a_bucket_to_its_measured_tier(routed: tuple[Se
     attributes = decide_span["attributes"]
     assert attributes["route.by"] == "calibration" and attributes["route.bucket"] == "math+short"
     assert attributes["route.reason"].startswith("calibrated: math* (n=6")
+    listed = {m["id"]: m for m in httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {keys['dev']}"}).json()["data"]}
+    assert listed["calibrated"]["meta"] == {"tiers": list(CALIBRATED_TIERS), "calibrated_buckets": ["math", "math*"]}
+    assert listed["auto"]["meta"]["calibrated_buckets"] == []
     # An unmeasured kind of request falls back to the heuristics.
     other = ask(server, keys["dev"], "What is the capital of France?", model="calibrated", max_tokens=8)
     assert other.headers["x-route-tier"] == "0"
