@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,3 +159,14 @@ def test_k_quant_weights_stay_batch_invariant(kquant_server: Server) -> None:
     assert all(alone)
     for question, a, b in zip(PROMPTS, alone, together):
         assert a == b, f"{question!r} changed when batched:\nalone:    {a!r}\ntogether: {b!r}"
+
+
+def test_the_kernel_choice_is_made_once_and_an_explicit_environment_wins() -> None:
+    script = ("import os\nfrom engines.llamacpp.runtime import choose_matmul_kernels\n"
+              "choose_matmul_kernels(invariant=True)\nchoose_matmul_kernels(invariant=False)\n"
+              "print(os.environ.get('GGML_CPU_TILED_MM'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    ran = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert ran.stdout.strip() == "0" and "switch kernels" not in ran.stderr
+    ran = subprocess.run([sys.executable, "-c", script], env={**env, "GGML_CPU_TILED_MM": "1"}, capture_output=True, text=True, timeout=60)
+    assert ran.stdout.strip() == "1" and "K-quant matmuls switch kernels at 8 rows" in ran.stderr
