@@ -51,6 +51,7 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
             slots=model.slots,
             context_length=model.context_length,
             batch_tokens=model.batch_tokens,
+            prefills_per_step=model.prefills_per_step,
             threads=model.threads,
             max_queue=settings.server.max_queue,
             batch_invariant=model.batch_invariant,

@@ -100,6 +100,7 @@ class ModelSettings:
     price_output_per_mtok: float
     tier: str
     sha256: str | None = None
+    prefills_per_step: int = 1  # prompts one slot-loop step advances; 0: as many as batch_tokens holds
     # Batch invariance: identical greedy output whatever shares the batch. Costs some speed.
     batch_invariant: bool = True
     kv_cache_type: str = "q8_0"
@@ -492,7 +493,7 @@ def _limits(file: str, raw: object) -> tuple[LimitRule, ...]:
 
 _MODEL_KEYS = {
     "alias", "engine", "kind", "path", "package_file", "hf_repo", "hf_file", "sha256", "context_length",
-    "slots", "threads", "batch_tokens", "chat_template", "price_input_per_mtok", "price_output_per_mtok",
+    "slots", "threads", "batch_tokens", "prefills_per_step", "chat_template", "price_input_per_mtok", "price_output_per_mtok",
     "tier", "batch_invariant", "kv_cache_type", "kv_cache_type_k", "kv_cache_type_v", "prefix_cache", "prefix_cache_host_mb",
     "speculation", "draft_model", "speculation_max_tokens", "speculation_fixed_tokens", "adapters",
 }
@@ -640,6 +641,7 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
         slots=slots,
         threads=r.integer("threads", max(1, os.cpu_count() or 1), maximum=1024),
         batch_tokens=r.integer("batch_tokens", 512, minimum=slots),
+        prefills_per_step=r.integer("prefills_per_step", 1, minimum=0),
         chat_template=template,
         price_input_per_mtok=r.number("price_input_per_mtok", 0.0),
         price_output_per_mtok=r.number("price_output_per_mtok", 0.0),

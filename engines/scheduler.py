@@ -1,7 +1,8 @@
 """The slot scheduler's bookkeeping as pure functions: which tokens go into the next batch.
 
 Decode tokens of generating slots go first (one each), so generation never waits behind a long
-prompt; then prompt chunks of admitted slots, oldest first, under a per-step token budget.
+prompt; then prompt chunks of admitted slots, oldest first, under a per-step token budget and a
+limit on how many prompts a step advances.
 """
 
 from __future__ import annotations
@@ -31,16 +32,19 @@ class BatchItem:
     drafted: int = 0
 
 
-def plan_batch(slots: tuple[SlotView, ...], token_budget: int) -> tuple[BatchItem, ...]:
+def plan_batch(slots: tuple[SlotView, ...], token_budget: int, max_prefills: int = 0) -> tuple[BatchItem, ...]:
     """One step's batch. Every generating slot decodes (with its drafts, which the engine sizes to
-    fit the budget); prefill fills what budget is left."""
+    fit the budget); prefill fills what budget is left, advancing at most `max_prefills` prompts
+    (0: as many as fit). Where prompt tokens cost the same alone or together (a CPU), one prompt a
+    step finishes prompts one after another instead of all together at the end: the same work, but
+    the median wait for a first token is about halved."""
     items: list[BatchItem] = []
     generating = [s for s in slots if s.generating]
     for s in sorted(generating, key=lambda s: s.slot):
         items.append(BatchItem(s.slot, s.n_past, 1 + s.drafted, True, True, s.drafted))
     budget = token_budget - sum(i.count for i in items)
     for s in sorted((s for s in slots if not s.generating and s.n_past < s.prompt_len), key=lambda s: s.admitted_seq):
-        if budget <= 0:
+        if budget <= 0 or (max_prefills and sum(not i.is_decode for i in items) >= max_prefills):
             break
         count = min(budget, s.prompt_len - s.n_past)
         finishes = s.n_past + count == s.prompt_len

@@ -29,15 +29,28 @@ def test_a_long_prompt_never_blocks_decodes():
     assert sum(i.count for i in plan) == 8
 
 
+def test_one_prompt_a_step_finishes_prompts_one_after_another():
+    slots = tuple(SlotView(s, s, 70, 0, False) for s in range(4)) + (SlotView(9, 0, 10, 10, True),)
+    serial = plan_batch(slots, token_budget=512, max_prefills=1)
+    assert [(i.slot, i.count, i.wants_logits) for i in serial] == [(9, 1, True), (0, 70, True)]
+    together = plan_batch(slots, token_budget=512, max_prefills=0)
+    assert [i.slot for i in together if not i.is_decode] == [0, 1, 2, 3]
+    # A prompt longer than the budget still takes the whole budget, alone.
+    long = plan_batch((SlotView(0, 0, 5000, 100, False), SlotView(1, 1, 10, 0, False)), token_budget=512, max_prefills=1)
+    assert [(i.slot, i.start, i.count) for i in long] == [(0, 100, 512)]
+
+
 slot_views = st.builds(
     lambda slot, seq, plen, past, gen: SlotView(slot, seq, plen, min(past, plen) if not gen else plen + past, gen),
     st.integers(0, 31), st.integers(0, 1000), st.integers(1, 3000), st.integers(0, 3000), st.booleans(),
 )
 
 
-@given(st.lists(slot_views, max_size=12, unique_by=lambda s: s.slot), st.integers(1, 2048))
-def test_plan_respects_budget_and_covers_every_decode(slots, budget):
-    plan = plan_batch(tuple(slots), budget)
+@given(st.lists(slot_views, max_size=12, unique_by=lambda s: s.slot), st.integers(1, 2048), st.integers(0, 3))
+def test_plan_respects_budget_and_covers_every_decode(slots, budget, max_prefills):
+    plan = plan_batch(tuple(slots), budget, max_prefills)
+    if max_prefills:
+        assert sum(not i.is_decode for i in plan) <= max_prefills
     decoding = {s.slot for s in slots if s.generating}
     assert {i.slot for i in plan if i.is_decode} == decoding
     prefill_tokens = sum(i.count for i in plan if not i.is_decode)

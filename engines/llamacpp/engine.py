@@ -64,6 +64,7 @@ class LlamaCppConfig:
     batch_tokens: int
     threads: int
     max_queue: int
+    prefills_per_step: int = 1  # prompts one step advances (0: as many as the token budget holds)
     batch_invariant: bool = True
     kv_type: str = "q8_0"  # K; V too unless kv_type_v says otherwise
     embeddings: bool = False
@@ -604,7 +605,8 @@ class LlamaCppEngine:
                 return
             self._applied = key
         drafts = self._drafts([j for j in runnable if j.pending_token is not None])
-        plan = plan_batch(tuple(j.view(len(drafts.get(j.slot, ()))) for j in runnable), self.config.batch_tokens)
+        plan = plan_batch(tuple(j.view(len(drafts.get(j.slot, ()))) for j in runnable), self.config.batch_tokens,
+                          self.config.prefills_per_step)
         if not plan:
             return
         # Batch order by slot keeps each ubatch to consecutive sequences, which llama.cpp
