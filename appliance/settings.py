@@ -641,7 +641,8 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
         slots=slots,
         threads=r.integer("threads", max(1, os.cpu_count() or 1), maximum=1024),
         batch_tokens=r.integer("batch_tokens", 512, minimum=slots),
-        prefills_per_step=r.integer("prefills_per_step", 1, minimum=0),
+        # An embedding request has no first token to hurry: its inputs share steps.
+        prefills_per_step=r.integer("prefills_per_step", 0 if table.get("kind") == "embedding" else 1, minimum=0),
         chat_template=template,
         price_input_per_mtok=r.number("price_input_per_mtok", 0.0),
         price_output_per_mtok=r.number("price_output_per_mtok", 0.0),

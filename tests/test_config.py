@@ -19,6 +19,8 @@ def test_repository_models_toml_is_valid() -> None:
     chat = settings.model("smollm2-135m")
     assert chat is not None and chat.kind == "chat" and chat.slots == 8 and chat.batch_invariant
     assert settings.model("smollm2-135m-embed").kind == "embedding"
+    # A chat model finishes prompts one a step; an embedding model's inputs share steps.
+    assert chat.prefills_per_step == 1 and settings.model("smollm2-135m-embed").prefills_per_step == 0
 
 
 def test_defaults_fill_what_is_missing(data_dir: Path) -> None:
@@ -39,6 +41,7 @@ def test_defaults_fill_what_is_missing(data_dir: Path) -> None:
         (MODEL + "engine = 'vllm'\n", "models[0].engine", "one of llamacpp, mlx, auto"),
         (MODEL + "tier = 'huge'\n", "models[0].tier", "one of"),
         (MODEL + "batch_invariant = 'yes'\n", "models[0].batch_invariant", "true or false"),
+        (MODEL + "prefills_per_step = -1\n", "models[0].prefills_per_step", "at least 0"),
         (MODEL + "price_input_per_mtok = -1\n", "models[0].price_input_per_mtok", "at least 0"),
         (MODEL + "sha256 = 'abc'\n", "models[0].sha256", "64 hexadecimal"),
         (MODEL + "path = 'x.gguf'\n", "models[0].path", "exactly one source"),
