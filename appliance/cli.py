@@ -275,7 +275,6 @@ def parse_expiry(text: str, now: float) -> float:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-
     from policy.keystore import KeyStore
 
     now = time.time()
@@ -298,7 +297,6 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-
     from policy.keystore import KeyStore
 
     db = _ledger_db(args.config)
@@ -348,7 +346,6 @@ def _print_rows(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
 
 
 def cmd_budgets_set(args: argparse.Namespace) -> int:
-
     from policy.budgets import nanos_from_usd
     from policy.ledger import Ledger, LedgerError
 
@@ -386,7 +383,6 @@ def cmd_budgets_unset(args: argparse.Namespace) -> int:
 
 
 def cmd_budgets_reset(args: argparse.Namespace) -> int:
-
     from policy.budgets import usd
     from policy.ledger import Ledger
 
@@ -510,7 +506,8 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
             f"A route uses it with `calibration = \"{shown}\"`.")
     calibration_file.write(args.out, calibration, note)
     header = ("bucket", "samples", "tier", *(f"accuracy {t}" for t in tiers), "used")
-    rows = [(name, str(c.samples), tiers[c.tier], *(f"{a:.2f}" for a in c.accuracy), "yes" if c.samples >= args.min_samples else "too few")
+    used = set(calibration.measured())
+    rows = [(name, str(c.samples), tiers[c.tier], *(f"{a:.2f}" for a in c.accuracy), "yes" if name in used else "too few")
             for name, c in calibration.choices]
     _print_rows(header, rows)
     print(f"wrote {args.out}")

@@ -10,6 +10,7 @@ import json
 import re
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,7 @@ def run(base_url: str, key: str, route: str, tiers: list[str], prices: dict[str,
     return summary
 
 
-def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, Any], answers: list[Answer] = ()) -> int:
+def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, Any], answers: Sequence[Answer] = ()) -> int:
     with db:
         db.execute("INSERT INTO eval_runs(at, kind, dataset, questions, summary) VALUES (?, 'router', ?, ?, ?)",
                    (time.time(), dataset, questions, json.dumps(summary)))

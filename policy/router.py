@@ -249,10 +249,15 @@ class Calibration:
     choices: tuple[tuple[str, BucketChoice], ...]  # fine and coarse buckets
 
     def choice(self, name: str) -> BucketChoice | None:
+        """The bucket's choice if it was measured often enough to be used."""
         for key, found in self.choices:
             if key == name:
                 return found if found.samples >= self.min_samples else None
         return None
+
+    def measured(self) -> list[str]:
+        """The buckets whose tier comes from this calibration rather than the heuristics."""
+        return [name for name, _ in self.choices if self.choice(name) is not None]
 
 
 def calibrate(observations: list[Observation], tiers: tuple[str, ...], keep: float = 0.9, min_samples: int = 4) -> Calibration:

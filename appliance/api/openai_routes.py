@@ -25,7 +25,6 @@ from appliance.gate import Admission
 from appliance.judge import yes_probability
 from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
-from appliance.settings import RouteSettings
 from appliance.tracing import RequestTrace, annotate
 from engines.base import (
     ContextLengthExceeded,
@@ -175,15 +174,9 @@ async def list_models(request: Request[Any, Any, Any], services: Services) -> di
             listing["data"].append({"id": f"{model.settings.alias}:{adapter.name}", "object": "model", "created": services.started_at,
                                     "owned_by": "appliance-adapter", "meta": {"base": model.settings.alias, "scale": adapter.scale}})
     listing["data"] += [{"id": r.alias, "object": "model", "created": services.started_at, "owned_by": "appliance-route",
-                         "meta": {"tiers": list(r.tiers), "calibrated_buckets": _calibrated(r)}}
+                         "meta": {"tiers": list(r.tiers), "calibrated_buckets": r.calibration.measured() if r.calibration else []}}
                         for r in services.settings.routes]
     return listing
-
-
-def _calibrated(route: RouteSettings) -> list[str]:
-    """The buckets whose tier comes from a measurement rather than the heuristics."""
-    c = route.calibration
-    return [] if c is None else [name for name, choice in c.choices if choice.samples >= c.min_samples]
 
 
 @get("/v1/models/{model_id:str}")
