@@ -190,11 +190,13 @@ def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, 
 
 def observations(db: apsw.Connection, run_ids: list[int], tiers: tuple[str, ...]) -> list[Observation]:
     """The tiers' answers from stored runs, matched to `tiers` by alias (a run measured with other
-    tiers contributes only those it shares)."""
+    tiers contributes only those it shares). A request that failed (no answer) measured the server,
+    not the tier's accuracy, so it is left out."""
     found = []
     for run_id in run_ids:
         for target, bucket, correct, cost in db.execute(
-                "SELECT target, bucket, correct, cost_nanos FROM eval_answers WHERE run_id = ? AND tier IS NOT NULL", (run_id,)):
+                "SELECT target, bucket, correct, cost_nanos FROM eval_answers "
+                "WHERE run_id = ? AND tier IS NOT NULL AND answered_by IS NOT NULL", (run_id,)):
             if target in tiers:
                 found.append(Observation(bucket, tiers.index(target), bool(correct), cost))
     return found

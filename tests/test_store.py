@@ -50,3 +50,17 @@ def test_request_log_writer_persists_everything_on_close(tmp_path: Path):
     rows = recent(path, limit=100)
     assert len(rows) == 50
     assert rows[0].id == "r49" and rows[0].completion_tokens == 49
+
+
+def test_a_failed_eval_request_is_not_a_wrong_answer():
+    from appliance.evaluate import Answer, observations, store
+
+    db = connect(":memory:")
+    migrate(db)
+    answers = [Answer(0, "small", 0, "math+short", True, 10, 0.1, "small"),
+               Answer(0, "big", 1, "math+short", False, 0, 0.1, None),  # the request failed: no answer
+               Answer(1, "big", 1, "math+short", False, 30, 0.2, "big"),
+               Answer(1, "auto", None, "math+short", True, 30, 0.2, "big")]  # the route is not a tier
+    run_id = store(db, "set.jsonl", 2, {"_tiers": ["small", "big"]}, answers)
+    found = observations(db, [run_id], ("small", "big"))
+    assert sorted((o.tier, o.correct, o.cost_nanos) for o in found) == [(0, True, 10), (1, False, 30)]
