@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.settings import ConfigError, find_config, load_settings
+from engines.llamacpp.kernels import TILED_MATMUL_ENV  # needs no llama_cpp, whose absence doctor reports
 
 _INTERESTING = ("avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 
@@ -79,10 +80,10 @@ def run_doctor(config: Path | None) -> int:
     console.print(f"[bold]config[/bold]: {path.resolve()}")
     console.print(f"[bold]data dir[/bold]: {settings.server.data_dir}")
     invariant = [m.alias for m in settings.models if m.engine == "llamacpp" and m.batch_invariant]
-    tiled = os.environ.get("GGML_CPU_TILED_MM")
+    tiled = os.environ.get(TILED_MATMUL_ENV)
     if invariant and tiled not in (None, "0"):
         ok = False
-        console.print(f"[red]kernels[/red]: GGML_CPU_TILED_MM={tiled} in the environment: K-quant models among "
+        console.print(f"[red]kernels[/red]: {TILED_MATMUL_ENV}={tiled} in the environment: K-quant models among "
                       f"{', '.join(invariant)} are not batch-invariant (unset it; docs/architecture.md, Batch invariance)")
     else:
         console.print("[bold]kernels[/bold]: K-quant tiled matmul " + ("off (batch-invariant models)" if invariant else "on"))

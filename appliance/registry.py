@@ -153,7 +153,7 @@ class Registry:
     def load(cls, settings: Settings) -> Registry:
         loaded: dict[str, LoadedModel] = {}
         if any(m.engine == "llamacpp" and m.batch_invariant for m in settings.models):
-            from engines.llamacpp.runtime import choose_matmul_kernels
+            from engines.llamacpp.kernels import choose_matmul_kernels
 
             choose_matmul_kernels(invariant=True)  # for the whole process, before any model computes
         try:

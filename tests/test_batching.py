@@ -162,7 +162,7 @@ def test_k_quant_weights_stay_batch_invariant(kquant_server: Server) -> None:
 
 
 def test_the_kernel_choice_is_made_once_and_an_explicit_environment_wins() -> None:
-    script = ("import os\nfrom engines.llamacpp.runtime import choose_matmul_kernels\n"
+    script = ("import os\nfrom engines.llamacpp.kernels import choose_matmul_kernels\n"
               "choose_matmul_kernels(invariant=True)\nchoose_matmul_kernels(invariant=False)\n"
               "print(os.environ.get('GGML_CPU_TILED_MM'))\n")
     env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}

@@ -16,14 +16,13 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from engines.base import (
-    check_context,
     AdapterInfo,
     ContextLengthExceeded,
     EngineClosed,
@@ -31,22 +30,23 @@ from engines.base import (
     EngineEvent,
     EngineOverloaded,
     EngineStats,
-    PrefixStats,
-    SpeculationStats,
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    PrefixStats,
+    SpeculationStats,
     TokenEvent,
     TokenLogprob,
     TopLogprob,
     UnknownAdapter,
     Usage,
+    check_context,
 )
-from engines.llamacpp.drafting import DraftModelDrafter, DraftState, Drafter, PromptLookupDrafter, measure_step_cost
-from engines.llamacpp.runtime import Adapter, Context, ContextShape, Model, Sampler
 from engines.calls import ModelThreadCall
+from engines.llamacpp.drafting import Drafter, DraftModelDrafter, DraftState, PromptLookupDrafter, measure_step_cost
+from engines.llamacpp.runtime import Adapter, Context, ContextShape, Model, Sampler
 from engines.prefix import PrefixIndex
-from engines.scheduler import Admission, BatchItem, Source, SlotView, plan_admission, plan_batch
+from engines.scheduler import Admission, BatchItem, SlotView, Source, plan_admission, plan_batch
 from engines.speculation import Acceptance, StepCost, draft_length
 from engines.stream import EventStream
 from engines.text import StopMatcher, Utf8Stream
@@ -477,11 +477,13 @@ class LlamaCppEngine:
         if not self.config.prefix_cache:
             return Admission(min(free), 0)
         shared = self._index.match(job.key, job.request.prompt_tokens)
-        sources = [src for src in self._sources(shared) if src.holder[0] != "slot" or src.holder[1] in self._active]
-        return plan_admission(
-            {s: shared.get(("slot", s), 0) for s in free}, sources, len(job.request.prompt_tokens),
-            copy_min=self.config.prefix_copy_min_tokens,
-        )
+        return self._plan_reuse(job, shared, {s: shared.get(("slot", s), 0) for s in free})
+
+    def _plan_reuse(self, job: _Job, shared: dict, candidates: dict[int, int]) -> Admission:
+        """Where `job` goes among `candidates` (slot: tokens it already holds) and which other
+        holder of its prefix, if any, it copies from; a candidate slot is never its own source."""
+        sources = [src for src in self._sources(shared) if src.holder[0] != "slot" or src.holder[1] not in candidates]
+        return plan_admission(candidates, sources, len(job.request.prompt_tokens), copy_min=self.config.prefix_copy_min_tokens)
 
     def _sources(self, shared: dict) -> list[Source]:
         """Every holder of a shared prefix, slots first (a copy between slots beats a restore)."""
@@ -539,8 +541,7 @@ class LlamaCppEngine:
                     self._follow(job, Admission(job.slot, job.n_past, Source(source.holder, source.length, source.length)), copying_from)
                 continue
             shared = self._index.match(job.key, job.request.prompt_tokens)
-            sources = [src for src in self._sources(shared) if src.holder != ("slot", job.slot)]
-            admission = plan_admission({job.slot: job.n_past}, sources, len(job.request.prompt_tokens), copy_min=self.config.prefix_copy_min_tokens)
+            admission = self._plan_reuse(job, shared, {job.slot: job.n_past})
             if admission.source is not None:
                 self._follow(job, admission, copying_from)
             else:

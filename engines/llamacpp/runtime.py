@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import llama_cpp as L
 import numpy as np
 
 from engines.base import EngineError
+from engines.llamacpp.kernels import choose_matmul_kernels
 
 log = logging.getLogger("appliance.llamacpp")
 
@@ -33,31 +33,6 @@ def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         message = text.decode("utf-8", errors="replace").rstrip()
         if message:
             log.warning("llama.cpp: %s", message)
-
-
-# llama.cpp's CPU backend multiplies K-quant and IQ weights (Q4_K, Q6_K, ...) with a tiled kernel
-# from 8 rows up and a vector kernel below, and the two round differently: a token's logits then
-# depend on how many rows share its batch (a prompt's last token, prefilled with the rest or decoded
-# alone after a prefix-cache hit, gave other greedy text). Batch invariance needs one kernel for
-# every batch size: the vector one (the tiled one costs ~10x on a single row). ggml reads the switch
-# once per process, at the first matmul, so it is set before any model computes.
-TILED_MATMUL_ENV = "GGML_CPU_TILED_MM"
-_tiled_choice: str | None = None
-
-
-def choose_matmul_kernels(invariant: bool) -> None:
-    """Before any model computes: with `invariant`, K-quant matmuls take the vector kernel at every
-    batch size (K-quant prompt processing runs ~40% slower; see docs/architecture.md). The first
-    call decides for the process, as ggml will; an explicit GGML_CPU_TILED_MM in the environment wins."""
-    global _tiled_choice
-    with _init_lock:
-        if _tiled_choice is None:
-            if invariant:
-                os.environ.setdefault(TILED_MATMUL_ENV, "0")
-            _tiled_choice = os.environ.get(TILED_MATMUL_ENV, "1")
-        if invariant and _tiled_choice != "0":
-            log.warning("%s=%s: K-quant matmuls switch kernels at 8 rows in this process, so a batch-invariant model's "
-                        "greedy output can depend on what shares its batch", TILED_MATMUL_ENV, _tiled_choice)
 
 
 def init_backend() -> None:
