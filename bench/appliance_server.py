@@ -47,10 +47,12 @@ def write_config(workdir: Path, config: str) -> None:
 
 
 def start(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`appliance serve` on the work folder, its output in `server.log` there."""
     port = free_port()
     env = {**os.environ, "APPLIANCE_HOME": str(workdir / "home")}
-    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--config", str(workdir / "models.toml"), "--port", str(port)],
-                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(workdir / "server.log", "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--config", str(workdir / "models.toml"), "--port", str(port)],
+                                env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     wait_until_up(proc, f"{base}/health", 120, "the appliance did not start")
     return proc, base

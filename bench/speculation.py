@@ -144,6 +144,9 @@ def main() -> None:
                               f"accepted {after[1] - before[1]:.0f}/{after[0] - before[0]:.0f}]", flush=True)
                 finally:
                     stop(proc)
+                for line in (work / "server.log").read_text(errors="replace").splitlines():
+                    if "speculation: " in line:  # the verify costs it measured at load and while serving
+                        print(f"[round {round_ + 1} {mode}: {line.split('speculation: ', 1)[1]}]", flush=True)
     rates = {key: statistics.median(values) for key, values in runs.items()}
     accepted = {key: (f"{v[1]:.0f}/{v[0]:.0f}" if v[0] else "-") for key, v in drafted.items()}
     print(f"target {args.target.name}, draft {args.draft.name}, {args.layout} layout; "

@@ -45,19 +45,36 @@ class NgramLookup:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Measured decode time by tokens in the batch: `seconds[n - 1]` for n tokens, each with
-    logits (what a verify step asks for). Beyond the table, the last step's slope continues."""
+    """Decode time by tokens in the batch: `seconds[n - 1]` for n tokens, each with logits (what a
+    verify step asks for). Measured at load and kept current by what the engine's steps take, since
+    a few noisy samples at load (or other work on the machine since) must not make long drafts look
+    cheap. Beyond the table, the last step's slope continues."""
 
     seconds: tuple[float, ...]
+    # Observations behind each entry; the measurement at load counts as one.
+    samples: tuple[int, ...] = ()
 
     def __call__(self, tokens: int) -> float:
         table = self.seconds
         if tokens <= 0:
             return 0.0
         if tokens <= len(table):
-            return table[tokens - 1]
+            return max(table[:tokens])  # more tokens never cost less: a low sample is noise
+        top = max(table)
         slope = table[-1] - table[-2] if len(table) > 1 else table[-1]
-        return table[-1] + max(slope, 0.0) * (tokens - len(table))
+        return top + max(slope, 0.0) * (tokens - len(table))
+
+    def observe(self, tokens: int, seconds: float, weight: float = 0.2) -> StepCost:
+        """This table after a step of `tokens` tokens took `seconds`: the mean of an entry's first
+        observations, then a moving average, so a rarely seen size (a long verify) is corrected by
+        its first few steps and a common one follows the machine."""
+        if not 0 < tokens <= len(self.seconds) or seconds <= 0:
+            return self
+        table = list(self.seconds)
+        counts = list(self.samples) if len(self.samples) == len(table) else [1] * len(table)
+        counts[tokens - 1] += 1
+        table[tokens - 1] += max(weight, 1.0 / counts[tokens - 1]) * (seconds - table[tokens - 1])
+        return StepCost(tuple(table), tuple(counts))
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

@@ -67,6 +67,29 @@ def test_draft_length_pays_only_where_it_should():
     assert draft_length(0.95, cheap_verify, 1, 8, draft_cost=0.005, setup_s=500 * 0.01, tokens_left=2000) > 0
 
 
+def test_step_costs_are_monotone_and_follow_what_steps_take():
+    noisy = StepCost((0.040, 0.090, 0.060, 0.150))
+    assert [noisy(n) for n in range(1, 5)] == [0.040, 0.090, 0.090, 0.150]  # a low sample is noise
+    assert noisy.observe(2, 0.100).seconds[1] == pytest.approx(0.095)  # its first sample since load: the mean
+    often = noisy
+    for _ in range(20):
+        often = often.observe(1, 0.050)
+    assert often.observe(1, 0.100).seconds[0] == pytest.approx(0.060, abs=1e-3)  # then a moving average
+    assert noisy.observe(9, 0.5) is noisy and noisy.observe(2, 0.0) is noisy
+    # Verify steps looked cheap at load; what they really take here (2.2 to 6.5 one-token steps)
+    # turns speculation off after a few of them, at an acceptance a story gets.
+    looked = StepCost((0.043, 0.050, 0.056, 0.062, 0.070))
+    real = (0.043, 0.096, 0.121, 0.151, 0.191)
+    assert draft_length(0.6, looked, 1, 4) > 0
+    cost = looked
+    for _ in range(10):
+        k = draft_length(0.6, cost, 1, 4)
+        if k == 0:
+            break
+        cost = cost.observe(1 + k, real[k])
+    assert draft_length(0.6, cost, 1, 4) == 0
+
+
 def test_a_new_request_starts_from_the_models_acceptance_lightly():
     model_wide = Acceptance(accepted=80, rejected=20)
     start = model_wide.prior()

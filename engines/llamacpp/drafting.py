@@ -208,19 +208,23 @@ class DraftModelDrafter:
         self.model.close()
 
 
-def measure_step_cost(ctx: Context, k: int) -> StepCost:
+def measure_step_cost(ctx: Context, k: int, passes: int = 3) -> StepCost:
     """The target's decode time for 1 to 1 + k tokens in one sequence, with logits at every
-    position (what a verify step asks for): median of three, on sequence 0 at load. The curve is
-    not a line on a CPU (kernels switch at batch sizes), so it is kept as a table."""
+    position (what a verify step asks for), on sequence 0 at load. Passes over every size in turn,
+    median per size: a slow moment then touches one sample of several sizes rather than all samples
+    of one (a one-token step once measured 135 ms instead of 45, making every draft look cheap).
+    The curve is not a line on a CPU (kernels switch at batch sizes), so it is kept as a table; the
+    engine corrects it from the steps it serves."""
 
     def timed(n: int) -> float:
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            ctx.decode([(0, i, 0, True) for i in range(n)])
-            times.append(time.perf_counter() - start)
-            ctx.clear_sequence(0)
-        return sorted(times)[1]
+        start = time.perf_counter()
+        ctx.decode([(0, i, 0, True) for i in range(n)])
+        elapsed = time.perf_counter() - start
+        ctx.clear_sequence(0)
+        return elapsed
 
-    timed(1)  # warm-up
-    return StepCost(tuple(timed(n) for n in range(1, k + 2)))
+    sizes = range(1, k + 2)
+    for n in sizes:  # warm-up: every graph size once
+        timed(n)
+    samples = [[timed(n) for n in sizes] for _ in range(passes)]
+    return StepCost(tuple(sorted(column)[len(column) // 2] for column in zip(*samples)))

@@ -379,6 +379,9 @@ class LlamaCppEngine:
             log.error("model thread did not stop in 30 s; leaving its memory to the OS")
             return
         if self._drafter is not None:
+            if self._step_cost.samples:
+                log.info("speculation: verify steps of 1..%d tokens took %s ms while serving", len(self._step_cost.seconds),
+                         " ".join(f"{t * 1e3:.0f}" for t in self._step_cost.seconds))
             self._drafter.close()
         self.ctx.close()
         for adapter, _ in self._adapters.values():
@@ -628,12 +631,16 @@ class LlamaCppEngine:
                 entries.append((token, item.start + offset, item.slot, item.is_decode or (last and item.wants_logits)))
             if item.wants_logits:
                 logit_rows.append((item, first if item.is_decode else len(entries) - 1))
+        started = time.perf_counter()
         try:
             self.ctx.decode(entries)
         except EngineError as exc:
             for item in plan:
                 self._release(self._active[item.slot], "error", error=str(exc))
             return
+        if self._drafter is not None and all(item.is_decode for item in plan):
+            # every row has logits, as in the table: keep the verify costs true to this machine now
+            self._step_cost = self._step_cost.observe(len(entries), time.perf_counter() - started)
         for item in plan:
             job = self._active[item.slot]
             if item.is_decode:
@@ -657,20 +664,19 @@ class LlamaCppEngine:
         c = self.config
         room = c.batch_tokens - len(generating)
         wants = []
-        # A draft model must catch up on every token before it drafts again, so probing costs;
-        # probe only where drafting could pay at all (it cannot when drafting a token costs more
-        # than the verify discount saves, whatever the acceptance).
-        may_pay = self._drafter.kind == "draft" and draft_length(
-            0.95, self._step_cost, len(generating), c.speculation_max_tokens, self._drafter.cost_per_token) > 0
         for job in generating:
             if c.speculation_fixed_tokens:
                 k = c.speculation_fixed_tokens
             else:
-                behind = self._drafter.behind(job.slot, job.n_past + 1)
-                k = draft_length(job.acceptance.cautious, self._step_cost, len(generating), c.speculation_max_tokens, self._drafter.cost_per_token,
-                                 setup_s=behind * self._drafter.catch_up_cost, tokens_left=job.request.max_tokens - job.generated)
-                if k == 0 and may_pay and job.steps_without_drafts >= 16:
-                    k = 1  # probe now and then, so the acceptance estimate can recover
+                def length(acceptance: float) -> int:
+                    # a draft model must first catch up on every token it has not seen
+                    return draft_length(acceptance, self._step_cost, len(generating), c.speculation_max_tokens, self._drafter.cost_per_token,
+                                        setup_s=self._drafter.behind(job.slot, job.n_past + 1) * self._drafter.catch_up_cost,
+                                        tokens_left=job.request.max_tokens - job.generated)
+
+                k = length(job.acceptance.cautious)
+                if k == 0 and self._drafter.kind == "draft" and job.steps_without_drafts >= 16 and length(0.95) > 0:
+                    k = 1  # probe now and then, so the acceptance estimate can recover, where drafting could pay
             # never past max_tokens, the slot's context, or the step's budget
             k = min(k, job.request.max_tokens - job.generated - 1, c.context_length - job.n_past - 1, room)
             if k <= 0:
