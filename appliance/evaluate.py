@@ -162,10 +162,18 @@ def run(base_url: str, key: str, route: str, tiers: list[str], prices: dict[str,
     summary["_tiers"] = list(tiers)
     if not include_route:
         return summary
+    summary["_comparison"] = compare(summary, tiers, route)
+    return summary
+
+
+def compare(summary: dict[str, Any], tiers: Sequence[str], route: str) -> dict[str, Any]:
+    """The route against the smallest and the frontier tier: its share of the frontier's cost and
+    accuracy, and where it lies against the straight line between the two (routing at random
+    between them, at the route's cost)."""
     small, frontier, routed = summary[tiers[0]], summary[tiers[-1]], summary[route]
     span = frontier["cost_usd"] - small["cost_usd"]
     line = small["accuracy"] + (frontier["accuracy"] - small["accuracy"]) * ((routed["cost_usd"] - small["cost_usd"]) / span) if span > 0 else None
-    summary["_comparison"] = {
+    return {
         "route": route, "smallest": tiers[0], "frontier": tiers[-1],
         "cost_vs_frontier": routed["cost_usd"] / frontier["cost_usd"] if frontier["cost_usd"] else None,
         "accuracy_vs_frontier": routed["accuracy"] / frontier["accuracy"] if frontier["accuracy"] else None,
@@ -174,7 +182,6 @@ def run(base_url: str, key: str, route: str, tiers: list[str], prices: dict[str,
         "target_met": bool(frontier["cost_usd"] and routed["cost_usd"] <= 0.5 * frontier["cost_usd"]
                            and routed["accuracy"] >= 0.9 * frontier["accuracy"]),
     }
-    return summary
 
 
 def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, Any], answers: Sequence[Answer] = ()) -> int:

@@ -98,11 +98,12 @@ class RequestTrace:
     def child(self, name: str, **attributes: Any):  # type: ignore[no-untyped-def]
         return self.tracing.span(name, self.root, **attributes)
 
-    def start_engine(self, **attributes: Any) -> None:
-        """The model call's span; a routed request's next attempt ends the previous one."""
+    def start_engine(self, parent: Span | None = None, **attributes: Any) -> None:
+        """The model call's span, under `parent` (a routed request's attempt) or the request's root;
+        a routed request's next attempt ends the previous one."""
         if self.engine is not None:
             self.engine.end()
-        self.engine = self.tracing.start("engine.generate", self.root, **attributes)
+        self.engine = self.tracing.start("engine.generate", parent or self.root, **attributes)
 
     @property
     def trace_id(self) -> str | None:

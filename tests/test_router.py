@@ -249,6 +249,12 @@ tiers = ["tier-small", "tier-mid", "smollm2-135m"]
 calibration = "calibration.toml"
 
 [[routes]]
+alias = "classified"
+tiers = ["tier-small", "tier-mid", "smollm2-135m"]
+classifier_model = "tier-small"
+classifier_below = 1.0
+
+[[routes]]
 alias = "strict"
 tiers = ["tier-small", "tier-mid"]
 min_confidence = 0.999
@@ -307,11 +313,42 @@ def test_an_easy_request_is_answered_by_the_small_tier(routed: tuple[Server, dic
     assert response.headers["x-route-model"] == "tier-small" and response.json()["model"] == "tier-small"
     spans = spans_of(collector, response.headers["x-trace-id"])
     names = {s["name"] for s in spans}
-    assert {"chat.completions", "route.decide", "route.attempt", "budget.reserve", "engine.generate", "route.validate"} <= names
+    assert {"chat.completions", "auth", "cache.lookup", "route.decide", "route.attempt", "budget.reserve", "engine.generate",
+            "route.validate", "budget.settle", "cache.store"} <= names, names
     decide_span = next(s for s in spans if s["name"] == "route.decide")
     assert decide_span["attributes"]["route.tier"] == 0 and "route.features" in decide_span["attributes"]
     root = next(s for s in spans if s["name"] == "chat.completions")
     assert root["attributes"]["gen_ai.response.model"] == "tier-small"
+    lookup = next(s for s in spans if s["name"] == "cache.lookup")
+    assert lookup["attributes"]["cache.result"] == "miss" and lookup["attributes"]["cache.bucket"]
+    # the model call hangs under the attempt that made it, and names its model
+    attempt = next(s for s in spans if s["name"] == "route.attempt")
+    engine = next(s for s in spans if s["name"] == "engine.generate")
+    assert engine["parent"] == attempt["id"] and engine["attributes"]["gen_ai.request.model"] == "tier-small"
+    assert engine["attributes"]["gen_ai.usage.output_tokens"] > 0
+    settle = next(s for s in spans if s["name"] == "budget.settle")
+    assert settle["attributes"]["outcome"] in ("stop", "length")
+
+
+def test_an_unsure_decision_asks_the_classifier_within_one_tier_and_pays_for_it(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, collector = routed
+    question = "Prove that there are infinitely many primes."
+    response = ask(server, keys["dev"], question, model="classified", max_tokens=8)
+    assert response.status_code == 200, response.text
+    spans = spans_of(collector, response.headers["x-trace-id"])
+    classifier = next(s for s in spans if s["name"] == "route.classifier")["attributes"]
+    assert classifier["gen_ai.request.model"] == "tier-small" and classifier["chosen"] in ("small", "mid", "frontier")
+    assert classifier["gen_ai.usage.input_tokens"] > 0 and classifier["gen_ai.usage.output_tokens"] > 0
+    decided = next(s for s in spans if s["name"] == "route.decide")["attributes"]
+    assert decided["route.by"] == "classifier"
+    heuristic = decide_calibrated(features([{"role": "user", "content": question}], False), 3, None).tier
+    chosen = ("small", "mid", "frontier").index(classifier["chosen"])
+    assert decided["route.tier"] == max(heuristic - 1, min(heuristic + 1, chosen))  # never more than one step away
+    assert response.headers["x-route-tier"] == str(decided["route.tier"])
+    # the classifier's call is charged under the caller's budget like any other
+    rows = settled(server, response.json()["id"], 2)
+    assert [r for r in rows if r[0].endswith(".route")] and all(r[3] > 0 for r in rows if r[0].endswith(".route"))
+    assert next(r for r in rows if r[0].endswith(".route"))[1:3] == ("tier-small", "route_classifier")
 
 
 def test_a_failed_validation_escalates_and_each_attempt_pays_for_itself(routed: tuple[Server, dict[str, str], Collector]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from appliance.store.db import MIGRATIONS, connect, migrate
 from appliance.store.request_log import RequestLogWriter, RequestRecord, recent
 
@@ -64,3 +66,47 @@ def test_a_failed_eval_request_is_not_a_wrong_answer():
     run_id = store(db, "set.jsonl", 2, {"_tiers": ["small", "big"]}, answers)
     found = observations(db, [run_id], ("small", "big"))
     assert sorted((o.tier, o.correct, o.cost_nanos) for o in found) == [(0, True, 10), (1, False, 30)]
+
+
+def test_the_route_is_placed_against_the_random_routing_line():
+    from appliance.evaluate import compare
+
+    def summary(route_accuracy: float, route_cost: float) -> dict:
+        return {"small": {"accuracy": 0.25, "cost_usd": 0.0002}, "big": {"accuracy": 0.75, "cost_usd": 0.0022},
+                "auto": {"accuracy": route_accuracy, "cost_usd": route_cost}}
+
+    # half way in cost between the two tiers, random routing would score half way in accuracy
+    halfway = compare(summary(0.70, 0.0012), ("small", "big"), "auto")
+    assert halfway["random_routing_accuracy_at_same_cost"] == pytest.approx(0.50)
+    assert halfway["above_random_line"] == pytest.approx(0.20)
+    assert halfway["cost_vs_frontier"] == pytest.approx(0.0012 / 0.0022) and not halfway["target_met"]  # 55% of the cost
+    below = compare(summary(0.30, 0.0012), ("small", "big"), "auto")
+    assert below["above_random_line"] == pytest.approx(-0.20) and not below["target_met"]
+    cheap_and_good = compare(summary(0.70, 0.0010), ("small", "big"), "auto")
+    assert cheap_and_good["target_met"] and cheap_and_good["accuracy_vs_frontier"] == pytest.approx(0.70 / 0.75)
+    too_inaccurate = compare(summary(0.65, 0.0010), ("small", "big"), "auto")
+    assert not too_inaccurate["target_met"]  # 87% of the frontier's accuracy
+
+
+def test_span_retention_drops_old_spans_then_the_oldest_beyond_the_cap(tmp_path: Path):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from appliance.store.traces import SqliteSpanExporter
+
+    path = tmp_path / "appliance.db"
+    db = connect(path)
+    migrate(db)
+    exporter = SqliteSpanExporter(path, retention_s=3600, max_spans=3)
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    now = time.time_ns()
+    for i, age_s in enumerate([7200, 50, 40, 30, 20, 10]):  # the first is past the hour kept
+        start = now - age_s * 10**9
+        tracer.start_span(f"span-{i}", start_time=start).end(end_time=start + 1000)
+    names = [r[0] for r in db.execute("SELECT name FROM spans ORDER BY start_ns")]
+    assert names == ["span-1", "span-2", "span-3", "span-4", "span-5"]  # the first export pruned: the old one is gone
+    exporter._prune()  # as every 50th export does
+    assert [r[0] for r in db.execute("SELECT name FROM spans ORDER BY start_ns")] == ["span-3", "span-4", "span-5"]
+    provider.shutdown()

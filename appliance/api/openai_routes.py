@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 from litestar import Request, Response, get, post
 from litestar.response import Stream
+from opentelemetry.trace import Span
 
 from appliance.api import render
 from appliance.api.cached import CachePlan, cache_plan, serve_hit
@@ -364,7 +365,7 @@ async def _first_event_or_error(request: Request[Any, Any, Any], services: Servi
 
 
 async def _admit_and_start(
-    services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, traced: RequestTrace,
+    services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, traced: RequestTrace, attempt: Span | None = None,
 ) -> tuple[Admission, EventStream, Prepared]:
     """Rate limits, then the engine and the budget reservation together: the prompt's prefill
     overlaps the ledger's write, and no token is read before the reservation stands. A refusal
@@ -377,7 +378,9 @@ async def _admit_and_start(
     except BaseException:
         gate.abandon(pending)
         raise
-    traced.start_engine(prompt_tokens=prepared.request.prompt_length, max_tokens=prepared.request.max_tokens)
+    traced.start_engine(attempt, gen_ai__request__model=model.settings.alias, prompt_tokens=prepared.request.prompt_length,
+                        max_tokens=prepared.request.max_tokens,
+                        adapters=",".join(f"{name}:{scale:g}" for name, scale in prepared.request.adapters) or None)
     try:
         with traced.child("budget.reserve") as span:
             admission = await gate.admitted(pending)

@@ -52,11 +52,15 @@ async def classify_with_llm(services: Services, route: RouteSettings, principal:
     ]
     prompt = model.template.render(messages)
     tokens = tuple(model.engine.tokenize(prompt, add_special=model.engine.add_bos(), parse_special=True))
+    # Room for the longest answer the grammar allows and its end token. Under a grammar the model may
+    # spell an answer in more tokens than its tokenizer would (a fixed 8 cut '{"tier": "f' off), but
+    # never in more tokens than the answer has characters.
+    room = max(len(f'{{"tier": "{n}"}}') for n in names) + 1
     with traced.child("route.classifier", model=model.settings.alias, gen_ai__request__model=model.settings.alias) as span:
-        admission = await services.gate.admit(principal, f"{request_id}.route", model.settings.alias, price_of(model), len(tokens), 8)
+        admission = await services.gate.admit(principal, f"{request_id}.route", model.settings.alias, price_of(model), len(tokens), room)
         text, completion = "", 0
         try:
-            async for event in model.engine.generate(GenerationRequest(f"{request_id}.route", tokens, 8, SamplingParams(temperature=0.0, grammar=grammar))):
+            async for event in model.engine.generate(GenerationRequest(f"{request_id}.route", tokens, room, SamplingParams(temperature=0.0, grammar=grammar))):
                 text += event.text
                 if isinstance(event, FinishEvent):
                     completion = event.usage.completion_tokens
@@ -188,7 +192,7 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
         engine_view = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, sampling=sampling))
     with traced.child("route.attempt", gen_ai__request__model=model.settings.alias, route__tier=index, attempt__id=attempt_id) as span:
         try:
-            admission, events, engine_view = await _admit_and_start(services, principal, model, engine_view, traced)
+            admission, events, engine_view = await _admit_and_start(services, principal, model, engine_view, traced, span)
             prompt_len = engine_view.request.prompt_length
             admission.progress = lambda: (prompt_len, events.tokens_pushed)
         except APIError as exc:
