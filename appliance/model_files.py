@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,12 @@ def hub_cache_dir(data_dir: Path) -> Path:
 
 def download(repo: str, filename: str, data_dir: Path, *, revision: str | None = None, progress: bool = True,
              tqdm_class: Any = None) -> Path:
-    """Downloads through huggingface-hub, which honours HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE."""
+    """Downloads through huggingface-hub, which honours HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE and
+    resumes a transfer that breaks off (a new request for the missing range). The file is then
+    checked against the hash the hub named it by."""
     import warnings
 
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
     from tqdm import TqdmExperimentalWarning
     from tqdm.rich import tqdm as rich_tqdm
@@ -43,9 +46,43 @@ def download(repo: str, filename: str, data_dir: Path, *, revision: str | None =
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", TqdmExperimentalWarning)  # tqdm.rich: a rich progress bar
-            return Path(hf_hub_download(repo, filename, revision=revision, cache_dir=hub_cache_dir(data_dir), tqdm_class=tqdm_class or rich_tqdm))
+            path = Path(hf_hub_download(repo, filename, revision=revision, cache_dir=hub_cache_dir(data_dir), tqdm_class=tqdm_class or rich_tqdm))
     except Exception as exc:  # the hub library raises many kinds; the user needs one line
+        if constants.HF_HUB_OFFLINE:
+            raise ModelFileError(
+                f"HF_HUB_OFFLINE is set and {filename} from {repo} is not in the local cache ({hub_cache_dir(data_dir)}): "
+                f"unset HF_HUB_OFFLINE to download it, or copy the file here and run `appliance models add PATH`"
+            ) from None
         raise ModelFileError(f"could not download {filename} from {repo}: {exc}") from None
+    check_hub_hash(path, f"{filename} from {repo}")
+    return path
+
+
+def check_hub_hash(path: Path, what: str) -> None:
+    """The hub's cache names each blob by the hash the hub gave for it: the sha256 of a large (LFS)
+    file, the git blob hash of a small one. A blob that does not match is removed, so a retry downloads
+    it again instead of serving corrupt bytes."""
+    blob = path.resolve()
+    expected = blob.name
+    if re.fullmatch(r"[0-9a-f]{64}", expected):
+        actual = sha256(blob)
+    elif re.fullmatch(r"[0-9a-f]{40}", expected):
+        actual = git_blob_sha1(blob)
+    else:
+        return  # not named by a hash: nothing to check against
+    if actual != expected:
+        blob.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        raise ModelFileError(f"{what}: the downloaded file hashes to {actual}, the hub named it {expected}; "
+                             f"removed it, run the command again")
+
+
+def git_blob_sha1(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
+    with path.open("rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def cached_hub_file(repo: str, filename: str, data_dir: Path) -> Path | None:

@@ -101,6 +101,60 @@ def test_pull_repo_file_downloads_and_registers(tmp_path: Path):
     assert run.returncode == 1 and "already a model with alias 'small'" in run.stderr
 
 
+def _hub_env(hub: FakeHub, home: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "APPLIANCE_HOME": str(home), **extra}
+
+
+def test_a_broken_off_download_resumes_where_it_stopped(tmp_path: Path):
+    from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE  # what the library writes to disk at a time
+
+    data = tmp_path / "tiny.gguf"
+    data.write_bytes(os.urandom(2 * DOWNLOAD_CHUNK_SIZE + 4096))
+    cfg = _config(tmp_path)
+    with FakeHub({"acme/tiny-GGUF/tiny.gguf": data}, drop_after=DOWNLOAD_CHUNK_SIZE + 4096) as hub:
+        run = _cli("models", "pull", "acme/tiny-GGUF", "tiny.gguf", "--config", str(cfg), env=_hub_env(hub, tmp_path / "home"))
+    assert run.returncode == 0, run.stderr
+    assert [r for r in hub.ranges if r] == [f"bytes={DOWNLOAD_CHUNK_SIZE}-"]  # the second request asked for the rest only
+    assert len([m for m, path in hub.requests if m == "GET" and path.endswith("tiny.gguf")]) == 2
+    assert f"sha256 {sha256(data)}" in run.stdout
+
+
+def test_a_download_that_does_not_match_the_hubs_hash_is_refused_and_removed(tmp_path: Path):
+    data = tmp_path / "tiny.gguf"
+    data.write_bytes(os.urandom(4096))
+    cfg = _config(tmp_path)
+    home = tmp_path / "home"
+    claimed = "ab" * 32
+    with FakeHub({"acme/tiny-GGUF/tiny.gguf": data}, etags={"acme/tiny-GGUF/tiny.gguf": claimed}) as hub:
+        run = _cli("models", "pull", "acme/tiny-GGUF", "tiny.gguf", "--config", str(cfg), env=_hub_env(hub, home))
+    assert run.returncode == 1
+    assert f"hashes to {sha256(data)}, the hub named it {claimed}" in run.stderr
+    assert not [p for p in home.rglob("*") if p.name == claimed]  # nothing corrupt is left to serve
+    assert "tiny" not in cfg.read_text()  # and nothing was registered
+    with FakeHub({"acme/tiny-GGUF/tiny.gguf": data}) as hub:
+        run = _cli("models", "pull", "acme/tiny-GGUF", "tiny.gguf", "--config", str(cfg), env=_hub_env(hub, home))
+    assert run.returncode == 0, run.stderr
+
+
+def test_offline_pull_uses_the_cache_or_says_why_it_cannot(tmp_path: Path):
+    data = tmp_path / "tiny.gguf"
+    data.write_bytes(os.urandom(4096))
+    cfg = _config(tmp_path)
+    home = tmp_path / "home"
+    with FakeHub({"acme/tiny-GGUF/tiny.gguf": data}) as hub:
+        offline = _cli("models", "pull", "acme/tiny-GGUF", "tiny.gguf", "--config", str(cfg), env=_hub_env(hub, home, HF_HUB_OFFLINE="1"))
+        assert offline.returncode == 1 and not hub.requests
+        assert "HF_HUB_OFFLINE is set and tiny.gguf from acme/tiny-GGUF is not in the local cache" in offline.stderr
+        assert _cli("models", "pull", "acme/tiny-GGUF", "tiny.gguf", "--alias", "tiny-online", "--config", str(cfg),
+                    env=_hub_env(hub, home)).returncode == 0
+        asked = len(hub.requests)
+        again = _cli("models", "pull", "acme/tiny-GGUF", "tiny.gguf", "--alias", "tiny-offline", "--config", str(cfg),
+                     env=_hub_env(hub, home, HF_HUB_OFFLINE="1"))
+        assert again.returncode == 0, again.stderr
+        assert len(hub.requests) == asked  # served from the cache, no request made
+    assert f"sha256 {sha256(data)}" in again.stdout
+
+
 def test_add_registers_a_local_file_and_refuses_what_is_not_a_model(tmp_path: Path):
     cfg = _config(tmp_path)
     run = _cli("models", "add", str(package_file(MODEL_FILE)), "--alias", "copy", "--config", str(cfg))
