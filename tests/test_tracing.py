@@ -68,7 +68,8 @@ def test_a_miss_and_a_hit_are_traced_with_their_steps(tmp_path: Path, collector:
     tracing = f'[tracing]\nenabled = true\notlp_endpoint = "http://127.0.0.1:{collector.port}/v1/traces"\nexport_interval_ms = 100\n'
     server = start_server(tmp_path / "traced", config_text(embeddings=False, cache="enabled = true\nsweep_interval_s = 0", extra=tracing))
     try:
-        body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "What is the capital of Italy?"}], "max_tokens": 8, "temperature": 0}
+        body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "What is the capital of Italy?"}], "max_tokens": 8, "temperature": 0,
+                "user": "end-user-7"}
         miss = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
         time.sleep(0.5)  # the answer is stored off the request path
         hit = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
@@ -83,6 +84,8 @@ def test_a_miss_and_a_hit_are_traced_with_their_steps(tmp_path: Path, collector:
         children = {s["name"]: s for s in collector.spans if s["parent"] == first["id"]}
         assert {"auth", "cache.lookup", "budget.reserve", "engine.generate", "budget.settle", "cache.store"} <= set(children)
         assert children["engine.generate"]["attributes"]["finish_reason"] in ("stop", "length")
+        assert children["engine.generate"]["attributes"]["gen_ai.request.model"] == CHAT_MODEL
+        assert first["attributes"]["end_user"] == "end-user-7"  # the caller's own name for its user, kept
         lookups = [s for s in collector.spans if s["name"] == "cache.lookup" and s["parent"] == second["id"]]
         assert lookups and lookups[0]["attributes"]["cache.similarity"] == 1.0
         assert all(s["trace"] == first["trace"] for s in children.values())

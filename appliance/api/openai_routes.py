@@ -201,12 +201,12 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
         await guard(services, traced, [m.get("content", "") for m in chat_messages(body) if m.get("role") == "user"], principal, request_id)
         route = services.settings.route(body.model)
         if route is not None:
-            traced.annotate(model=route.alias, stream=body.stream, gen_ai__request__model=route.alias)
+            traced.annotate(model=route.alias, stream=body.stream, gen_ai__request__model=route.alias, end_user=body.user)
             routed = await routed_chat(request, services, principal, body, route, request_id, traced)
             traced.end(http__status_code=200)
             return traced.stamp(routed)
         model, adapters = _model_with_adapters(services, body.model, body.adapters, "chat")
-        traced.annotate(model=model.settings.alias, stream=body.stream, gen_ai__request__model=body.model)
+        traced.annotate(model=model.settings.alias, stream=body.stream, gen_ai__request__model=body.model, end_user=body.user)
         prepared = _with_adapters(prepare_chat(body, model, services.settings.defaults, request_id), adapters)
         plan = cache_plan(request.headers.get("cache-control"), services, principal, body, model, prepared)
         if plan.read and plan.item is not None:
@@ -301,7 +301,7 @@ async def completions(request: Request[Any, Any, Any], services: Services) -> Re
         await guard(services, traced, [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)],
                     principal, request_id)
         model, adapters = _model_with_adapters(services, body.model, body.adapters, "completion")
-        traced.annotate(model=model.settings.alias, stream=body.stream)
+        traced.annotate(model=model.settings.alias, stream=body.stream, end_user=body.user)
         prepared = _with_adapters(prepare_completion(body, model, services.settings.defaults, request_id), adapters)
         return traced.stamp(await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "completion", None, traced))
     except BaseException as exc:
