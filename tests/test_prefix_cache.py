@@ -97,3 +97,22 @@ def test_prefix_cache_settings_are_checked() -> None:
         parse_settings(base.replace("threads = 2", "threads = 2\nprefix_cache_host_mb = -1"), "m.toml", Path("."))
     with pytest.raises(ConfigError, match=r"models\[0\]\.prefix_cache"):
         parse_settings(base.replace("threads = 2", 'threads = 2\nprefix_cache = "yes"'), "m.toml", Path("."))
+
+
+def test_host_ram_keeps_the_most_recently_used_prefixes_under_its_limit(tmp_path: Path) -> None:
+    # One slot, and room in host RAM for one saved prompt (~8 MB each here), not two.
+    server = start_server(tmp_path / "lru", config_text(slots=1, embeddings=False, model_extra="prefix_cache_host_mb = 12"))
+    try:
+        first = asyncio.run(ask(server, SYSTEM, QUESTIONS[0]))  # A in the slot
+        story = asyncio.run(ask(server, OTHERS[0], "Go on."))  # B in the slot; A saved
+        asyncio.run(ask(server, OTHERS[1], "Go on."))  # C in the slot; B saved, A dropped
+        m = metrics(server)
+        assert m["appliance_prefix_host_evictions"] == 1 and m["appliance_prefix_host_entries"] == 1
+        assert 0 < m["appliance_prefix_host_bytes"] <= 12 << 20
+        again = asyncio.run(ask(server, OTHERS[0], "Go on."))  # B comes back from host RAM while C is saved
+        assert again[0] == story[0] and again[2] >= again[1] - 30
+        assert metrics(server)["appliance_prefix_host_bytes"] <= 12 << 20
+        cold = asyncio.run(ask(server, SYSTEM, QUESTIONS[0]))  # A was the least recently used: computed again
+        assert cold[0] == first[0] and cold[2] < 30
+    finally:
+        stop_server(server)

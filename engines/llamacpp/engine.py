@@ -462,7 +462,8 @@ class LlamaCppEngine:
                 self._queued -= 1
             job.slot = admission.slot
             job.admitted_seq = next(self._admissions)
-            self._evict(admission.slot, admission.reuse)
+            restoring = admission.source.holder[1] if admission.source and admission.source.holder[0] == "host" else None
+            self._evict(admission.slot, admission.reuse, restoring)
             job.n_past = job.reused = admission.reuse
             self.prefix_stats.prompt_tokens += len(job.request.prompt_tokens)
             self.prefix_stats.reused_in_slot += admission.reuse
@@ -550,9 +551,10 @@ class LlamaCppEngine:
             else:
                 job.parked = None
 
-    def _evict(self, slot: int, keep: int) -> None:
+    def _evict(self, slot: int, keep: int, restoring: int | None = None) -> None:
         """Trims a free slot to the prefix its next request reuses, first saving what would be
-        lost to host RAM when no one else holds it and it is long enough to be worth keeping."""
+        lost to host RAM when no one else holds it and it is long enough to be worth keeping.
+        `restoring`: the host entry the slot's next request restores, which room must not be made by dropping."""
         holder = ("slot", slot)
         if holder in self._index:
             tokens, key = self._index.tokens(holder), self._index.key(holder)
@@ -560,11 +562,11 @@ class LlamaCppEngine:
                 others = self._index.match(key, tokens)
                 others.pop(holder, None)
                 if len(tokens) - max(others.values(), default=0) >= self.config.prefix_host_min_tokens:
-                    self._save_host(slot, key, tokens)
+                    self._save_host(slot, key, tokens, restoring)
             self._index.remove(holder)
         self.ctx.trim_sequence(slot, keep)
 
-    def _save_host(self, slot: int, key: Any, tokens: tuple[int, ...]) -> None:
+    def _save_host(self, slot: int, key: Any, tokens: tuple[int, ...], protect: int | None = None) -> None:
         try:
             data = self.ctx.save_sequence(slot)
         except EngineError as exc:
@@ -579,7 +581,11 @@ class LlamaCppEngine:
         stats.host_saves += 1
         stats.host_bytes += len(data)
         while stats.host_bytes > self.config.prefix_host_bytes:
-            self._drop_host(next(iter(self._host)))
+            # least recently used first (the new entry is last), but never the one about to be restored
+            victim = next((i for i in self._host if i != protect), None)
+            if victim is None:
+                break
+            self._drop_host(victim)
             stats.host_evictions += 1
         stats.host_entries = len(self._host)
 
