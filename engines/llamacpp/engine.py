@@ -674,14 +674,8 @@ class LlamaCppEngine:
             if c.speculation_fixed_tokens:
                 k = c.speculation_fixed_tokens
             else:
-                def length(acceptance: float) -> int:
-                    # a draft model must first catch up on every token it has not seen
-                    return draft_length(acceptance, self._step_cost, len(generating), c.speculation_max_tokens, self._drafter.cost_per_token,
-                                        setup_s=self._drafter.behind(job.slot, job.n_past + 1) * self._drafter.catch_up_cost,
-                                        tokens_left=job.request.max_tokens - job.generated)
-
-                k = length(job.acceptance.cautious)
-                if k == 0 and self._drafter.kind == "draft" and job.steps_without_drafts >= 16 and length(0.95) > 0:
+                k = self._draft_length(job, job.acceptance.cautious, len(generating))
+                if k == 0 and self._drafter.kind == "draft" and job.steps_without_drafts >= 16 and self._draft_length(job, 0.95, len(generating)) > 0:
                     k = 1  # probe now and then, so the acceptance estimate can recover, where drafting could pay
             # never past max_tokens, the slot's context, or the step's budget
             k = min(k, job.request.max_tokens - job.generated - 1, c.context_length - job.n_past - 1, room)
@@ -699,6 +693,15 @@ class LlamaCppEngine:
             if job.slot in drafts:
                 job.steps_without_drafts = 0
         return drafts
+
+    def _draft_length(self, job: _Job, acceptance: float, decoding: int) -> int:
+        """What pays for this slot at this acceptance; a draft model must first catch up on every
+        token it has not seen."""
+        assert self._drafter is not None
+        c = self.config
+        return draft_length(acceptance, self._step_cost, decoding, c.speculation_max_tokens, self._drafter.cost_per_token,
+                            setup_s=self._drafter.behind(job.slot, job.n_past + 1) * self._drafter.catch_up_cost,
+                            tokens_left=job.request.max_tokens - job.generated)
 
     def _verify(self, job: _Job, first_row: int, drafts: tuple[int, ...]) -> None:
         """Samples position by position; a drafted token that matches what was sampled is kept
