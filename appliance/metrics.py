@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -11,6 +12,9 @@ from engines.base import EngineStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _RATE_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 400, 800)
+# A small model on a GPU samples a token in a few milliseconds; a large one on a CPU in a second.
+_TOKEN_GAP_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
+UNMATCHED_ROUTE = "unmatched"  # a request no route took (404, 405): one label value, whatever its path
 
 
 class Metrics:
@@ -18,6 +22,14 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("appliance_requests", "API requests by model, endpoint and outcome", ["model", "endpoint", "status"], registry=r)
+        self.http_responses = Counter("appliance_http_responses", "Every HTTP response, refusals included, by route template, status class "
+                                      "and the error envelope's code, else its type (\"\" for success)", ["route", "status_class", "code"], registry=r)
+        self.finish_reasons = Counter("appliance_finish_reasons", "Generations the engine ended, by why (stop, length, error, cancelled)",
+                                      ["model", "reason"], registry=r)
+        self.queue_seconds = Histogram("appliance_request_queue_time_seconds", "Time a request waited before its first step on the engine",
+                                       ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_seconds = Histogram("appliance_inter_token_latency_seconds", "Time between two sampled tokens of one request",
+                                             ["model"], buckets=_TOKEN_GAP_BUCKETS, registry=r)
         self.prompt_tokens = Counter("appliance_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
         self.cached_prompt_tokens = Counter("appliance_prompt_tokens_cached", "Prompt tokens served from a slot's KV instead of recomputed", ["model"], registry=r)
         self.completion_tokens = Counter("appliance_completion_tokens", "Completion tokens generated", ["model"], registry=r)
@@ -48,6 +60,30 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def count_response(self, route: str | None, status: int, body: bytes = b"") -> None:
+        code = error_code(body) if status >= 400 else ""
+        self.http_responses.labels(route or UNMATCHED_ROUTE, f"{status // 100}xx", code).inc()
+
+
+class _Error(msgspec.Struct):
+    code: str | None = None
+    type: str | None = None
+
+
+class _Envelope(msgspec.Struct):
+    error: _Error
+
+
+def error_code(body: bytes) -> str:
+    """The `code` of an OpenAI error envelope, else its `type` (many 400s name only a param); ""
+    when the body is not an envelope."""
+    try:
+        error = msgspec.json.decode(body, type=_Envelope).error
+        code = error.code or error.type or ""
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
+    return code[:64]  # an upstream's code is passed through: keep a stray one from bloating the series
+
 
 class _EngineCollector:
     """Slots and queues are read from the engines at scrape time, never copied."""
@@ -76,6 +112,8 @@ class _EngineCollector:
         up_failures = CounterMetricFamily("appliance_upstream_failures", "Failed attempts by kind", labels=["model", "upstream", "kind"])
         up_retries = CounterMetricFamily("appliance_upstream_retries", "Attempts retried before any token was streamed", labels=["model", "upstream"])
         up_refused = CounterMetricFamily("appliance_upstream_refused", "Requests failed fast by an open breaker, without a connection", labels=["model", "upstream"])
+        kv_usage = GaugeMetricFamily("appliance_kv_cache_usage_ratio", "Fraction of KV cells held by requests in flight (cached prefixes "
+                                     "of idle slots count as free, as vLLM counts its evictable blocks)", labels=["model"])
         for alias, stats in self._stats().items():
             for u in stats.upstreams:
                 for state in ("closed", "open", "half_open"):
@@ -94,6 +132,8 @@ class _EngineCollector:
             busy.add_metric([alias], stats.slots_busy)
             total.add_metric([alias], stats.slots_total)
             queue.add_metric([alias], stats.queue_depth)
+            if stats.kv_usage is not None:
+                kv_usage.add_metric([alias], stats.kv_usage)
             p = stats.prefix
             if p is None:
                 continue
@@ -105,5 +145,5 @@ class _EngineCollector:
             host_entries.add_metric([alias], p.host_entries)
             host_saves.add_metric([alias], p.host_saves)
             host_evictions.add_metric([alias], p.host_evictions)
-        yield from (busy, total, queue, prompt, reused, ratio, host_bytes, host_entries, host_saves, host_evictions, drafted, accepted, acceptance,
+        yield from (busy, total, queue, kv_usage, prompt, reused, ratio, host_bytes, host_entries, host_saves, host_evictions, drafted, accepted, acceptance,
                     up_state, up_healthy, up_outstanding, up_requests, up_failures, up_retries, up_refused)

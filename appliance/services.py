@@ -58,7 +58,15 @@ class Services:
                 decode_time = finish.total_time_s - ttft
                 if completion_tokens > 1 and decode_time > 0:
                     m.tokens_per_second.labels(alias).observe((completion_tokens - 1) / decode_time)
+            if finish.queue_time_s is not None:
+                m.queue_seconds.labels(alias).observe(finish.queue_time_s)
+            if finish.inter_token_s:
+                gaps = m.inter_token_seconds.labels(alias)
+                for gap in finish.inter_token_s:
+                    gaps.observe(gap)
         m.request_seconds.labels(alias).observe(now - started)
+        if status != "cache_hit":  # a hit replays a stored answer: the engine ended nothing
+            m.finish_reasons.labels(alias, finish.reason if finish is not None else "cancelled").inc()
         self.request_log.record(
             RequestRecord(
                 id=prepared.request.id,

@@ -115,6 +115,10 @@ class FinishEvent:
     # An upstream engine's: which server answered (or failed last), after how many attempts.
     upstream: str | None = None
     upstream_attempts: int = 0
+    # Measured where the engine knows (llama.cpp; None elsewhere): the wait before the request's first
+    # step, and the gap before each sampled token after the first, for vLLM's histograms of the same.
+    queue_time_s: float | None = None
+    inter_token_s: tuple[float, ...] | None = None
 
 
 EngineEvent = TokenEvent | FinishEvent
@@ -261,6 +265,14 @@ class EngineStats:
     slot_states: tuple[tuple[str, int], ...] = ()
     kv_capacity_tokens: int = 0
     upstreams: tuple[UpstreamStats, ...] = ()
+
+    @property
+    def kv_usage(self) -> float | None:
+        """Fraction of KV cells held by requests in flight; None where the engine reports no KV (upstream, MLX).
+        An idle slot's cached prefix counts as free: the next request may evict it."""
+        if not self.kv_capacity_tokens:
+            return None
+        return sum(tokens for state, tokens in self.slot_states if state != "idle") / self.kv_capacity_tokens
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,10 @@ class _Job:
         self.utf8 = Utf8Stream()
         self.stops = StopMatcher(request.stop)
         self.submitted_at = time.perf_counter()
+        self.first_step_at: float | None = None
         self.first_token_at: float | None = None
+        self.last_token_at = 0.0
+        self.token_gaps: list[float] = []
 
     def view(self, drafted: int = 0) -> SlotView:
         return SlotView(self.slot, self.admitted_seq, len(self.request.prompt_tokens), self.n_past, self.pending_token is not None, drafted)
@@ -649,6 +652,8 @@ class LlamaCppEngine:
             self._step_cost = self._step_cost.observe(len(entries), time.perf_counter() - started)
         for item in plan:
             job = self._active[item.slot]
+            if job.first_step_at is None:
+                job.first_step_at = started
             if item.is_decode:
                 job.n_past += 1
                 job.decoded.append(job.pending_token)  # type: ignore[arg-type]
@@ -746,6 +751,9 @@ class LlamaCppEngine:
         now = time.perf_counter()
         if job.first_token_at is None:
             job.first_token_at = now
+        else:
+            job.token_gaps.append(now - job.last_token_at)
+        job.last_token_at = now
         job.generated += 1
         self._observe(job, token)
         if self.model.is_eog(token):
@@ -799,8 +807,9 @@ class LlamaCppEngine:
         job.sampler.close()
         end = time.perf_counter()
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
+        queued = None if job.first_step_at is None else job.first_step_at - job.submitted_at
         usage = Usage(len(job.request.prompt_tokens), job.generated, job.reused)
-        job.emit(FinishEvent(reason, usage, tail, ttft, end - job.submitted_at, error))
+        job.emit(FinishEvent(reason, usage, tail, ttft, end - job.submitted_at, error, queue_time_s=queued, inter_token_s=tuple(job.token_gaps)))
 
     def _fail_all(self, message: str) -> None:
         for job in list(self._active.values()):
