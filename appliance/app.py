@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from litestar import Litestar, Response, get
+from litestar import Litestar, Request, Response, get
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
+from litestar.types import Message, Scope
 
 from appliance import __version__
 from appliance.api import admin_routes, cache_routes, model_routes, openai_routes
+from appliance.api.common import authenticate
 from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from appliance.metrics import Metrics
 from appliance.registry import Registry
@@ -40,9 +43,31 @@ def health(services: Services) -> dict[str, Any]:
     return {"status": "ok", "version": __version__, "uptime_s": round(time.time() - services.started_at, 3), "models": models}
 
 
-@get("/metrics", sync_to_thread=False)
-def metrics(services: Services) -> Response[bytes]:
+@get("/metrics")
+async def metrics(request: Request[Any, Any, Any], services: Services) -> Response[bytes]:
+    if services.settings.server.metrics_auth == "admin":
+        services.gate.require_admin(await authenticate(request, services))
     return Response(services.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+_ERROR_STATUS = "appliance.error_status"  # in the scope's state, between an error's start and its body
+
+
+def count_responses(metrics_: Metrics) -> Callable[[Message, Scope], Awaitable[None]]:
+    """Counts every response as it leaves, refusals raised before any model was known and paths no
+    route took included; an error is counted with its body, whose envelope names the code. Async:
+    Litestar would run a sync hook on a worker thread, once for every chunk of every stream."""
+
+    async def hook(message: Message, scope: Scope) -> None:
+        if message["type"] == "http.response.start":
+            if message["status"] < 400:
+                metrics_.count_response(scope.get("path_template"), message["status"])
+            else:
+                scope["state"][_ERROR_STATUS] = message["status"]
+        elif message["type"] == "http.response.body" and _ERROR_STATUS in scope["state"]:
+            metrics_.count_response(scope.get("path_template"), scope["state"].pop(_ERROR_STATUS), message.get("body", b""))
+
+    return hook
 
 
 def build_services(settings: Settings, registry: Registry) -> Services:
@@ -85,6 +110,7 @@ def create_app(services: Services) -> Litestar:
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},
         request_max_body_size=services.settings.server.max_body_bytes,
+        before_send=[count_responses(services.metrics)],
         on_startup=[startup],
         on_shutdown=[shutdown],
         openapi_config=OpenAPIConfig(title="appliance", version=__version__),

@@ -23,6 +23,7 @@ SPECULATION = ("auto", "off", "prompt_lookup", "draft")
 TIERS = ("small", "mid", "frontier")
 KV_CACHE_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 UNQUANTIZED_KV = ("f16", "bf16")
+METRICS_AUTH = ("none", "admin")  # who may read /metrics: anyone who reaches the port, or admin keys
 
 
 class ConfigError(ValueError):
@@ -44,6 +45,9 @@ class ServerSettings:
     shutdown_grace_s: float = 10.0
     # "normal": ledger commits survive a crashed process, not always a power cut; "full": both.
     sqlite_synchronous: str = "normal"
+    # "none" keeps a loopback Prometheus working without a key; "admin" once the port is reachable
+    # by others (per-model traffic, queue depths and spend are in the scrape).
+    metrics_auth: str = "none"
 
 
 @dataclass(frozen=True)
@@ -302,7 +306,8 @@ class _Reader:
 
 
 def _server(file: str, table: dict[str, Any], base: Path) -> ServerSettings:
-    r = _Reader(file, "server", table, {"host", "port", "data_dir", "max_body_bytes", "max_queue", "shutdown_grace_s", "sqlite_synchronous"})
+    r = _Reader(file, "server", table, {"host", "port", "data_dir", "max_body_bytes", "max_queue", "shutdown_grace_s", "sqlite_synchronous",
+                                         "metrics_auth"})
     data_dir_text = r.string("data_dir")
     data_dir = default_data_dir()
     if data_dir_text is not None:
@@ -315,6 +320,7 @@ def _server(file: str, table: dict[str, Any], base: Path) -> ServerSettings:
         max_queue=r.integer("max_queue", 64, minimum=0),
         shutdown_grace_s=r.number("shutdown_grace_s", 10.0),
         sqlite_synchronous=r.string("sqlite_synchronous", "normal", ("normal", "full")) or "normal",
+        metrics_auth=r.string("metrics_auth", ServerSettings.metrics_auth, METRICS_AUTH) or ServerSettings.metrics_auth,
     )
 
 
