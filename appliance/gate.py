@@ -45,6 +45,8 @@ class Admission:
     reserved: bool
     max_tokens: int
     settled: bool = False
+    # The rate limiter still holds this call's estimate: cleared by the one settlement that gives it back.
+    limited: bool = True
     # Tokens known so far, for a settlement the response never reached (shutdown).
     progress: Callable[[], tuple[int, int]] | None = field(default=None, repr=False)
 
@@ -154,11 +156,11 @@ class Gate:
             decision = await asyncio.wrap_future(pending.reservation)
         except BaseException:
             # A cancelled wait must not leak a reservation the store thread still makes.
+            self._unlimit(admission)
             pending.reservation.add_done_callback(lambda f: self._release_if_reserved(admission, f))
-            self.limiter.settle(admission.principal, admission.estimated_tokens, 0, time.time())
             raise
         if isinstance(decision, Refuse):
-            self.limiter.settle(admission.principal, admission.estimated_tokens, 0, time.time())
+            self._unlimit(admission)
             self.metrics.budget_refused.labels(decision.level).inc()
             raise self._over_budget(decision, pending.at)
         admission.reserved = True
@@ -167,14 +169,21 @@ class Gate:
         return admission
 
     def abandon(self, pending: Pending) -> None:
-        """The call failed before it could use its reservation (the engine refused it): release it
+        """The call failed before it could use its reservation (the engine refused it): the rate
+        limiter gets its estimate back now, whatever the store decides; the reservation is released
         once the store has made it, without waiting here."""
         admission = pending.admission
+        self._unlimit(admission)
         if pending.reservation is None:
-            self.limiter.settle(admission.principal, admission.estimated_tokens, 0, time.time())
             admission.settled = True
             return
         pending.reservation.add_done_callback(lambda f: self._release_if_reserved(admission, f))
+
+    def _unlimit(self, admission: Admission) -> None:
+        """A refused call leaves every bucket as it found it: its whole estimate goes back, once."""
+        if admission.limited:
+            admission.limited = False
+            self.limiter.refund(admission.principal, admission.estimated_tokens, time.time())
 
     def _release_if_reserved(self, admission: Admission, future: Any) -> None:
         """Runs on the store thread (a done callback): hands the release back to the loop."""
@@ -206,7 +215,11 @@ class Gate:
         admission.settled = True
         self._live.pop(admission.request_id, None)
         now = time.time()
-        self.limiter.settle(admission.principal, admission.estimated_tokens, prompt_tokens + completion_tokens, now)
+        if outcome == "refused":
+            self._unlimit(admission)
+        elif admission.limited:
+            admission.limited = False
+            self.limiter.settle(admission.principal, admission.estimated_tokens, prompt_tokens + completion_tokens, now)
         if not admission.reserved:
             return
 

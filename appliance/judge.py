@@ -16,8 +16,7 @@ YES_NO = 'root ::= "yes" | "no"'
 async def yes_probability(model: LoadedModel, messages: list[dict[str, str]]) -> tuple[float, tuple[int, int]]:
     """P(yes), and the (prompt, completion) tokens spent."""
     assert model.template is not None  # settings allow only local chat models as judges
-    prompt = model.template.render(messages)
-    tokens = tuple(model.engine.tokenize(prompt, add_special=model.engine.add_bos(), parse_special=True))
+    tokens = model.chat_prompt(messages)[1]
     request = GenerationRequest(f"judge-{uuid.uuid4().hex}", tokens, 1,
                                 SamplingParams(temperature=0.0, logprobs=True, top_logprobs=20, grammar=YES_NO))
     yes = no = 0.0

@@ -6,10 +6,13 @@ import logging
 import os
 import platform
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from appliance.chat_template import CHATML, ChatTemplate
+from appliance.chat_prompt import chat_prompt
+from appliance.chat_template import CHATML, ChatTemplate, TemplateError
 from appliance.model_files import resolve, sha256
 from appliance.settings import ModelSettings, Settings
 from engines.base import Engine
@@ -22,6 +25,17 @@ class LoadedModel:
     settings: ModelSettings
     engine: Engine
     template: ChatTemplate | None
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, tuple[int, ...]]:
+        """The prompt text and tokens for these messages; callers' text never becomes a control
+        token (appliance/chat_prompt.py). Raises TemplateError."""
+        if self.template is None:
+            raise TemplateError(f"the model '{self.settings.alias}' has no chat template")
+        engine = self.engine
+        bos = engine.tokenize("", add_special=engine.add_bos(), parse_special=False)
+        text, tokens = chat_prompt(self.template, messages, engine.control_tokens(),
+                                   lambda t: engine.tokenize(t, add_special=False, parse_special=False), bos)
+        return text, tuple(tokens)
 
 
 def engine_for(model: ModelSettings) -> str:

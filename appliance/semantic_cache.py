@@ -256,12 +256,16 @@ class SemanticCache:
         if not entry.prompt_text:
             return None
         request_id, max_tokens, stop = f"sweep-{uuid.uuid4().hex}", entry.max_tokens or entry.completion_tokens, tuple(json.loads(entry.stop))
+        turns = _turns(entry.prompt_text)
         if model.engine.takes_messages:
             # An upstream model's entry keeps the messages themselves (it templates them there).
-            messages = tuple((m["role"], m["content"]) for m in json.loads(entry.prompt_text))
+            messages = tuple((m["role"], m["content"]) for m in turns or [])
             request = GenerationRequest(request_id, (), max_tokens, SamplingParams(temperature=0.0), stop, messages=messages)
         else:
-            tokens = tuple(model.engine.tokenize(entry.prompt_text, add_special=model.engine.add_bos(), parse_special=True))
+            if turns is not None:
+                tokens = model.chat_prompt(turns)[1]  # callers' text stays text, as when it was first asked
+            else:  # an entry stored before turns were kept: its text, read as it was read then
+                tokens = tuple(model.engine.tokenize(entry.prompt_text, add_special=model.engine.add_bos(), parse_special=True))
             request = GenerationRequest(request_id, tokens, max_tokens, SamplingParams(temperature=0.0), stop)
         parts: list[str] = []
         async for event in model.engine.generate(request):
@@ -278,3 +282,15 @@ class SemanticCache:
     @property
     def ready(self) -> bool:
         return self._store_ready
+
+
+def _turns(stored: str) -> list[dict[str, str]] | None:
+    """A stored prompt's chat turns, or None for an older entry that kept the rendered text."""
+    if not stored.startswith("["):
+        return None
+    try:
+        turns = json.loads(stored)
+    except ValueError:
+        return None
+    ok = isinstance(turns, list) and all(isinstance(t, dict) and isinstance(t.get("content"), str) for t in turns)
+    return turns if ok else None

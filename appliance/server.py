@@ -3,12 +3,16 @@ stops accepting, drains in-flight requests for the grace period, then the app cl
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
 import socket
 import sys
+from collections.abc import Callable
 
 import uvicorn
 
+from appliance.api.errors import envelope_when_cut
 from appliance.app import build_services, create_app
 from appliance.model_files import ModelFileError
 from appliance.registry import Registry
@@ -20,6 +24,9 @@ log = logging.getLogger("appliance")
 
 def port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        # As uvicorn binds its own socket: a stopped server's connections in TIME_WAIT do not hold
+        # the port, while a server still listening on it does.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -27,8 +34,44 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def open_beyond_loopback(settings: Settings) -> bool:
+    """No key is asked for, and the server listens where other machines may reach it."""
+    if settings.auth.mode != "open":
+        return False
+    host = settings.server.host.strip("[]")
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name (or "" for every address): it may resolve beyond this machine
+        return True
+
+
+class _Server(uvicorn.Server):
+    """uvicorn cuts the streams still open when the grace period ends (`incomplete chunked`). Just
+    before that, every engine ends its requests with a 503 error event, so each stream closes as a
+    client can parse it (the error in the envelope, usage, [DONE]) and is settled as usual."""
+
+    def __init__(self, config: uvicorn.Config, on_deadline: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_deadline = on_deadline
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        grace = float(self.config.timeout_graceful_shutdown or 0)
+        deadline = asyncio.get_running_loop().call_later(max(0.0, grace - min(1.0, grace / 4)), self._on_deadline)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+
 def serve(settings: Settings) -> int:
     server = settings.server
+    if open_beyond_loopback(settings):
+        who = settings.auth.open_principal
+        log.warning("[auth] mode = \"open\" in %s and the server listens on %s, beyond this machine: anyone who reaches it "
+                    "calls the API without a key, as user %r%s; set mode = \"keys\" or host = \"127.0.0.1\"",
+                    settings.file, server.host, who.user, " with admin rights" if who.admin else "")
     if server.port and not port_free(server.host, server.port):
         print(f"error: {server.host}:{server.port} is already in use (set [server] port in {settings.file} or pass --port)", file=sys.stderr)
         return 1
@@ -37,11 +80,12 @@ def serve(settings: Settings) -> int:
     except (ModelFileError, EngineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    app = create_app(build_services(settings, registry))
+    services = build_services(settings, registry)
+    app = envelope_when_cut(create_app(services))
     config = uvicorn.Config(
         app, host=server.host, port=server.port, log_level="info", access_log=False,
         timeout_graceful_shutdown=int(server.shutdown_grace_s), lifespan="on",
     )
     log.info("serving %d model(s) on http://%s:%d/v1", len(registry.all()), server.host, server.port)
-    uvicorn.Server(config).run()
+    _Server(config, services.end_streams).run()
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,8 @@ from engines.base import FinishEvent
 from policy.budgets import Price
 from policy.identity import Principal
 
+log = logging.getLogger("appliance")
+
 
 @dataclass
 class Services:
@@ -32,6 +35,13 @@ class Services:
     cache: SemanticCache
     tracing: Tracing
     jobs: JobRunner = field(default_factory=JobRunner)  # quantize and pull, from the admin API
+
+    def end_streams(self) -> None:
+        """The server's grace period is running out: every engine ends its requests with a 503
+        error event, so each response still ends in a form a client can parse."""
+        log.warning("shutdown grace period ending: ending the requests still running")
+        for model in self.registry.all():
+            model.engine.abort_all("The server is shutting down; retry the request.")
 
     def record(
         self, prepared: Prepared, model: LoadedModel, endpoint: str, started: float, finish: FinishEvent | None, status: str | None,

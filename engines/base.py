@@ -142,14 +142,20 @@ class EngineClosed(EngineError):
     pass
 
 
+def context_problem(prompt_tokens: int, max_tokens: int, context_length: int) -> str | None:
+    """Why a prompt plus max_tokens cannot fit the context, in OpenAI's words; None when it fits."""
+    needed = prompt_tokens + max_tokens
+    if needed <= context_length:
+        return None
+    return (f"This model's maximum context length is {context_length} tokens. However, you requested {needed} tokens "
+            f"({prompt_tokens} in the prompt, {max_tokens} for the completion). Please reduce the prompt or the completion length.")
+
+
 def check_context(request: GenerationRequest, context_length: int) -> None:
-    """A prompt plus max_tokens beyond the context is refused, in OpenAI's words, never truncated."""
-    needed = len(request.prompt_tokens) + request.max_tokens
-    if needed > context_length:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {context_length} tokens. However, you requested {needed} tokens "
-            f"({len(request.prompt_tokens)} in the prompt, {request.max_tokens} for the completion). "
-            "Please reduce the prompt or the completion length.")
+    """A prompt plus max_tokens beyond the context is refused, never truncated."""
+    problem = context_problem(len(request.prompt_tokens), request.max_tokens, context_length)
+    if problem is not None:
+        raise ContextLengthExceeded(problem)
 
 
 class UnknownAdapter(EngineError):
@@ -200,6 +206,10 @@ class Engine(Protocol):
 
     def special_tokens(self) -> dict[str, str]: ...
 
+    def control_tokens(self) -> dict[str, int]:
+        """The text and id of each control token: only a chat template may write them."""
+        ...
+
     def generate(self, request: GenerationRequest) -> EventStream:
         """Validates and queues at once (raising EngineError subclasses); the stream yields events,
         and closing it early cancels the request and frees its slot at the next step."""
@@ -209,6 +219,11 @@ class Engine(Protocol):
 
     def adapters(self) -> list[AdapterInfo]:
         """The loaded adapters (none where adapters are not supported)."""
+        ...
+
+    def abort_all(self, message: str) -> None:
+        """Ends every request in flight or waiting with an error event carrying 503 (the server is
+        stopping): each stream still ends as a client can parse. Called on the event loop."""
         ...
 
     def stats(self) -> EngineStats: ...

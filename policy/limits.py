@@ -113,6 +113,16 @@ class RateLimiter:
                 bucket = bucket.refilled(now)
                 self._buckets[key] = bucket.give(unused) if unused > 0 else bucket.take(-unused)
 
+    def refund(self, principal: Principal, estimated_tokens: int, now: float) -> None:
+        """A request refused after admission (the engine or the budget said no) gives back its
+        request and its whole estimate: a refusal leaves every bucket as it found it."""
+        for level, name in principal_names(principal):
+            for what, amount in (("requests", 1), ("tokens", estimated_tokens)):
+                key = (level, name, what)
+                bucket = self._buckets.get(key)
+                if bucket is not None:
+                    self._buckets[key] = bucket.refilled(now).give(amount)
+
     def level_of(self, level: str, name: str, what: str, now: float) -> float | None:
         bucket = self._buckets.get((level, name, what))
         return None if bucket is None else bucket.refilled(now).level

@@ -58,7 +58,7 @@ class CachePlan:
                     with traced.child("cache.store", cache__bucket=item.bucket.key, completion_tokens=finish.usage.completion_tokens):
                         pass  # queued to the cache's store thread
                 services.cache.remember(item, lookup.vector if lookup else None, text, finish.reason, finish.usage.prompt_tokens,
-                                        finish.usage.completion_tokens, cost, prepared.request.id, prepared.prompt_text,
+                                        finish.usage.completion_tokens, cost, prepared.request.id, prepared.replay,
                                         prepared.request.max_tokens, prepared.request.stop)
 
         return done

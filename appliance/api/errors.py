@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+from typing import Any
 
 import msgspec
 from litestar import Request, Response
@@ -78,3 +80,32 @@ def handle_http_exception(_: Request, exc: HTTPException) -> Response[bytes]:
 def handle_unexpected(_: Request, exc: Exception) -> Response[bytes]:
     log.exception("unhandled error", exc_info=exc)
     return error_response(APIError(500, "The server had an error while processing your request.", type="server_error"))
+
+
+def envelope_when_cut(app: Any) -> Any:
+    """An ASGI wrapper: a request cancelled before its response began (the server's grace period
+    ran out while it waited) answers 503 in the envelope, where uvicorn would send a plain-text 500."""
+
+    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            error = APIError(503, "The server is shutting down; retry the request.", type="server_error", code="server_shutting_down",
+                             retry_after_s=5)
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"5"), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": msgspec.json.encode(error.body())})
+
+    return wrapped

@@ -21,7 +21,7 @@ from appliance.api.common import authenticate, decode_body
 from appliance.api.errors import APIError, invalid
 from appliance.api.routed import routed_chat
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from appliance.api.translate import Prepared, chat_messages, prepare_chat, prepare_completion
+from appliance.api.translate import Prepared, chat_messages, check_token_ids, prepare_chat, prepare_completion
 from appliance.gate import Admission
 from appliance.judge import yes_probability
 from appliance.registry import LoadedModel
@@ -264,7 +264,7 @@ async def _judge_injection(services: Services, traced: RequestTrace, texts: list
     ]
     price = price_of(model)
     assert model.template is not None
-    estimate = len(model.engine.tokenize(model.template.render(messages), add_special=model.engine.add_bos(), parse_special=True))
+    estimate = len(model.chat_prompt(messages)[1])
     with traced.child("guard.judge", model=model.settings.alias, gen_ai__request__model=model.settings.alias) as span:
         admission = await services.gate.admit(principal, f"{request_id}.guard", model.settings.alias, price, estimate, 1)
         tokens = (0, 0)
@@ -452,7 +452,10 @@ async def _sse(
                 continue
             finish = event
             if event.reason == "error":
+                # Ended as a client can parse: the error in the envelope, the usage it was charged, [DONE].
                 yield render.sse(failure_error(event).body())
+                if include_usage:
+                    yield render.sse(fmt.usage_chunk(event))
                 break
             if event.text:
                 yield render.sse(fmt.delta_chunk(event.text, None, include_usage))
@@ -500,6 +503,8 @@ async def _embeddings(request: Request[Any, Any, Any], services: Services, trace
         raise invalid("'input' must be a non-empty string or a list of non-empty inputs.", "input")
     engine = model.engine
     token_lists = [t if isinstance(t, list) else engine.tokenize(t, add_special=engine.add_bos(), parse_special=False) for t in texts]
+    for tokens in token_lists:
+        check_token_ids(tokens, engine.vocab_size(), "input")
     prompt_tokens = sum(len(t) for t in token_lists)
     request_id = f"emb-{uuid.uuid4().hex}"
     traced.annotate(request__id=request_id, model=model.settings.alias, prompt_tokens=prompt_tokens, inputs=len(texts))

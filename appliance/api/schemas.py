@@ -79,6 +79,9 @@ class CompletionRequest(_Sampling, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    # An extension: read control-token text in the prompt (`<|im_start|>`) as control tokens, for
+    # callers who write a model's turn format themselves. Off: such text is plain text.
+    parse_special: bool = False
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):

@@ -15,7 +15,7 @@ from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, Imag
 from appliance.chat_template import TemplateError
 from appliance.registry import LoadedModel
 from appliance.settings import Defaults
-from engines.base import GenerationRequest, SamplingParams
+from engines.base import GenerationRequest, SamplingParams, context_problem
 from engines.upstream.wire import estimate_tokens
 
 MAX_STOP = 4
@@ -27,6 +27,12 @@ class Prepared:
     request: GenerationRequest
     prompt_text: str
     echo: bool = False  # completions: the prompt text leads the completion text
+    messages: tuple[dict[str, str], ...] = ()  # a chat request's turns, as the template saw them
+
+    @property
+    def replay(self) -> str:
+        """What a refresh sweep re-asks: a chat's turns as JSON (templated again, safely), else the prompt text."""
+        return json.dumps(list(self.messages)) if self.messages else self.prompt_text
 
 
 def _check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -59,7 +65,11 @@ def _max_tokens(requested: int | None, param: str, prompt_len: int, model: Loade
     if requested is not None:
         if requested < 1:
             raise invalid(f"{requested} is less than the minimum of 1.", param)
-        return requested  # the engine refuses prompt + max_tokens > context, never truncates
+        # Refused here, before any rate limit or budget is touched, never truncated.
+        problem = context_problem(prompt_len, requested, context)
+        if problem is not None:
+            raise APIError(400, problem, param=param, code="context_length_exceeded")
+        return requested
     room = context - prompt_len
     if room < 1:
         raise APIError(
@@ -70,6 +80,12 @@ def _max_tokens(requested: int | None, param: str, prompt_len: int, model: Loade
             code="context_length_exceeded",
         )
     return min(defaults.max_tokens, room)
+
+
+def check_token_ids(tokens: list[int], vocab: int, param: str) -> None:
+    """Token ids a caller sends must name tokens of the model's vocabulary."""
+    if any(not 0 <= t < vocab for t in tokens):
+        raise invalid(f"Token ids in '{param}' must be between 0 and {vocab - 1}.", param)
 
 
 def _grammar(fmt: ResponseFormat | None) -> str | None:
@@ -133,16 +149,17 @@ def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defa
         return _prepare_upstream_chat(body, model, defaults, request_id)
     if model.template is None:
         raise invalid(f"The model '{model.settings.alias}' has no chat template; use /v1/completions.", "model")
+    messages = _messages(body)
     try:
-        prompt_text = model.template.render(_messages(body))
+        prompt_text, tokens = model.chat_prompt(messages)
     except TemplateError as exc:
         raise invalid(f"The model's chat template rejected these messages: {exc}", "messages") from None
-    tokens = model.engine.tokenize(prompt_text, add_special=model.engine.add_bos(), parse_special=True)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = _max_tokens(requested, param, len(tokens), model, defaults)
     sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, _grammar(body.response_format))
-    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), prompt_text)
+    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), prompt_text,
+                    messages=tuple(messages))
 
 
 def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
@@ -155,6 +172,9 @@ def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defa
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested is not None and requested < 1:
         raise invalid(f"{requested} is less than the minimum of 1.", param)
+    if requested is not None and requested > model.engine.context_length:
+        # No prompt fits beside it; refused before any rate limit or budget is touched.
+        raise APIError(400, context_problem(0, requested, model.engine.context_length) or "", param=param, code="context_length_exceeded")
     # The estimate errs high, so it never refuses a prompt: the upstream judges its own context.
     max_tokens = requested if requested is not None else max(1, min(defaults.max_tokens, model.engine.context_length - estimate))
     response_format = None
@@ -182,9 +202,7 @@ def prepare_completion(body: CompletionRequest, model: LoadedModel, defaults: De
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
         tokens = [int(p) for p in prompt]
-        vocab = model.engine.vocab_size()
-        if any(not 0 <= t < vocab for t in tokens):
-            raise invalid(f"Token ids in 'prompt' must be between 0 and {vocab - 1}.", "prompt")
+        check_token_ids(tokens, model.engine.vocab_size(), "prompt")
         text = model.engine.detokenize(tokens)
     else:
         if isinstance(prompt, list):
@@ -196,7 +214,8 @@ def prepare_completion(body: CompletionRequest, model: LoadedModel, defaults: De
         text = str(prompt)
         if not text:
             raise invalid("'prompt' must not be empty.", "prompt")
-        tokens = model.engine.tokenize(text, add_special=model.engine.add_bos(), parse_special=True)
+        # Control-token text in a prompt stays text unless the caller asks for it (an extension).
+        tokens = model.engine.tokenize(text, add_special=model.engine.add_bos(), parse_special=body.parse_special)
     max_tokens = _max_tokens(body.max_tokens, "max_tokens", len(tokens), model, defaults)
     top = body.logprobs or 0
     sampling = _sampling(body, defaults, body.logprobs is not None, top, None)

@@ -236,6 +236,9 @@ class LlamaCppEngine:
     def special_tokens(self) -> dict[str, str]:
         return self.model.special_tokens()
 
+    def control_tokens(self) -> dict[str, int]:
+        return self.model.control_tokens()
+
     def add_bos(self) -> bool:
         return self.model.add_bos
 
@@ -391,6 +394,11 @@ class LlamaCppEngine:
             adapter.close()
         self.model.close()
 
+    def abort_all(self, message: str) -> None:
+        """Ends every running and waiting request at the next step with a 503 (the server is
+        stopping and its grace period is running out); later requests are still taken."""
+        self._inbox.put(_Abort(message))  # type: ignore[arg-type]
+
     def _cancel(self, job: _Job) -> None:
         job.cancelled = True
         self._inbox.put(_WAKE)  # type: ignore[arg-type]
@@ -416,7 +424,7 @@ class LlamaCppEngine:
             self._fail_all(f"engine failure: {exc}")
         finally:
             self._closing = True
-            self._fail_all("the model is shutting down")
+            self._fail_all("the model is shutting down", status=503)
 
     def _drain_inbox(self, *, block: bool) -> bool:
         """Moves submitted jobs to the waiting queue; False once asked to stop."""
@@ -431,6 +439,8 @@ class LlamaCppEngine:
                 self._run_embeddings(item)
             elif isinstance(item, ModelThreadCall):
                 item.run()
+            elif isinstance(item, _Abort):
+                self._fail_all(item.message, status=503)
             elif isinstance(item, _Job):
                 self._waiting.append(item)
             try:
@@ -789,7 +799,7 @@ class LlamaCppEngine:
         piece = self.model.piece(token)
         return TopLogprob(piece.decode("utf-8", errors="replace"), piece, logprob)
 
-    def _release(self, job: _Job, reason: FinishReason, error: str | None = None) -> None:
+    def _release(self, job: _Job, reason: FinishReason, error: str | None = None, status: int | None = None) -> None:
         self._active.pop(job.slot, None)
         holder = ("slot", job.slot)
         if reason == "error" or not self.config.prefix_cache:
@@ -798,9 +808,9 @@ class LlamaCppEngine:
         else:
             self.ctx.trim_sequence(job.slot, job.n_past)
             self._index.insert(job.key, holder, (job.request.prompt_tokens + tuple(job.decoded))[: job.n_past])
-        self._finish(job, reason, error)
+        self._finish(job, reason, error, status)
 
-    def _finish(self, job: _Job, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, job: _Job, reason: FinishReason, error: str | None = None, status: int | None = None) -> None:
         tail = ""
         if reason in ("stop", "length"):
             tail = job.stops.feed(job.utf8.flush()) + job.stops.flush()
@@ -809,20 +819,25 @@ class LlamaCppEngine:
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
         queued = None if job.first_step_at is None else job.first_step_at - job.submitted_at
         usage = Usage(len(job.request.prompt_tokens), job.generated, job.reused)
-        job.emit(FinishEvent(reason, usage, tail, ttft, end - job.submitted_at, error, queue_time_s=queued, inter_token_s=tuple(job.token_gaps)))
+        job.emit(FinishEvent(reason, usage, tail, ttft, end - job.submitted_at, error, error_status=status, error_code=_SHUTDOWN_CODE if status else None, retry_after_s=5 if status else None,
+                             queue_time_s=queued, inter_token_s=tuple(job.token_gaps)))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, status: int | None = None) -> None:
+        """Ends every request with an error: the engine's own failure (500), or with `status` the
+        server stopping (503 and Retry-After, the stream ended as a client can parse)."""
         for job in list(self._active.values()):
-            self._release(job, "error", error=message)
+            self._release(job, "error", error=message, status=status)
         while self._waiting:
-            self._finish(self._waiting.popleft(), "error", error=message)
+            self._finish(self._waiting.popleft(), "error", error=message, status=status)
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if isinstance(item, _Job):
-                self._finish(item, "error", error=message)
+                self._finish(item, "error", error=message, status=status)
+            elif isinstance(item, _Abort):
+                continue
             elif isinstance(item, (_EmbedJob, ModelThreadCall)):
                 item.fail(EngineClosed(message))
 
@@ -853,3 +868,9 @@ class _EmbedJob:
 
 
 _WAKE = object()
+_SHUTDOWN_CODE = "server_shutting_down"
+
+
+@dataclass(frozen=True)
+class _Abort:
+    message: str

@@ -70,6 +70,7 @@ class Model:
         self.n_embd = L.llama_model_n_embd(self.ptr)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
+        self._controls: dict[str, int] | None = None
 
     def meta(self, key: str) -> str | None:
         size = 4096
@@ -112,6 +113,18 @@ class Model:
 
     def is_eog(self, token: int) -> bool:
         return bool(L.llama_vocab_is_eog(self.vocab, token))
+
+    def control_tokens(self) -> dict[str, int]:
+        """Each control token's text and id: what a chat template writes between turns."""
+        if self._controls is None:
+            control = L.LLAMA_TOKEN_ATTR_CONTROL
+            self._controls = {}
+            for token in range(self.n_vocab):
+                if L.llama_vocab_get_attr(self.vocab, token) & control:
+                    text = self.token_text(token)
+                    if text:
+                        self._controls.setdefault(text, token)
+        return self._controls
 
     def special_tokens(self) -> dict[str, str]:
         out = {}

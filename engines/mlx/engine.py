@@ -162,7 +162,11 @@ class MlxEngine:
         return self.config.context_length
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        return list(self._hf.encode(text, add_special_tokens=add_special))
+        # transformers parses special tokens in text unless told to split them as plain text
+        return list(self._hf.encode(text, add_special_tokens=add_special, split_special_tokens=not parse_special))
+
+    def control_tokens(self) -> dict[str, int]:
+        return {t.content: i for i, t in self._hf.added_tokens_decoder.items() if t.special and t.content}
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self._pieces.get(t, b"") for t in tokens).decode("utf-8", errors="replace")
@@ -281,6 +285,23 @@ class MlxEngine:
     def _cancel(self, job: _Job) -> None:
         job.cancelled = True
 
+    def abort_all(self, message: str) -> None:
+        """Ends every running and waiting request at the next step with a 503 (the server is
+        stopping and its grace period is running out). Called on the event loop."""
+        loop = asyncio.get_running_loop()
+        self._inbox.put(ModelThreadCall(lambda: self._abort(message), loop, loop.create_future()))
+
+    def _abort(self, message: str) -> None:
+        for job in list(self._jobs.values()):
+            job.generator.remove([job.uid])
+            self._finish(job, "error", error=message, status=503)
+        while self._waiting:
+            self._finish(self._waiting.pop(0), "error", error=message, status=503)
+        if self._lane is not None:
+            self._lane.lane.close()
+            self._finish(self._lane, "error", error=message, status=503)
+            self._lane = None
+
     # ---- the model thread -------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -352,7 +373,7 @@ class MlxEngine:
             for generator in generators.values():
                 generator.close()
             for job in list(self._jobs.values()) + waiting + ([self._lane] if self._lane else []):
-                self._finish(job, "error", error="the model is shutting down")
+                self._finish(job, "error", error="the model is shutting down", status=503)
             self._lane = None
             while True:  # calls that arrived after the last step are answered, not left hanging
                 try:
@@ -577,7 +598,7 @@ class MlxEngine:
         piece = self._pieces.get(token, b"")
         return TokenLogprob(piece.decode("utf-8", "replace"), piece, float(values[token]), tops)
 
-    def _finish(self, job: _Job, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, job: _Job, reason: FinishReason, error: str | None = None, status: int | None = None) -> None:
         if job.uid is not None:
             self._jobs.pop((job.key, job.uid), None)
         if job.sampler is not None:
@@ -587,4 +608,5 @@ class MlxEngine:
         tail = job.stops.feed(job.utf8.flush()) + job.stops.flush() if reason in ("stop", "length") else ""
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
         job.stream.push(FinishEvent(reason, Usage(len(job.request.prompt_tokens), job.generated, job.reused), tail, ttft,
-                                    time.perf_counter() - job.submitted_at, error))
+                                    time.perf_counter() - job.submitted_at, error, error_status=status,
+                                    error_code="server_shutting_down" if status else None, retry_after_s=5 if status else None))

@@ -110,6 +110,7 @@ class UpstreamEngine:
         self._rng = rng or random.Random()
         self._turn = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._aborting: str | None = None  # why every request in flight was ended (the server stopping)
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._health: asyncio.Task[None] | None = None
@@ -137,6 +138,9 @@ class UpstreamEngine:
         return None  # the upstream applies its own
 
     def special_tokens(self) -> dict[str, str]:
+        return {}
+
+    def control_tokens(self) -> dict[str, int]:
         return {}
 
     def adapters(self) -> list[AdapterInfo]:
@@ -213,11 +217,27 @@ class UpstreamEngine:
 
     # -- one request ---------------------------------------------------------------------------
 
+    def abort_all(self, message: str) -> None:
+        """Ends every request in flight with a 503 (the server is stopping). On the event loop."""
+        self._aborting = message
+        for task in list(self._tasks):
+            task.cancel()
+
     async def _serve(self, request: GenerationRequest, stream: EventStream) -> None:
         started = time.monotonic()
+        counted = _Counted()
+        try:
+            await self._attempts(request, stream, counted, started)
+        except asyncio.CancelledError:
+            if self._aborting is not None:
+                usage = counted.usage(request) if counted.streamed or counted.reported else Usage(0, 0)
+                stream.push(FinishEvent("error", usage, time_to_first_token_s=counted.first_token_s, total_time_s=time.monotonic() - started,
+                                        error=self._aborting, error_status=503, error_code="server_shutting_down", retry_after_s=5))
+            raise
+
+    async def _attempts(self, request: GenerationRequest, stream: EventStream, counted: _Counted, started: float) -> None:
         tried: set[int] = set()
         attempt = 0
-        counted = _Counted()
         while True:
             attempt += 1
             index = self._choose(tried)

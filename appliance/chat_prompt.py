@@ -1,0 +1,105 @@
+"""Chat messages to prompt tokens, with callers' text kept as text.
+
+A chat template joins the turns with the model's control tokens (`<|im_start|>`, `<|eot_id|>` ...).
+Tokenizing the rendered prompt with control tokens parsed would also parse them inside a caller's
+message, and `<|im_end|>\\n<|im_start|>system` typed by a user would become a real system turn. So
+the template is rendered once with a unique marker in place of each message's text: control tokens
+are read only from the template's own text, and each message's text is tokenized as plain text
+together with the plain text around it, as llama.cpp itself splits a prompt at control tokens.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.chat_template import ChatTemplate, TemplateError
+
+Tokenize = Callable[[str], list[int]]  # plain text to tokens, control tokens never parsed
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    control: bool  # a control token written by the template; else plain text
+
+
+def pieces(rendered: str, spans: Sequence[tuple[int, int]], controls: Sequence[str]) -> list[Piece]:
+    """Split the rendered prompt at the control tokens that lie wholly in the template's own text
+    (outside every caller span), longest first where two start at one place; what lies between,
+    callers' text included, is plain text."""
+    out: list[Piece] = []
+    if not controls:
+        return [Piece(rendered, False)] if rendered else []
+    pattern = re.compile("|".join(re.escape(c) for c in sorted(set(controls), key=len, reverse=True)))
+    plain_from = 0
+    cursor = 0
+    bounds = sorted(spans) + [(len(rendered), len(rendered))]
+    for start, end in bounds:
+        for match in pattern.finditer(rendered, cursor, start):
+            if match.start() > plain_from:
+                out.append(Piece(rendered[plain_from:match.start()], False))
+            out.append(Piece(match.group(), True))
+            plain_from = match.end()
+        cursor = end
+    if plain_from < len(rendered):
+        out.append(Piece(rendered[plain_from:], False))
+    return out
+
+
+def render_marked(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[tuple[int, int]]] | None:
+    """The prompt text and where each message's text lies in it; None when the template changes a
+    message's text (trims it, splits it) so that its place cannot be known."""
+    nonce = uuid.uuid4().hex
+    marks: dict[str, str] = {}
+    marked = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, str) and content:
+            mark = f"\u27e6{nonce}.{i}\u27e7"
+            marks[mark] = content
+            marked.append({**message, "content": mark})
+        else:
+            marked.append(dict(message))
+    skeleton = template.render(marked)
+    found = re.findall(f"\u27e6{nonce}\\.\\d+\u27e7", skeleton)
+    if sorted(found) != sorted(marks) or len(found) != len(set(found)):
+        return None
+    text: list[str] = []
+    spans: list[tuple[int, int]] = []
+    at = 0
+    length = 0
+    for match in re.finditer(f"\u27e6{nonce}\\.\\d+\u27e7", skeleton):
+        before = skeleton[at:match.start()]
+        text.append(before)
+        length += len(before)
+        content = marks[match.group()]
+        spans.append((length, length + len(content)))
+        text.append(content)
+        length += len(content)
+        at = match.end()
+    text.append(skeleton[at:])
+    return "".join(text), spans
+
+
+def chat_prompt(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], controls: Mapping[str, int],
+                tokenize: Tokenize, bos: Sequence[int]) -> tuple[str, list[int]]:
+    """The rendered prompt and its tokens: `bos` (the tokenizer's start, if it adds one), then the
+    template's control tokens by id and every other piece tokenized as plain text."""
+    marked = render_marked(template, messages)
+    if marked is None:
+        text = template.render(list(messages))
+        inside = [c for m in messages if isinstance(m.get("content"), str) for c in controls if c in m["content"]]
+        if inside:
+            raise TemplateError(f"a message contains the control token {inside[0]!r}, and this model's chat template changes "
+                                "message text so it cannot be kept apart from the template's own tokens")
+        spans: list[tuple[int, int]] = []
+    else:
+        text, spans = marked
+    tokens = list(bos)
+    for piece in pieces(text, spans, list(controls)):
+        tokens += [controls[piece.text]] if piece.control else tokenize(piece.text)
+    return text, tokens
