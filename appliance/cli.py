@@ -116,49 +116,53 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 def _pull_hub_file(args: argparse.Namespace, repo: str, filename: str) -> int:
     """`models pull REPO FILE`: download through huggingface-hub, then register the file."""
-    from appliance.model_admin import ModelAdminError, alias_for, register
+    from appliance.model_admin import ModelAdminError, alias_for, check_alias, register
     from appliance.model_files import ModelFileError, download
 
     config = find_config(args.config)
     try:
+        alias = check_alias(args.register_alias or alias_for(Path(filename)))
         settings = load_settings(config)
         path, digest = download(repo, filename, settings.server.data_dir)
-        register(config, args.register_alias or alias_for(Path(filename)), path, digest)
+        register(config, alias, path, digest)
     except (ModelFileError, ModelAdminError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"{path}\nsha256 {digest}\nregistered as {args.register_alias or alias_for(Path(filename))!r} in {config}")
+    print(f"{path}\nsha256 {digest}\nregistered as {alias!r} in {config}")
     return 0
 
 
 def cmd_models_add(args: argparse.Namespace) -> int:
-    from appliance.model_admin import ModelAdminError, alias_for, file_type, register
+    from appliance.model_admin import ModelAdminError, alias_for, check_alias, file_type, register
     from appliance.model_files import sha256
 
     config = find_config(args.config)
     path = args.path.expanduser().resolve()
     try:
+        alias = check_alias(args.alias or alias_for(path))
         if not path.is_file():
             raise ModelAdminError(f"{path}: no such file")
         kind = file_type(path)
         digest = sha256(path)
-        register(config, args.alias or alias_for(path), path, digest)
+        register(config, alias, path, digest)
     except ModelAdminError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"{path} ({kind})\nsha256 {digest}\nregistered as {args.alias or alias_for(path)!r} in {config}")
+    print(f"{path} ({kind})\nsha256 {digest}\nregistered as {alias!r} in {config}")
     return 0
 
 
 def cmd_models_quantize(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from appliance.model_admin import ModelAdminError, alias_for, quantize, quantized_name, register
+    from appliance.model_admin import ModelAdminError, alias_for, check_alias, quantize, quantized_name, register
     from appliance.model_files import ModelFileError, resolve, sha256
 
     config = find_config(args.config)
     like = None
     try:
+        if args.alias is not None:  # refused now, not after the quantizing
+            check_alias(args.alias)
         settings = load_settings(config) if config.is_file() else None
         source = settings.model(str(args.source)) if settings else None
         if source is not None and source.engine == "openai":

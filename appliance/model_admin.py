@@ -1,20 +1,19 @@
 """Model files the operator adds to the fleet: quantized with llama.cpp, registered in models.toml.
 
-Registering appends a [[models]] table to the config file, leaving the rest of the file as
-written, and only after the whole new file parses (written to a temporary file, then renamed).
+Registering adds a [[models]] table to the config file through appliance.config_writer, which
+leaves the rest of the file as written and replaces it only once the new file parses.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import re
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from appliance.settings import ConfigError, parse_settings
+from appliance.config_writer import append_table
+from appliance.settings import NAME, NAME_RULE, ConfigError, load_settings
 
 # llama.cpp's file types we offer (llama_ftype); the names are what `--type` takes.
 QUANT_TYPES = {
@@ -106,38 +105,39 @@ def quantize(src: Path, dst: Path, type_name: str, *, threads: int, allow_requan
         raise ModelAdminError(f"llama.cpp could not quantize {src} to {type_name} (see the log above for why)")
 
 
+def check_alias(alias: str) -> str:
+    """Refused before any work is done; the settings reader refuses the same names."""
+    if not NAME.match(alias):
+        raise ModelAdminError(f"alias {alias!r}: expected {NAME_RULE}")
+    return alias
+
+
 def register(config: Path, alias: str, path: Path, sha256: str | None, *, like: str | None = None, engine: str | None = None) -> None:
-    """Appends a [[models]] table for `path` (a GGUF with its sha256, or an MLX folder with
+    """Adds a [[models]] table for `path` (a GGUF with its sha256, or an MLX folder with
     engine "mlx"); settings other than the source are copied from the model `like` (the source's
     alias, when it came from this config)."""
-    text = config.read_text()
-    settings = parse_settings(text, str(config), config.resolve().parent)
+    check_alias(alias)
+    settings = load_settings(config)
     if settings.model(alias) is not None:
         raise ModelAdminError(f"{config}: models: there is already a model with alias {alias!r}; choose another with --alias")
-    table = [f'\n[[models]]\nalias = "{alias}"\npath = "{path}"']
+    values: dict[str, str | int | float] = {"alias": alias, "path": str(path)}
     if sha256 is not None:
-        table.append(f'sha256 = "{sha256}"')
+        values["sha256"] = sha256
     if engine is not None:
-        table.append(f'engine = "{engine}"')
-    template = settings.model(like) if like else None
-    if template is not None:
-        table += [f"context_length = {template.context_length}", f"slots = {template.slots}", f"threads = {template.threads}",
-                  f'tier = "{template.tier}"', f"price_input_per_mtok = {template.price_input_per_mtok}",
-                  f"price_output_per_mtok = {template.price_output_per_mtok}"]
-    new_text = text.rstrip("\n") + "\n" + "\n".join(table) + "\n"
+        values["engine"] = engine
+    if like is not None:
+        template = settings.model(like)
+        if template is None:
+            raise ModelAdminError(f"{config}: models: there is no model with alias {like!r} to copy settings from")
+        values |= {"context_length": template.context_length, "slots": template.slots, "threads": template.threads,
+                   "tier": template.tier, "price_input_per_mtok": template.price_input_per_mtok,
+                   "price_output_per_mtok": template.price_output_per_mtok}
     try:
-        parse_settings(new_text, str(config), config.resolve().parent)
+        append_table(config, "models", values)
     except ConfigError as exc:
         raise ModelAdminError(f"registering {alias!r} would make {exc}") from None
-    fd, tmp = tempfile.mkstemp(dir=config.resolve().parent, prefix=".models.toml.")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(new_text)
-        os.replace(tmp, config)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def alias_for(path: Path) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).strip("-").lower() or "model"
+    """An alias the settings reader accepts, from a file's name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).lower()[:64].strip("-._") or "model"

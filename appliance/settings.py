@@ -45,9 +45,16 @@ class ServerSettings:
     shutdown_grace_s: float = 10.0
     # "normal": ledger commits survive a crashed process, not always a power cut; "full": both.
     sqlite_synchronous: str = "normal"
+    # Folders besides data_dir whose files the admin API may name (adapters, quantize sources);
+    # a path from the API that resolves anywhere else is refused.
+    model_dirs: tuple[Path, ...] = ()
     # "none" keeps a loopback Prometheus working without a key; "admin" once the port is reachable
     # by others (per-model traffic, queue depths and spend are in the scrape).
     metrics_auth: str = "none"
+
+    @property
+    def api_path_roots(self) -> tuple[Path, ...]:
+        return (self.data_dir, *self.model_dirs)
 
 
 @dataclass(frozen=True)
@@ -307,11 +314,14 @@ class _Reader:
 
 def _server(file: str, table: dict[str, Any], base: Path) -> ServerSettings:
     r = _Reader(file, "server", table, {"host", "port", "data_dir", "max_body_bytes", "max_queue", "shutdown_grace_s", "sqlite_synchronous",
-                                         "metrics_auth"})
+                                         "model_dirs", "metrics_auth"})
     data_dir_text = r.string("data_dir")
     data_dir = default_data_dir()
     if data_dir_text is not None:
         data_dir = (base / os.path.expanduser(data_dir_text)).resolve()
+    dirs = table.get("model_dirs", [])
+    if not isinstance(dirs, list) or not all(isinstance(d, str) and d.strip() for d in dirs):
+        raise r.fail("model_dirs", f"expected a list of folder paths, got {dirs!r}")
     return ServerSettings(
         host=r.string("host", "127.0.0.1") or "127.0.0.1",
         port=r.integer("port", 8080, minimum=0, maximum=65535),
@@ -320,6 +330,7 @@ def _server(file: str, table: dict[str, Any], base: Path) -> ServerSettings:
         max_queue=r.integer("max_queue", 64, minimum=0),
         shutdown_grace_s=r.number("shutdown_grace_s", 10.0),
         sqlite_synchronous=r.string("sqlite_synchronous", "normal", ("normal", "full")) or "normal",
+        model_dirs=tuple((base / os.path.expanduser(d)).resolve() for d in dirs),
         metrics_auth=r.string("metrics_auth", ServerSettings.metrics_auth, METRICS_AUTH) or ServerSettings.metrics_auth,
     )
 
@@ -433,6 +444,8 @@ def _routes(file: str, raw: object, models: tuple[ModelSettings, ...], base: Pat
         alias = r.string("alias")
         if alias is None:
             raise r.fail("alias", "missing: the name clients send as `model`, for example \"auto\"")
+        if not NAME.match(alias):
+            raise r.fail("alias", f"expected {NAME_RULE}, got {alias!r}")
         if alias in {m.alias for m in models}:
             raise r.fail("alias", f"{alias!r} is already a model's alias")
         tiers = table.get("tiers")
@@ -510,7 +523,10 @@ _UPSTREAM_MODEL_KEYS = {
     "retry_backoff_s", "breaker_failures", "breaker_cooldown_s", "health_interval_s",
 }
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# A model's alias, a route's alias and an adapter's name: what clients send as `model` ("alias" or
+# "alias:adapter", so no ':'), and what the admin API writes into this file, so nothing TOML could read.
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_RULE = "letters, digits, '.', '_' or '-' (no ':'), starting with a letter or digit, up to 64 characters"
 
 
 def _adapters(file: str, index: int, raw: object, base: Path) -> tuple[AdapterSettings, ...]:
@@ -521,8 +537,8 @@ def _adapters(file: str, index: int, raw: object, base: Path) -> tuple[AdapterSe
     for i, table in enumerate(raw):
         r = _Reader(file, f"{where}[{i}]", table, {"name", "path", "scale"})
         name = r.string("name")
-        if name is None or not ADAPTER_NAME.match(name):
-            raise r.fail("name", "expected letters, digits, '.', '_' or '-' (no ':'), up to 64 characters")
+        if name is None or not NAME.match(name):
+            raise r.fail("name", f"expected {NAME_RULE}")
         if any(a.name == name for a in out):
             raise r.fail("name", f"a second adapter named {name!r}")
         path = r.string("path")
@@ -530,6 +546,15 @@ def _adapters(file: str, index: int, raw: object, base: Path) -> tuple[AdapterSe
             raise r.fail("path", "missing: the adapter's GGUF file")
         out.append(AdapterSettings(name, (base / os.path.expanduser(path)).resolve(), r.number("scale", 1.0, minimum=-10.0, maximum=10.0)))
     return tuple(out)
+
+
+def _alias(r: _Reader) -> str:
+    alias = r.string("alias")
+    if alias is None:
+        raise r.fail("alias", "missing: every model needs an alias, the name clients send as `model`")
+    if not NAME.match(alias):
+        raise r.fail("alias", f"expected {NAME_RULE}, got {alias!r}")
+    return alias
 
 
 def _upstream(r: _Reader, default_model: str, name: str) -> UpstreamSettings:
@@ -555,9 +580,7 @@ def _upstream_model(file: str, index: int, table: dict[str, Any]) -> ModelSettin
     if local_only:
         raise ConfigError(file, f"{where}.{local_only[0]}", "applies to local engines only; this model has engine = \"openai\"")
     r = _Reader(file, where, table, _UPSTREAM_MODEL_KEYS)
-    alias = r.string("alias")
-    if alias is None:
-        raise r.fail("alias", "missing: every model needs an alias, the name clients send as `model`")
+    alias = _alias(r)
     kind = r.string("kind", "chat", KINDS) or "chat"
     if kind != "chat":
         raise r.fail("kind", "an upstream model serves chat completions only")
@@ -606,9 +629,7 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
     if table.get("engine") == "openai":
         return _upstream_model(file, index, table)
     r = _Reader(file, f"models[{index}]", table, _MODEL_KEYS)
-    alias = r.string("alias")
-    if alias is None:
-        raise r.fail("alias", "missing: every model needs an alias, the name clients send as `model`")
+    alias = _alias(r)
     sources = [k for k in ("path", "package_file", "hf_repo") if k in table]
     if len(sources) != 1:
         raise r.fail("path", "give exactly one source: `path`, `package_file`, or `hf_repo` with `hf_file`")

@@ -121,7 +121,9 @@ def test_adapters_load_and_unload_at_runtime(server: Server, adapters: dict[str,
     base = ask(server)
     with pytest.raises(openai.NotFoundError):
         ask(server, f"{CHAT_MODEL}:late")
-    r = admin.put(f"/admin/models/{CHAT_MODEL}/adapters/late", json={"path": str(adapters["late"]), "scale": 1.0})
+    late_path = server.home / "late.gguf"  # the admin API takes paths inside the data directory (tests/test_admin_paths.py)
+    late_path.write_bytes(adapters["late"].read_bytes())
+    r = admin.put(f"/admin/models/{CHAT_MODEL}/adapters/late", json={"path": str(late_path), "scale": 1.0})
     assert r.status_code == 200, r.text
     assert r.json()["adapter"]["name"] == "late"
     late = ask(server, f"{CHAT_MODEL}:late")
@@ -137,7 +139,7 @@ def test_adapters_load_and_unload_at_runtime(server: Server, adapters: dict[str,
     # errors name what is wrong
     r = admin.delete(f"/admin/models/{CHAT_MODEL}/adapters/late")
     assert r.status_code == 404 and r.json()["error"]["code"] == "adapter_not_found"
-    r = admin.put(f"/admin/models/{CHAT_MODEL}/adapters/x", json={"path": "/nonexistent.gguf"})
+    r = admin.put(f"/admin/models/{CHAT_MODEL}/adapters/x", json={"path": str(server.home / "nonexistent.gguf")})
     assert r.status_code == 400 and r.json()["error"]["param"] == "path"
     not_lora = server.home / "not-a-lora.gguf"
     not_lora.write_bytes(b"GGUF" + b"\0" * 64)

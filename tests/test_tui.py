@@ -165,14 +165,15 @@ def test_the_tui_in_tmux_as_a_person_would(served: Server) -> None:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
 
 
-async def test_models_screen_loads_and_unloads_adapters_and_quantizes(served: Server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_models_screen_loads_and_unloads_adapters_and_quantizes(served: Server) -> None:
     from appliance.model_files import package_file
     from appliance.settings import load_settings
     from tests.conftest import MODEL_FILE
     from tests.test_lora import write_lora
 
-    adapter = write_lora(tmp_path / "tui-adapter.gguf", seed=7)
-    source = tmp_path / "copy.Q4_1.gguf"
+    # the admin API takes paths inside the server's data directory
+    adapter = write_lora(served.home / "tui-adapter.gguf", seed=7)
+    source = served.home / "copy.Q4_1.gguf"
     source.write_bytes(package_file(MODEL_FILE).read_bytes())
     app = ApplianceTUI(served.base_url, None, interval_s=0.5)
     async with app.run_test(size=(80, 24)) as pilot:
@@ -195,7 +196,7 @@ async def test_models_screen_loads_and_unloads_adapters_and_quantizes(served: Se
         assert "registered it as 'copy.q8_0'" in text_of(app, "#jobs")
     config = load_settings(served.home.parent / "models.toml")
     added = config.model("copy.q8_0")
-    assert added is not None and added.path == tmp_path / "copy.Q8_0.gguf" and added.path.is_file()
+    assert added is not None and added.path == served.home / "copy.Q8_0.gguf" and added.path.is_file()
     jobs = httpx.get(f"{served.base_url}/admin/jobs").json()["jobs"]
     assert jobs[0]["kind"] == "quantize" and jobs[0]["state"] == "done"
 

@@ -4,6 +4,7 @@ config makes admin). Scripts, the CLI's remote use and the TUI all go through th
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -42,6 +43,27 @@ class KeyBody(msgspec.Struct, forbid_unknown_fields=True):
 
 async def _admin(request: Request[Any, Any, Any], services: Services) -> None:
     services.gate.require_admin(await authenticate(request, services))
+
+
+def confined(text: str, roots: tuple[Path, ...]) -> Path | None:
+    """`text` with `~` and every symlink resolved, if that lies inside one of `roots`; a relative
+    path starts at the first root. None for anything else, looked at no further."""
+    try:
+        path = Path(text).expanduser()
+        path = (path if path.is_absolute() else roots[0] / path).resolve()
+        return path if any(path.is_relative_to(root.resolve()) for root in roots) else None
+    except (OSError, RuntimeError, ValueError):  # a NUL byte, an unknown ~user, a symlink loop
+        return None
+
+
+def server_path(services: Services, text: str, param: str) -> Path:
+    """A path the admin API was given, confined to the data directory and [server] model_dirs. The
+    refusal reads the same whether or not the file exists, so the API cannot probe the machine."""
+    path = confined(text, services.settings.server.api_path_roots)
+    if path is None:
+        raise APIError(403, f"{param} must name a file inside the server's data directory or a folder in [server] model_dirs.",
+                       type="permission_error", param=param, code="path_not_allowed")
+    return path
 
 
 def _check_level(level: str, name: str) -> str:

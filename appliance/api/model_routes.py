@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 from litestar import Request, delete, get, post, put
 
-from appliance.api.admin_routes import _admin
+from appliance.api.admin_routes import _admin, confined, server_path
 from appliance.api.common import decode_body
 from appliance.api.errors import APIError, invalid
 from appliance.jobs import Job, JobBusy
@@ -19,7 +19,7 @@ from appliance.model_admin import QUANT_TYPES, alias_for, estimated_size, file_t
 from appliance.model_files import ModelFileError, download, resolve, sha256
 from appliance.registry import LoadedModel
 from appliance.services import Services
-from appliance.settings import ADAPTER_NAME
+from appliance.settings import NAME, NAME_RULE
 from engines.base import EngineError, UnknownAdapter
 
 
@@ -83,15 +83,15 @@ async def load_adapter(request: Request[Any, Any, Any], services: Services, alia
     await _admin(request, services)
     model = _loaded(services, alias)
     body: AdapterBody = decode_body(await request.body(), AdapterBody)
-    if not ADAPTER_NAME.match(name):
-        raise invalid("An adapter's name takes letters, digits, '.', '_' or '-' (no ':'), up to 64 characters.", "name")
+    if not NAME.match(name):
+        raise invalid(f"An adapter's name takes {NAME_RULE}.", "name")
     if not -10.0 <= body.scale <= 10.0:
         raise invalid("scale must be between -10 and 10.", "scale")
-    path = Path(body.path).expanduser()
+    path = server_path(services, body.path, "path")
     if not path.exists():  # a GGUF file for llama.cpp, an mlx-lm adapter folder for MLX
         raise invalid(f"There is no file or folder {path} on the server.", "path")
     try:
-        info = await model.engine.load_adapter(name, path.resolve(), body.scale)
+        info = await model.engine.load_adapter(name, path, body.scale)
     except EngineError as exc:
         raise APIError(409 if "serving requests" in str(exc) else 400, str(exc), param="path", code="adapter_not_loaded") from None
     return {"adapter": dataclasses.asdict(info)}
@@ -135,16 +135,19 @@ async def quantize_model(request: Request[Any, Any, Any], services: Services) ->
     if body.type not in QUANT_TYPES:
         raise invalid(f"type must be one of {', '.join(QUANT_TYPES)}.", "type")
     configured = services.settings.model(body.source)
-    try:
-        src = resolve(configured, services.settings.server.data_dir) if configured else Path(body.source).expanduser().resolve()
+    if configured is not None and configured.engine == "openai":
+        raise invalid(f"The model '{configured.alias}' runs upstream; there is no file here to quantize.", "source")
+    server = services.settings.server
+    try:  # a configured model's file is the config's to name; any other path is confined
+        src = resolve(configured, server.data_dir) if configured else server_path(services, body.source, "source")
     except ModelFileError as exc:
         raise invalid(str(exc), "source") from None
     if not src.is_file():
         raise invalid(f"There is no file {src} on the server.", "source")
     dst = quantized_name(src, body.type)
-    alias = body.alias or (f"{configured.alias}-{body.type.lower()}" if configured else alias_for(dst))
-    if services.settings.model(alias) is not None:
-        raise invalid(f"There is already a model with alias {alias!r}.", "alias")
+    if confined(str(dst), server.api_path_roots) is None:  # a configured file in a package or elsewhere
+        dst = server.data_dir / dst.name
+    alias = _new_alias(services, body.alias or (f"{configured.alias}-{body.type.lower()}" if configured else alias_for(dst)))
     threads = configured.threads if configured else 2
 
     def work(job: Job) -> str:
@@ -167,9 +170,9 @@ async def pull_model(request: Request[Any, Any, Any], services: Services) -> dic
     config = _config_file(services)
     if "/" not in body.repo or not body.file.endswith(".gguf"):
         raise invalid("Give a hub repo as owner/name and a .gguf file in it.", "repo" if "/" not in body.repo else "file")
-    alias = body.alias or alias_for(Path(body.file))
-    if services.settings.model(alias) is not None:
-        raise invalid(f"There is already a model with alias {alias!r}.", "alias")
+    if body.file.startswith(("/", "\\")) or ".." in body.file.replace("\\", "/").split("/"):
+        raise invalid("file names a file inside the hub repo: no leading '/' and no '..'.", "file")
+    alias = _new_alias(services, body.alias or alias_for(Path(body.file)))
     data_dir = services.settings.server.data_dir
 
     def work(job: Job) -> str:
@@ -179,6 +182,15 @@ async def pull_model(request: Request[Any, Any, Any], services: Services) -> dic
         return f"downloaded {path} and registered it as {alias!r} in {config}; restart to serve it"
 
     return _start_job(services, "pull", f"{body.repo}/{body.file}", work)
+
+
+def _new_alias(services: Services, alias: str) -> str:
+    """Checked before a job starts; the job's write into models.toml checks it again."""
+    if not NAME.match(alias):
+        raise invalid(f"alias takes {NAME_RULE}.", "alias")
+    if services.settings.model(alias) is not None or services.settings.route(alias) is not None:
+        raise invalid(f"There is already a model with alias {alias!r}.", "alias")
+    return alias
 
 
 def _progress_into(job: Job) -> Any:
