@@ -246,18 +246,31 @@ def cmd_models_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ledger_db(config: Path | None):  # type: ignore[no-untyped-def]
-    """The data directory's database, migrated; the config names the directory when there is one."""
-    from appliance.paths import default_data_dir
-    from appliance.store.db import connect, database_path, migrate
-
+def _config_in_use(config: Path | None) -> Settings | None:
+    """The config's settings; None when none was named and there is no config file to find."""
     try:
-        data_dir = _settings(config).server.data_dir
+        return _settings(config)
     except ConfigError as exc:
         if config is not None or exc.key != "(file)":
             raise
-        data_dir = default_data_dir()
-    db = connect(database_path(data_dir))
+        return None
+
+
+def _data_dir(settings: Settings | None) -> Path:
+    from appliance.paths import default_data_dir
+
+    return settings.server.data_dir if settings is not None else default_data_dir()
+
+
+def _ledger_db(config: Path | None):  # type: ignore[no-untyped-def]
+    """The data directory's database, migrated; the config names the directory when there is one."""
+    return _ledger_of(_config_in_use(config))
+
+
+def _ledger_of(settings: Settings | None):  # type: ignore[no-untyped-def]
+    from appliance.store.db import connect, database_path, migrate
+
+    db = connect(database_path(_data_dir(settings)))
     migrate(db)
     return db
 
@@ -279,12 +292,14 @@ def parse_expiry(text: str, now: float) -> float:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
+    from appliance.store.db import database_path
     from policy.keystore import KeyStore
 
     now = time.time()
     try:
         expires = parse_expiry(args.expires, now) if args.expires else None
-        db = _ledger_db(args.config)
+        settings = _config_in_use(args.config)
+        db = _ledger_of(settings)
         try:
             record, secret = KeyStore(db).create(
                 user=args.user, tenant=args.tenant, app=args.app, role=args.role, admin=args.admin, now=now, expires_at=expires)
@@ -295,6 +310,12 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
         return 2
     print(f"created {'admin ' if record.admin else ''}key {record.id} for user {record.user}, tenant {record.tenant}, "
           f"app {record.app}, role {record.role}" + (f", expires {args.expires}" if expires else ""))
+    # A key written to another data directory than the server's is a key that server never sees.
+    print(f"stored in {database_path(_data_dir(settings))}" + (f" (the data directory of {settings.file})" if settings else
+                                                               " (no config file found: the default data directory)"))
+    if settings is not None and settings.auth.mode == "open":
+        print(f"warning: {settings.file} has [auth] mode = \"open\": a server started with it checks no keys, so this key "
+              "is not asked for until mode = \"keys\"", file=sys.stderr)
     print("the secret is shown once; store it now:")
     print(secret)
     return 0
