@@ -147,7 +147,8 @@ async def quantize_model(request: Request[Any, Any, Any], services: Services) ->
     dst = quantized_name(src, body.type)
     if confined(str(dst), server.api_path_roots) is None:  # a configured file in a package or elsewhere
         dst = server.data_dir / dst.name
-    alias = _new_alias(services, body.alias or (f"{configured.alias}-{body.type.lower()}" if configured else alias_for(dst)))
+    derived = f"{configured.alias}-{body.type.lower()}" if configured else alias_for(dst)
+    alias = _new_alias(services, derived if body.alias is None else body.alias)  # an empty alias is refused, not replaced
     threads = configured.threads if configured else 2
 
     def work(job: Job) -> str:
@@ -172,7 +173,7 @@ async def pull_model(request: Request[Any, Any, Any], services: Services) -> dic
         raise invalid("Give a hub repo as owner/name and a .gguf file in it.", "repo" if "/" not in body.repo else "file")
     if body.file.startswith(("/", "\\")) or ".." in body.file.replace("\\", "/").split("/"):
         raise invalid("file names a file inside the hub repo: no leading '/' and no '..'.", "file")
-    alias = _new_alias(services, body.alias or alias_for(Path(body.file)))
+    alias = _new_alias(services, alias_for(Path(body.file)) if body.alias is None else body.alias)
     data_dir = services.settings.server.data_dir
 
     def work(job: Job) -> str:

@@ -6,9 +6,13 @@ type is a 400 that names it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+
+
+# A seed is any signed 64-bit value (llama.cpp keeps its low 32 bits); a larger number means nothing.
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text"):
@@ -51,7 +55,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
