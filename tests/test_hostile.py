@@ -5,6 +5,7 @@ server still answers, the database is intact and the ledger balances."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -344,3 +345,35 @@ def test_schemathesis_finds_no_server_error(hostile: dict[str, Any], tmp_path: P
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "passed" in result.stdout and "unhandled error" not in server.log.read_text()
+
+
+def test_kill_9_mid_stream_with_limits_and_budgets_set(tmp_path: Path) -> None:
+    import threading
+
+    workdir = tmp_path / "kill"
+    server = start_server(workdir, hostile_config())
+    admin = new_key(server, "ops", user="root", admin=True)
+    assert admin_call(server, admin, "PUT", "/admin/budgets", json={"level": "tenant", "name": "victims", "usd": 0.01, "period": "day"}).status_code == 200
+    key = new_key(server, "victims", user="mallory")
+    lines: list[str] = []
+    def stream() -> None:
+        with contextlib.suppress(httpx.RemoteProtocolError):  # the server dies under it: that is the point
+            _stream_lines(server, key, lines, 1000)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(lines) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    thread.join(timeout=30)
+    restarted = start_server(workdir, hostile_config())
+    try:
+        settled(restarted, timeout=30)  # the lease (3 s) runs out and the reaper releases it
+        assert admin_call(restarted, admin, "GET", "/admin/ledger/check").json()["balanced"]
+        assert database(restarted).execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert call(restarted, key, "/v1/chat/completions", chat(max_tokens=2)).status_code == 200  # not locked out
+    finally:
+        stop_server(restarted)

@@ -61,7 +61,9 @@ def error_response(error: APIError) -> Response[bytes]:
     return Response(msgspec.json.encode(error.body()), status_code=error.status, media_type="application/json", headers=headers)
 
 
-def handle_api_error(_: Request, exc: APIError) -> Response[bytes]:
+def handle_api_error(request: Request, exc: APIError) -> Response[bytes]:
+    # Operators see every refusal, not only the failures: one line, never the request's content.
+    log.info("%s %s -> %d %s: %s", request.method, request.url.path, exc.status, exc.code or exc.type, exc.message[:200])
     return error_response(exc)
 
 
