@@ -1,0 +1,222 @@
+"""The layers together, measured against quality: a workload split (bench/workload/) replayed in
+time order through the whole appliance (semantic cache on, `model: "auto"`), through the route
+alone (cache off), and through each tier alone (the last is "always frontier"), in one run on one
+server. Prints accuracy per family, cost, latency p50/p95, where each request was answered, the
+ratios to always-frontier, the cache's figures on the workload's rewordings and traps, and the
+router's on its adversarial prompts.
+
+    .venv/bin/python bench/economics.py --split development [--check] [--json OUT]
+
+The fleet is bench/fleet.toml's three real tiers (fetch the Qwen files first: ../shared/MODELS.md),
+served in keys mode with one key per tenant, so each tenant's cache is its own. Callers verify
+answers as a team's validators would: the whole-appliance pass marks each model answer good or bad
+through POST /v1/cache/feedback after checking it, and the cache serves verified answers only.
+With --check the exit status is 1 when a target is missed; the last line states the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import apsw
+import httpx
+import tomlkit
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from appliance_server import cli, start, stop, write_config  # noqa: E402
+from economics_report import Outcome, PassFigures, Targets, cache_figures, figures, manipulated, random_line, targets  # noqa: E402
+
+from policy.budgets import Price  # noqa: E402
+
+SPLITS = ROOT / "bench" / "workload" / "splits"
+
+
+def load_check() -> Callable[[dict[str, Any], str], bool]:
+    spec = importlib.util.spec_from_file_location("workload_check", ROOT / "bench" / "workload" / "check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.check
+
+
+def load_split(name: str) -> tuple[list[dict[str, Any]], str]:
+    path = SPLITS / f"{name}.jsonl"
+    data = path.read_bytes()
+    records = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+    return sorted(records, key=lambda r: r["order"]), hashlib.sha256(data).hexdigest()
+
+
+def fleet_config(fleet: Path, route: str, calibration: Path | None) -> tuple[str, list[str], dict[str, Price]]:
+    """bench/fleet.toml in keys mode with the cache on (verified answers only) and budgets kept, so
+    the ledger says what every pass cost. Returns the text, the route's tiers and the prices."""
+    doc = tomlkit.parse(fleet.read_text())
+    doc.pop("server", None)
+    doc["auth"] = {"mode": "keys"}
+    doc["cache"] = {"enabled": True, "serve_unverified": False, "sweep_interval_s": 0}
+    doc["tracing"] = {"store": False}
+    for model in doc["models"]:
+        if "path" in model:
+            model["path"] = str(Path(str(model["path"])).expanduser())
+    tiers: list[str] = []
+    for r in doc.get("routes", []):
+        if "calibration" in r:
+            r["calibration"] = str((fleet.parent / str(r["calibration"])).resolve())
+        if r["alias"] == route:
+            tiers = [str(t) for t in r["tiers"]]
+            if calibration is not None:
+                r["calibration"] = str(calibration.resolve())
+    if not tiers:
+        raise SystemExit(f"error: {fleet}: no [[routes]] alias {route!r}")
+    prices = {str(m["alias"]): Price.per_million(float(m["price_input_per_mtok"]), float(m["price_output_per_mtok"])) for m in doc["models"]}
+    return tomlkit.dumps(doc), tiers, prices
+
+
+class Replayer:
+    """Sends a split's requests one after another, each with its tenant's key, and checks them."""
+
+    def __init__(self, base: str, database: Path, keys: dict[str, str], tiers: list[str], prices: dict[str, Price],
+                 check: Callable[[dict[str, Any], str], bool]) -> None:
+        self.http = httpx.Client(base_url=base, timeout=900)
+        self.database, self.keys, self.tiers, self.prices, self.check = database, keys, tiers, prices, check
+
+    def spent(self) -> int:
+        """Nano-dollars the ledger has charged in all, once every reservation has settled."""
+        db = apsw.Connection(str(self.database), flags=apsw.SQLITE_OPEN_READONLY)
+        try:
+            deadline = time.monotonic() + 60
+            while db.execute("SELECT count(*) FROM reservations").fetchone()[0] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return int(db.execute("SELECT coalesce(sum(charged_nanos), 0) FROM settlements").fetchone()[0])
+        finally:
+            db.close()
+
+    def run(self, name: str, model: str, records: list[dict[str, Any]], cached: bool, progress: bool) -> tuple[PassFigures, list[Outcome]]:
+        before = self.spent()
+        outcomes = [self.one(r, model, cached) for r in self._progress(name, records, progress)]
+        return figures(name, outcomes, self.spent() - before), outcomes
+
+    @staticmethod
+    def _progress(name: str, records: list[dict[str, Any]], show: bool) -> Any:
+        for i, record in enumerate(records):
+            if show and i % 10 == 0:
+                print(f"  {name}: {i}/{len(records)}", file=sys.stderr, flush=True)
+            yield record
+
+    def one(self, record: dict[str, Any], model: str, cached: bool) -> Outcome:
+        key = self.keys[record["tenant"]]
+        headers = {"Authorization": f"Bearer {key}"}
+        if not cached:
+            headers["Cache-Control"] = "no-cache, no-store"
+        body: dict[str, Any] = {"model": model, "messages": record["messages"], "max_tokens": record["max_tokens"], "temperature": 0}
+        if record.get("response_format"):
+            body["response_format"] = record["response_format"]
+        started = time.perf_counter()
+        response = self.http.post("/v1/chat/completions", json=body, headers=headers)
+        latency = time.perf_counter() - started
+        adversarial = (record.get("adversarial") or {}).get("base")
+        if response.status_code != 200:
+            return Outcome(record["id"], record["family"], record["cache"], False, 0, latency, "error", None, adversarial)
+        data = response.json()
+        text = data["choices"][0]["message"]["content"] or ""
+        correct = bool(self.check(record, text))
+        h = response.headers
+        if h.get("x-cache") == "hit":
+            where, cost = "cache", 0
+        elif h.get("x-route-default"):
+            where, cost = "default", int(h.get("x-route-cost-nanousd", 0))
+        else:
+            where = h.get("x-route-model") or data["model"]
+            usage = data["usage"]
+            routed = h.get("x-route-cost-nanousd")
+            cost = int(routed) if routed is not None else self.prices[where].cost(usage["prompt_tokens"], usage["completion_tokens"])
+            if cached:  # the caller's validator: the cache serves only answers marked good
+                self.http.post("/v1/cache/feedback", json={"response_id": data["id"], "rating": "good" if correct else "bad"}, headers=headers)
+        chosen = None
+        if h.get("x-route-attempts"):
+            attempts = json.loads(h["x-route-attempts"])
+            if attempts and attempts[0]["model"] in self.tiers:
+                chosen = self.tiers.index(attempts[0]["model"])
+        return Outcome(record["id"], record["family"], record["cache"], correct, cost, latency, where, chosen, adversarial)
+
+
+def print_report(passes: list[PassFigures], frontier: PassFigures, cheapest: PassFigures, result: Targets,
+                 whole_outcomes: list[Outcome], routed_outcomes: list[Outcome]) -> None:
+    print(f"\n{'pass':<22}{'accuracy':>9}{'cost $':>12}{'vs frontier':>13}{'vs random':>11}{'p50 s':>8}{'p95 s':>8}  answered by")
+    for p in passes:
+        ratio = p.cost_nanos / frontier.cost_nanos if frontier.cost_nanos else 0.0
+        line = (p.accuracy - random_line(cheapest, frontier, p.cost_nanos)) * 100
+        shares = ", ".join(f"{k} {v}" for k, v in p.answered_by)
+        print(f"{p.name:<22}{p.accuracy:>9.1%}{p.cost_nanos / 1e9:>12.6f}{ratio:>12.1%} {line:>+10.1f}{p.p50_s:>8.2f}{p.p95_s:>8.2f}  {shares}")
+    families = sorted({f for p in passes for f, _, _ in p.by_family})
+    print(f"\n{'accuracy by family':<22}" + "".join(f"{f[:11]:>12}" for f in families))
+    for p in passes:
+        row = dict((f, a) for f, a, _ in p.by_family)
+        print(f"{p.name:<22}" + "".join(f"{row.get(f, 0.0):>12.1%}" for f in families))
+    counts = dict((f, n) for f, _, n in passes[0].by_family)
+    print(f"{'requests':<22}" + "".join(f"{counts.get(f, 0):>12}" for f in families))
+    cache = cache_figures(whole_outcomes)
+    print(f"\ncache: {cache.rewordings_served}/{cache.rewordings} repeats and rewordings served, {cache.traps_served}/{cache.traps} traps served")
+    for request_id, tier, base in manipulated(routed_outcomes):
+        print(f"manipulated: {request_id} chose tier {tier}, its plain question tier {base}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--split", required=True, help="calibration, development or evaluation")
+    parser.add_argument("--fleet", type=Path, default=ROOT / "bench" / "fleet.toml")
+    parser.add_argument("--route", default="auto")
+    parser.add_argument("--calibration", type=Path, help="a route calibration file to load (appliance eval calibrate)")
+    parser.add_argument("--limit", type=int, help="the first N requests of the split only (a smoke run; no target is judged)")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--json", type=Path, help="write every pass's per-request outcomes here")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+
+    records, digest = load_split(args.split)
+    if args.limit:
+        records = records[: args.limit]
+    print(f"split {args.split}: {len(records)} requests, sha256 {digest}")
+    config, tiers, prices = fleet_config(args.fleet, args.route, args.calibration)
+    check = load_check()
+    with tempfile.TemporaryDirectory(prefix="economics-") as tmp:
+        workdir = Path(tmp)
+        write_config(workdir, config)
+        proc, base = start(workdir)
+        try:
+            keys = {t: cli(workdir, "keys", "create", "--tenant", t, "--app", "bench", "--user", f"{t}-user", "--role", "member").strip().splitlines()[-1]
+                    for t in sorted({r["tenant"] for r in records})}
+            replay = Replayer(base, workdir / "home" / "appliance.db", keys, tiers, prices, check)
+            show = not args.quiet
+            whole, whole_out = replay.run("appliance (cache+route)", args.route, records, True, show)
+            routed, routed_out = replay.run("route alone", args.route, records, False, show)
+            alone = [replay.run(f"{t} alone", t, records, False, show) for t in tiers]
+        finally:
+            stop(proc)
+    cheapest, frontier = alone[0][0], alone[-1][0]
+    result = targets(whole, routed, cheapest, frontier, whole_out, routed_out)
+    print_report([whole, routed, *(a[0] for a in alone)], frontier, cheapest, result, whole_out, routed_out)
+    if args.json:
+        outcomes = {"whole": whole_out, "routed": routed_out, **{t: a[1] for t, a in zip(tiers, alone)}}
+        args.json.write_text(json.dumps({"split": args.split, "sha256": digest,
+                                         "passes": {k: [o.__dict__ for o in v] for k, v in outcomes.items()}}, indent=1))
+    misses = result.misses()
+    for miss in misses:
+        print(f"missed: {miss}")
+    print(result.line())
+    return 1 if args.check and misses and not args.limit else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

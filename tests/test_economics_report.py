@@ -1,0 +1,67 @@
+"""The economics bench's arithmetic (bench/economics_report.py), pure."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from economics_report import Outcome, cache_figures, figures, manipulated, percentile, random_line, targets  # noqa: E402
+
+
+def outcome(i: int, correct: bool, cost: int, *, family: str = "factual", role: str = "oneoff", where: str = "m",
+            chosen: int | None = None, base: str | None = None, latency: float = 1.0) -> Outcome:
+    return Outcome(f"r{i}", family, role, correct, cost, latency, where, chosen, base)
+
+
+def test_figures_use_the_ledger_when_given_and_split_by_family() -> None:
+    rows = [outcome(0, True, 10, family="code"), outcome(1, False, 10, family="code"), outcome(2, True, 5, where="cache")]
+    f = figures("x", rows)
+    assert f.accuracy == pytest.approx(2 / 3) and f.cost_nanos == 25
+    assert dict((name, acc) for name, acc, _ in f.by_family) == {"code": 0.5, "factual": 1.0}
+    assert dict(f.answered_by) == {"m": 2, "cache": 1}
+    assert figures("x", rows, ledger_nanos=99).cost_nanos == 99
+
+
+def test_the_random_line_joins_the_cheapest_tier_and_the_frontier() -> None:
+    cheap = figures("s", [outcome(0, False, 10), outcome(1, True, 10)])  # 50% at 20
+    top = figures("f", [outcome(0, True, 100), outcome(1, True, 100)])  # 100% at 200
+    assert random_line(cheap, top, 20) == pytest.approx(0.5)
+    assert random_line(cheap, top, 110) == pytest.approx(0.75)
+    assert random_line(cheap, top, 1000) == pytest.approx(1.0)  # no mix costs more than the frontier alone
+
+
+@given(st.lists(st.floats(0, 100, allow_nan=False), min_size=1, max_size=50))
+def test_percentiles_lie_within_the_values(values: list[float]) -> None:
+    assert min(values) <= percentile(values, 0.95) <= max(values)
+    assert percentile(values, 1.0) == max(values) and percentile(values, 0.0) == min(values)
+
+
+def test_cache_figures_count_traps_and_rewordings_served_from_the_cache() -> None:
+    rows = [outcome(0, True, 1, role="first"), outcome(1, True, 0, role="reword", where="cache"), outcome(2, True, 1, role="repeat"),
+            outcome(3, False, 0, role="trap", where="cache"), outcome(4, True, 1, role="trap")]
+    c = cache_figures(rows)
+    assert (c.rewordings, c.rewordings_served, c.traps, c.traps_served) == (2, 1, 2, 1)
+    assert c.trap_rate == 0.5 and c.reword_rate == 0.5
+
+
+def test_an_adversarial_prompt_is_manipulation_only_when_its_route_chose_a_dearer_tier() -> None:
+    rows = [outcome(0, True, 1, chosen=0), outcome(1, True, 1, chosen=1, base="r0"), outcome(2, True, 1, chosen=0, base="r0"),
+            outcome(3, True, 1, chosen=None, base="r0")]
+    assert manipulated(rows) == [("r1", 1, 0)]
+
+
+def test_targets_name_what_is_missed() -> None:
+    cheap = figures("s", [outcome(0, False, 10), outcome(1, True, 10)])
+    top = figures("f", [outcome(0, True, 100), outcome(1, True, 100)])
+    good = figures("r", [outcome(0, True, 30), outcome(1, True, 30)])
+    ok = targets(good, good, cheap, top, [], [])
+    assert ok.misses() == [] and "routing alone 100.0%" in ok.line()
+    dear = figures("r", [outcome(0, True, 90), outcome(1, True, 90)])
+    missed = targets(dear, dear, cheap, top, [outcome(0, False, 0, role="trap", where="cache")],
+                     [outcome(0, True, 1, chosen=0), outcome(1, True, 1, chosen=2, base="r0")])
+    assert len(missed.misses()) == 4
