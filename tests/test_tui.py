@@ -4,15 +4,19 @@ action changes the server's state (checked through the API)."""
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
+import math
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from textual.widgets import DataTable, Static, Tree
+from textual.widgets import DataTable, Footer, Input, Static, TabbedContent, Tree
+from textual.widgets._footer import FooterKey
 
 from tests.conftest import CHAT_MODEL, Server, config_text, free_port, start_server, stop_server
 from tui import views
-from tui.app import ApplianceTUI
+from tui.app import ApplianceTUI, SecretScreen
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +51,8 @@ async def test_overview_budgets_and_traces_show_real_data(served: Server) -> Non
         await settle(pilot, app, lambda: CHAT_MODEL in text_of(app, "#overview-body"))
         assert "connected to" in text_of(app, "#status")
         assert "cache hit rate 50%" in text_of(app, "#overview-body")
-        await pilot.press("e")
+        await pilot.press("2", "e")
         await pilot.press(*keys("tenant acme 5 day"), "enter")
-        await pilot.press("2")
         await settle(pilot, app, lambda: "acme" in str([n.label for n in app.query_one("#budget-tree", Tree).root.children[0].children]))
         budgets = httpx.get(f"{served.base_url}/admin/budgets").json()["budgets"]
         assert {"level": "tenant", "name": "acme", "limit_usd": 5.0} .items() <= next(b for b in budgets if b["name"] == "acme").items()
@@ -71,13 +74,23 @@ async def test_keys_are_created_and_revoked(served: Server) -> None:
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("5", "n")
         await pilot.press(*keys("acme web ann dev"), "enter")
-        await settle(pilot, app, lambda: "shown once: apl-" in text_of(app, "#key-secret"))
+        await settle(pilot, app, lambda: isinstance(app.screen, SecretScreen))
         listed = httpx.get(f"{served.base_url}/admin/keys").json()["keys"]
         made = [k for k in listed if k["user"] == "ann" and k["tenant"] == "acme"]
         assert len(made) == 1 and made[0]["revoked_at"] is None
+        # The secret, shown once, stays up through several polls, inside the screen and above the footer.
+        await pilot.pause(1.5)
+        dialog = app.screen
+        assert isinstance(dialog, SecretScreen) and dialog.key_id == made[0]["id"] and dialog.secret.startswith("apl-")
+        shown = dialog.query_one("#secret-text", Static)
+        assert str(shown.render()) == dialog.secret
+        assert shown.region.bottom <= dialog.query_one(Footer).region.y and shown.region.right <= 80
+        await pilot.press("c")
+        assert app.clipboard == dialog.secret
+        await pilot.press("escape")
         table = app.query_one("#key-table", DataTable)
+        assert not isinstance(app.screen, SecretScreen) and app.focused is table
         await settle(pilot, app, lambda: table.row_count >= 1)
-        table.focus()
         await pilot.press("d")
         await settle(pilot, app, lambda: httpx.get(f"{served.base_url}/admin/keys").json()["keys"][0]["revoked_at"] is not None)
 
@@ -115,7 +128,7 @@ def test_views_are_plain_functions() -> None:
     assert views.sparkline([0, 1, 2, 4]) == "▁▂▄█"
     tree = views.budget_tree({"budgets": [{"level": "tenant", "name": "acme", "limit_usd": 5, "spent_usd": 1, "held_usd": 0, "period": "day"}],
                               "reservations": []})
-    assert tree.children[0].children[0].label == "acme" and "$1.0000 of $5.00 per day" in tree.children[0].children[0].detail
+    assert tree.children[0].children[0].label == "acme" and "$1.00 of $5.00 per day" in tree.children[0].children[0].detail
     rows = views.trace_rows({"traces": [{"trace_id": "t", "name": "chat.completions", "duration_ms": 5, "error": True,
                                          "attributes": {"tenant": "acme", "model": "m"}}]}, "ok")
     assert rows == []
@@ -224,3 +237,152 @@ async def test_models_screen_pulls_a_model_from_the_hub(tmp_path, monkeypatch) -
     added = load_settings(tmp_path / "pull" / "models.toml").model("smol.q4_1")
     assert added is not None and added.path is not None and added.path.is_file()
     assert added.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+async def test_library_logs_never_reach_the_terminal(served: Server) -> None:
+    """The CLI's basicConfig puts a stream handler on the root logger and httpx logs every poll at
+    INFO: while the TUI runs nothing may write behind Textual's back, and the handlers come back after."""
+    behind = io.StringIO()
+    handler = logging.StreamHandler(behind)
+    root = logging.getLogger()
+    level, httpx_level = root.level, logging.getLogger("httpx").level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        app = ApplianceTUI(served.base_url, None, interval_s=0.2)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await settle(pilot, app, lambda: len(app.samples) >= 3)
+            logging.getLogger("appliance.test").warning("a warning while the TUI runs")
+        assert behind.getvalue() == ""
+        assert handler in root.handlers and logging.getLogger("httpx").level == httpx_level
+        httpx.get(f"{served.base_url}/health")
+        assert "HTTP Request: GET" in behind.getvalue()  # the CLI's logging as it was, once the TUI is gone
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+async def test_each_screen_gives_its_table_the_keys(served: Server) -> None:
+    """Enter opens a trace as soon as the traces screen shows, without Tab first."""
+    app = ApplianceTUI(served.base_url, None, interval_s=0.5)
+    async with app.run_test(size=(80, 24)) as pilot:
+        for digit, focused in [("2", "#budget-tree"), ("3", "#cache-buckets"), ("5", "#key-table"), ("6", "#adapter-table"), ("4", "#trace-table")]:
+            await pilot.press(digit)
+            await pilot.pause()
+            assert app.focused is app.query_one(focused), digit
+        table = app.query_one("#trace-table", DataTable)
+        await settle(pilot, app, lambda: table.row_count >= 2)
+        await pilot.press("enter")
+        await settle(pilot, app, lambda: "chat.completions" in text_of(app, "#trace-timeline"))
+        await pilot.click("#--content-tab-keys")  # a tab chosen with the mouse, too
+        await pilot.pause()
+        assert app.tab == "keys" and app.focused is app.query_one("#key-table")
+
+
+async def test_screen_keys_work_whatever_has_focus(served: Server) -> None:
+    """Tab moves the focus through every widget of the cache screen; 1-6 still switch screens from
+    each (focus left behind in a hidden pane used to pull its tab back). In the prompt, digits type."""
+    app = ApplianceTUI(served.base_url, None, interval_s=0.5)
+    async with app.run_test(size=(80, 24)) as pilot:
+        tabs = app.query_one(TabbedContent)
+        for presses in range(4):
+            await pilot.press("3", *["tab"] * presses, "4")
+            await pilot.pause(0.2)
+            assert app.tab == tabs.active == "traces", f"{presses} tabs: {app.focused}"
+        await pilot.press("3", "slash", "1", "2")
+        prompt = app.query_one("#prompt", Input)
+        assert prompt.value == "12" and app.tab == tabs.active == "cache"
+        await pilot.press("escape", "6")
+        await pilot.pause(0.2)
+        assert app.tab == tabs.active == "models" and app.focused is app.query_one("#adapter-table")
+
+
+async def test_the_footer_lists_the_screens_own_keys(served: Server) -> None:
+    app = ApplianceTUI(served.base_url, None, interval_s=0.5)
+    expected = {
+        "1": [], "2": ["Edit budget"], "3": ["Search", "Invalidate", "Verify", "Reject"], "4": ["Status filter", "Text filter"],
+        "5": ["New key", "Revoke"], "6": ["Load adapter", "Unload", "Quantize", "Pull"],
+    }
+    async with app.run_test(size=(80, 24)) as pilot:
+        for digit, own in expected.items():
+            await pilot.press(digit)
+            await pilot.pause(0.2)
+            listed = [k.description for k in app.screen.query(FooterKey)]
+            assert listed == [*own, "Refresh", "Quit"], digit
+            footer = app.query_one(Footer)
+            assert all(k.region.right <= footer.region.right for k in app.screen.query(FooterKey)), digit
+        await pilot.press("1", "n", "slash", "a")  # another screen's keys do nothing here
+        assert app.asking is None
+
+
+async def test_the_trace_timeline_ends_above_the_footer(served: Server) -> None:
+    app = ApplianceTUI(served.base_url, None, interval_s=0.5)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("4")
+        table = app.query_one("#trace-table", DataTable)
+        await settle(pilot, app, lambda: table.row_count >= 2)
+        table.focus()  # as the pilot of a screen without focus on entry would (that has its own test)
+        await pilot.press("down", "enter")  # the older request: the model's answer, the most spans
+        timeline = app.query_one("#trace-timeline", Static)
+        await settle(pilot, app, lambda: "engine.generate" in text_of(app, "#trace-timeline"))
+        await pilot.pause()
+        lines = text_of(app, "#trace-timeline").splitlines()
+        assert app.screen.max_scroll_y == 0  # the screen itself never scrolls: nothing lies below the footer
+        assert timeline.region.bottom <= app.query_one(Footer).region.y
+        assert timeline.region.height >= min(len(lines), 12) and timeline.max_scroll_y == max(0, len(lines) - 12)
+
+
+@pytest.mark.parametrize(("amount", "shown"), [
+    (0, "$0"),
+    (1e-9, "µ$0.00100"),  # a nano-dollar, the ledger's unit
+    (9.15e-6, "µ$9.15"),
+    (0.000123456, "µ$123"),
+    (0.00099996, "$0.00100"),  # rounds up into dollars
+    (0.0123, "$0.0123"),
+    (0.5, "$0.500"),
+    (0.9996, "$1.00"),
+    (5, "$5.00"),
+    (1234.567, "$1,234.57"),
+    (-0.0004, "-µ$400"),
+])
+def test_money_shows_its_significant_digits(amount: float, shown: str) -> None:
+    assert views.usd(amount) == shown
+
+
+# Prometheus' own cases for histogram_quantile (promql/promqltest/testdata/histograms.test), as
+# (upper bound, cumulative count) at 50m.
+POSITIVE = ((0.1, 50.0), (0.2, 70.0), (1.0, 110.0), (math.inf, 120.0))
+NEGATIVE = ((-0.2, 10.0), (-0.1, 20.0), (0.3, 20.0), (math.inf, 30.0))
+STARTS_AT_ZERO = ((0.0, 0.0), (0.1, 50.0), (0.2, 70.0), (1.0, 110.0), (math.inf, 110.0))
+MIDDLES = ((0.0, 0.0), (2.0, 1.0), (4.0, 2.0), (6.0, 3.0), (math.inf, 3.0))  # testhistogram2 at 7m
+
+
+@pytest.mark.parametrize(("buckets", "q", "expected"), [
+    (POSITIVE, 0.0, 0.0), (POSITIVE, 0.2, 0.048), (POSITIVE, 0.5, 0.15), (POSITIVE, 0.8, 0.72), (POSITIVE, 1.0, 1.0),
+    (NEGATIVE, 0.0, -0.2), (NEGATIVE, 0.2, -0.2), (NEGATIVE, 0.5, -0.15), (NEGATIVE, 0.8, 0.3), (NEGATIVE, 1.0, 0.3),
+    (STARTS_AT_ZERO, 0.0, 0.0), (STARTS_AT_ZERO, 0.25, 0.055), (STARTS_AT_ZERO, 0.5, 0.125), (STARTS_AT_ZERO, 0.75, 0.45),
+    (MIDDLES, 1 / 6, 1.0), (MIDDLES, 0.5, 3.0), (MIDDLES, 5 / 6, 5.0),
+    (POSITIVE, -0.1, -math.inf), (POSITIVE, 1.01, math.inf),
+])
+def test_ttft_quantiles_interpolate_as_prometheus_does(buckets: tuple[tuple[float, float], ...], q: float, expected: float) -> None:
+    assert views.quantile(buckets, q) == pytest.approx(expected)
+
+
+def test_ttft_has_no_estimate_without_observations() -> None:
+    assert views.quantile((), 0.5) is None
+    assert views.quantile(((0.1, 0.0), (math.inf, 0.0)), 0.5) is None
+    assert views.quantile(((0.1, 3.0), (math.inf, 3.0)), math.nan) is None
+
+
+def test_ttft_leaves_cache_hits_out() -> None:
+    """The server observes a cache hit as a first token at 0 s; the overview's TTFT is the model's."""
+    text = ('# TYPE appliance_requests_total counter\n'
+            'appliance_requests_total{model="m",endpoint="chat",status="ok"} 2.0\n'
+            'appliance_requests_total{model="m",endpoint="chat",status="cache_hit"} 8.0\n'
+            '# TYPE appliance_time_to_first_token_seconds histogram\n'
+            + "".join(f'appliance_time_to_first_token_seconds_bucket{{le="{le}",model="m"}} {n}\n'
+                      for le, n in [("0.01", 8.0), ("0.1", 8.0), ("0.25", 9.0), ("0.5", 10.0), ("+Inf", 10.0)]))
+    sample = views.parse_metrics(text, 0.0)
+    assert sample.ttft_buckets == ((0.01, 0.0), (0.1, 0.0), (0.25, 1.0), (0.5, 2.0), (math.inf, 2.0))
+    shown = views.overview(sample, None, None)
+    assert shown.ttft_p50_s == pytest.approx(0.25) and shown.ttft_p95_s == pytest.approx(0.475)

@@ -4,6 +4,7 @@ server is down the banner says so and the next poll reconnects."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -11,7 +12,11 @@ import httpx
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.containers import Vertical
 from textual.css.query import NoMatches
+from textual.logging import TextualHandler
+from textual.reactive import var
+from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Header, Input, Static, TabbedContent, TabPane, Tree
 
 from tui import views
@@ -27,34 +32,44 @@ PROMPTS = {
     "pull": "pull from the hub: REPO FILE.gguf",
 }
 
+# The screen each action belongs to: the footer lists, and the keys run, only the current screen's.
+ASKED_ON = {"key": "keys", "budget": "budgets", "search": "cache", "traces": "traces", "adapter": "models", "quantize": "models", "pull": "models"}
+ACTION_ON = {"unload": "models", "revoke": "keys", "invalidate": "cache", "mark": "cache", "cycle_filter": "traces"}
+# What takes the keys when a screen is shown, so Enter and the arrows act on it at once.
+FOCUS_ON = {"budgets": "#budget-tree", "cache": "#cache-buckets", "traces": "#trace-table", "keys": "#key-table", "models": "#adapter-table"}
+QUIET_LOGGERS = ("httpx", "httpcore")
+
 
 class ApplianceTUI(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "appliance"
+    # 1-6 are priority bindings, so no focused widget can take them (check_action hands them to a
+    # text input); the tab titles carry the digits, which leaves the footer to each screen's keys.
     BINDINGS = [
-        Binding("1", "show('overview')", "Overview"),
-        Binding("2", "show('budgets')", "Budgets"),
-        Binding("3", "show('cache')", "Cache"),
-        Binding("4", "show('traces')", "Traces"),
-        Binding("5", "show('keys')", "Keys"),
-        Binding("6", "show('models')", "Models"),
+        Binding("1", "show('overview')", "Overview", show=False, priority=True),
+        Binding("2", "show('budgets')", "Budgets", show=False, priority=True),
+        Binding("3", "show('cache')", "Cache", show=False, priority=True),
+        Binding("4", "show('traces')", "Traces", show=False, priority=True),
+        Binding("5", "show('keys')", "Keys", show=False, priority=True),
+        Binding("6", "show('models')", "Models", show=False, priority=True),
         Binding("a", "ask('adapter')", "Load adapter"),
-        Binding("u", "unload", "Unload adapter"),
+        Binding("u", "unload", "Unload"),
         Binding("z", "ask('quantize')", "Quantize"),
         Binding("p", "ask('pull')", "Pull"),
         Binding("n", "ask('key')", "New key"),
-        Binding("d", "revoke", "Revoke key"),
+        Binding("d", "revoke", "Revoke"),
         Binding("e", "ask('budget')", "Edit budget"),
-        Binding("slash", "ask('search')", "Search cache"),
-        Binding("i", "invalidate", "Invalidate bucket"),
-        Binding("v", "mark('verified')", "Verify entry"),
-        Binding("x", "mark('rejected')", "Reject entry"),
-        Binding("f", "cycle_filter", "Trace status"),
-        Binding("t", "ask('traces')", "Trace text"),
+        Binding("slash", "ask('search')", "Search"),
+        Binding("i", "invalidate", "Invalidate"),
+        Binding("v", "mark('verified')", "Verify"),
+        Binding("x", "mark('rejected')", "Reject"),
+        Binding("f", "cycle_filter", "Status filter"),
+        Binding("t", "ask('traces')", "Text filter"),
         Binding("r", "refresh", "Refresh"),
         Binding("q", "quit", "Quit"),
         Binding("escape", "cancel_prompt", "Cancel", show=False),
     ]
+    tab: var[str] = var("overview", init=False)
 
     def __init__(self, base_url: str, key: str | None, interval_s: float = 2.0) -> None:
         super().__init__()
@@ -67,34 +82,35 @@ class ApplianceTUI(App[None]):
         self.trace_text = ""
         self.entries: list[dict[str, Any]] = []
         self.connected = False
+        self._logging: tuple[list[logging.Handler], dict[str, int]] | None = None
 
     def compose(self) -> ComposeResult:
         yield Header()
         yield Static("connecting…", id="status")
         with TabbedContent(initial="overview"):
-            with TabPane("Overview", id="overview"):
+            with TabPane("1 Overview", id="overview"):
                 yield Static(id="overview-body")
-            with TabPane("Budgets", id="budgets"):
+            with TabPane("2 Budgets", id="budgets"):
                 yield Tree("budgets", id="budget-tree")
-            with TabPane("Cache", id="cache"):
+            with TabPane("3 Cache", id="cache"):
                 yield Static(id="cache-summary")
                 yield DataTable(id="cache-buckets", cursor_type="row")
                 yield DataTable(id="cache-entries", cursor_type="row")
-            with TabPane("Traces", id="traces"):
+            with TabPane("4 Traces", id="traces"):
                 yield DataTable(id="trace-table", cursor_type="row")
                 yield Static(id="trace-timeline")
-            with TabPane("Keys", id="keys"):
+            with TabPane("5 Keys", id="keys"):
                 yield DataTable(id="key-table", cursor_type="row")
-                yield Static(id="key-secret")
-            with TabPane("Models", id="models"):
+            with TabPane("6 Models", id="models"):
                 yield DataTable(id="model-table", cursor_type="row")
                 yield Static(id="slots")
                 yield DataTable(id="adapter-table", cursor_type="row")
                 yield Static(id="jobs")
         yield Input(id="prompt", classes="hidden", disabled=True)  # disabled while hidden: never takes focus or keys
-        yield Footer()
+        yield Footer(show_command_palette=False)  # its room goes to the screen's own keys
 
     def on_mount(self) -> None:
+        self._log_to_textual()
         self.query_one("#cache-buckets", DataTable).add_columns("bucket", "tenant", "role", "model", "entries", "hits", "verified", "rejected", "stale")
         self.query_one("#cache-entries", DataTable).add_columns("id", "state", "hits", "question")
         self.query_one("#trace-table", DataTable).add_columns("trace", "call", "tenant", "model", "cache", "time", "status")
@@ -125,7 +141,7 @@ class ApplianceTUI(App[None]):
             self.rates = (self.rates + [shown.tokens_per_s])[-60:]
             self._render_overview(shown)
             self._render_budgets(budgets)
-            active = self.query_one(TabbedContent).active
+            active = self.tab
             if active == "cache":
                 self._render_cache(await self.client.cache())
             elif active == "traces":
@@ -163,9 +179,9 @@ class ApplianceTUI(App[None]):
             f"cache hit rate {pct(o.hit_rate)}   cost-weighted verified hit rate {pct(o.verified_cost_hit_rate)}",
         ]
         if o.global_limit_usd is not None:
-            lines.append(f"spend ${o.spend_today_usd or 0:.4f} of the global ${o.global_limit_usd:.2f} per {o.global_period}")
+            lines.append(f"spend {views.usd(o.spend_today_usd or 0)} of the global {views.usd(o.global_limit_usd)} per {o.global_period}")
         else:
-            lines.append(f"spend today ${o.spend_today_usd or 0:.4f} (no global budget)")
+            lines.append(f"spend today {views.usd(o.spend_today_usd or 0)} (no global budget)")
         self.query_one("#overview-body", Static).update("\n".join(lines))
 
     def _render_budgets(self, budgets: dict[str, Any]) -> None:
@@ -207,9 +223,35 @@ class ApplianceTUI(App[None]):
 
     # -- actions -------------------------------------------------------------------------------
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if isinstance(self.screen, ModalScreen):
+            return False  # a dialog is answered first
+        if action == "show":
+            return not isinstance(self.focused, Input)  # digits typed into the prompt stay digits
+        home = ASKED_ON.get(str(parameters[0])) if action == "ask" and parameters else ACTION_ON.get(action)
+        return home is None or home == self.tab
+
     def action_show(self, tab: str) -> None:
-        self.query_one(TabbedContent).active = tab
+        self.tab = tab
         self.poll()
+
+    @on(TabbedContent.TabActivated)
+    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        self.tab = event.pane.id or self.tab  # a tab clicked with the mouse, or a pane given focus
+
+    def watch_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+        self._focus_tab()
+        self.refresh_bindings()
+
+    def _focus_tab(self) -> None:
+        """Focus on the shown screen's table or tree. Focus left in a hidden pane would pull its
+        tab back to the front (TabbedContent shows the pane that holds the focus)."""
+        target = FOCUS_ON.get(self.tab)
+        if target is None:
+            self.set_focus(None)
+        else:
+            self.query_one(target).focus()
 
     def action_refresh(self) -> None:
         self.poll()
@@ -228,6 +270,7 @@ class ApplianceTUI(App[None]):
         prompt.add_class("hidden")
         prompt.disabled = True
         self.asking = None
+        self._focus_tab()
 
     def action_cycle_filter(self) -> None:
         self.trace_filter = {"all": "error", "error": "ok", "ok": "all"}[self.trace_filter]
@@ -241,21 +284,22 @@ class ApplianceTUI(App[None]):
         try:
             if what == "key" and len(words) == 4:
                 made = await self.client.create_key(*words)
-                self.query_one("#key-secret", Static).update(f"new key {made['id']}, shown once: {made['secret']}")
                 self.action_show("keys")
+                self.push_screen(SecretScreen(made["id"], "/".join(words[:3]) + f" ({words[3]})", made["secret"]))
             elif what == "budget" and len(words) == 4:
                 level, name, usd, period = words
                 await self.client.set_budget(level, "*" if name == "-" else name, float(usd), period)
-                self.notify(f"{level} {name}: ${float(usd):g} per {period}")
+                self.notify(f"{level} {name}: {views.usd(float(usd))} per {period}")
             elif what == "traces":
                 self.trace_text = " ".join(words)
                 self.action_show("traces")
             elif what == "search" and words:
                 found = await self.client.cache_entries(" ".join(words))
                 self.entries = found["entries"]
-                _fill(self.query_one("#cache-entries", DataTable),
-                      [(str(e["id"]), e["state"], str(e["hits"]), e["question"][:60]) for e in self.entries])
+                entries = self.query_one("#cache-entries", DataTable)
+                _fill(entries, [(str(e["id"]), e["state"], str(e["hits"]), e["question"][:60]) for e in self.entries])
                 self.action_show("cache")
+                entries.focus()  # v and x act on the entry under the cursor
             elif what == "adapter" and len(words) in (3, 4):
                 await self.client.load_adapter(words[0], words[1], words[2], float(words[3]) if len(words) == 4 else 1.0)
                 self.notify(f"{words[0]}: adapter {words[1]} loaded")
@@ -277,7 +321,7 @@ class ApplianceTUI(App[None]):
     def _selected(self, tab: str, table_id: str) -> tuple[int, list[Any]] | None:
         """The cursor's row index and cells in a table, when its tab is showing and it has rows."""
         table = self.query_one(table_id, DataTable)
-        if self.query_one(TabbedContent).active != tab or table.row_count == 0:
+        if self.tab != tab or table.row_count == 0:
             return None
         return table.cursor_row, table.get_row_at(table.cursor_row)
 
@@ -332,8 +376,48 @@ class ApplianceTUI(App[None]):
             return
         self.query_one("#trace-timeline", Static).update("\n".join([f"trace {trace_id}", *views.timeline(tree, 30)]))
 
+    def _log_to_textual(self) -> None:
+        """While Textual owns the terminal, a log handler writing to stderr draws over the screen
+        (the CLI's basicConfig, and httpx logs each poll at INFO): route records to Textual's log."""
+        root = logging.getLogger()
+        self._logging = (root.handlers[:], {name: logging.getLogger(name).level for name in QUIET_LOGGERS})
+        root.handlers = [TextualHandler()]
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
     async def on_unmount(self) -> None:
         await self.client.close()
+        if self._logging is not None:
+            handlers, levels = self._logging
+            logging.getLogger().handlers = handlers
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+
+
+class SecretScreen(ModalScreen[None]):
+    """A new key's secret, which the server shows only once: it stays up until dismissed, in
+    plain text to select, and `c` puts it on the clipboard."""
+
+    BINDINGS = [
+        Binding("c", "copy", "Copy secret"),
+        Binding("escape,enter", "dismiss", "Close"),
+    ]
+
+    def __init__(self, key_id: str, owner: str, secret: str) -> None:
+        super().__init__()
+        self.key_id, self.owner, self.secret = key_id, owner, secret
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="secret-dialog"):
+            yield Static(f"[b]new key {self.key_id}[/b] for {self.owner}", id="secret-title")
+            yield Static("The secret is shown only now: copy it before closing.")
+            yield Static(self.secret, id="secret-text", markup=False)
+            yield Static("c copy to the clipboard · enter or esc close", id="secret-help")
+        yield Footer(show_command_palette=False)
+
+    def action_copy(self) -> None:
+        self.app.copy_to_clipboard(self.secret)
+        self.notify("secret copied to the clipboard")
 
 
 def _fill(table: DataTable, rows: list[tuple[str, ...]]) -> None:

@@ -3,6 +3,7 @@ are tested with plain values."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ class Sample:
     requests: float
     errors: float
     completion_tokens: float
-    ttft_buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count)
+    ttft_buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count), model answers only
     slots_busy: dict[str, float]
     slots_total: dict[str, float]
     queue: dict[str, float]
@@ -27,7 +28,7 @@ class Sample:
 
 
 def parse_metrics(text: str, at: float) -> Sample:
-    requests = errors = tokens = saved_verified = request_cost = 0.0
+    requests = errors = tokens = saved_verified = request_cost = cache_hits = 0.0
     buckets: dict[float, float] = {}
     busy: dict[str, float] = {}
     total: dict[str, float] = {}
@@ -40,6 +41,8 @@ def parse_metrics(text: str, at: float) -> Sample:
                 requests += value
                 if labels.get("status") not in ("ok", "cache_hit", "cancelled", "stop", "length"):
                     errors += value
+                if labels.get("status") == "cache_hit":
+                    cache_hits += value
             elif name == "appliance_completion_tokens_total":
                 tokens += value
             elif name == "appliance_time_to_first_token_seconds_bucket":
@@ -57,18 +60,50 @@ def parse_metrics(text: str, at: float) -> Sample:
                 saved_verified += value
             elif name == "appliance_cache_request_cost_nanousd_total":
                 request_cost += value
-    return Sample(at, requests, errors, tokens, tuple(sorted(buckets.items())), busy, total, queue, cache, saved_verified, request_cost)
+    # The server records every cache hit as a first token at 0 s, under every bound; taking the
+    # hits out of each cumulative bucket leaves the model's own TTFT.
+    ttft = tuple((bound, max(0.0, count - cache_hits)) for bound, count in sorted(buckets.items()))
+    return Sample(at, requests, errors, tokens, ttft, busy, total, queue, cache, saved_verified, request_cost)
 
 
 def quantile(buckets: tuple[tuple[float, float], ...], q: float) -> float | None:
-    """A histogram quantile (upper bound of the bucket it falls in), as Prometheus estimates one."""
-    if not buckets or buckets[-1][1] == 0:
+    """The q-quantile of a histogram as Prometheus' `histogram_quantile` estimates it: linear
+    inside the bucket the rank falls in (the first bucket starts at 0), the highest finite bound
+    when it falls in +Inf. `buckets` are (upper bound, cumulative count), ending with +Inf; None
+    when there is nothing to estimate from."""
+    if len(buckets) < 2 or buckets[-1][0] != math.inf or buckets[-1][1] == 0 or math.isnan(q):
         return None
-    target = q * buckets[-1][1]
-    for bound, count in buckets:
-        if count >= target:
-            return bound
-    return None
+    if q < 0:
+        return -math.inf
+    if q > 1:
+        return math.inf
+    rank = q * buckets[-1][1]
+    b = next((i for i, (_, count) in enumerate(buckets[:-1]) if count >= rank), len(buckets) - 1)
+    if b == len(buckets) - 1:
+        return buckets[-2][0]
+    end, count = buckets[b]
+    if b == 0 and end <= 0:
+        return end
+    start = 0.0
+    if b > 0:
+        start, below = buckets[b - 1]
+        count, rank = count - below, rank - below
+    return start + (end - start) * (rank / count)
+
+
+def usd(amount: float) -> str:
+    """Money at the precision it has: cents from a dollar up, three significant digits below,
+    and micro-dollars (µ$) under a tenth of a cent, where a request's cost usually lies."""
+    sign, amount = ("-" if amount < 0 else ""), abs(amount)
+    if amount < 1:
+        amount = float(f"{amount:.3g}")  # rounded first, so 0.9996 is shown as $1.00, not $1.000
+    if amount == 0:
+        return "$0"
+    if amount >= 1:
+        return f"{sign}${amount:,.2f}"
+    unit, value = ("$", amount) if amount >= 0.001 else ("µ$", amount * 1e6)
+    decimals = max(0, 2 - math.floor(math.log10(value)))
+    return f"{sign}{unit}{value:.{decimals}f}"
 
 
 def window(buckets_now: tuple[tuple[float, float], ...], buckets_then: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
@@ -132,8 +167,8 @@ def budget_tree(budgets: dict[str, Any]) -> BudgetNode:
         by_level.setdefault(b["level"], []).append(b)
 
     def line(b: dict[str, Any]) -> str:
-        held = f" (+${b['held_usd']:.4f} held)" if b["held_usd"] else ""
-        return f"${b['spent_usd']:.4f} of ${b['limit_usd']:.2f} per {b['period']}{held}"
+        held = f" (+{usd(b['held_usd'])} held)" if b["held_usd"] else ""
+        return f"{usd(b['spent_usd'])} of {usd(b['limit_usd'])} per {b['period']}{held}"
 
     glob = next(iter(by_level.get("global", [])), None)
     root = BudgetNode("global", line(glob) if glob else "no limit")
@@ -143,7 +178,7 @@ def budget_tree(budgets: dict[str, Any]) -> BudgetNode:
         root.children.append(group)
     reservations = budgets.get("reservations", [])
     flight = BudgetNode("in flight", f"{len(reservations)} reservation{'s' if len(reservations) != 1 else ''}")
-    flight.children.extend(BudgetNode(r["request_id"], f"{r['tenant']}/{r['user']} ${r['amount_usd']:.6f}") for r in reservations[:20])
+    flight.children.extend(BudgetNode(r["request_id"], f"{r['tenant']}/{r['user']} {usd(r['amount_usd'])}") for r in reservations[:20])
     root.children.append(flight)
     return root
 
