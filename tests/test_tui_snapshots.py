@@ -1,31 +1,183 @@
-"""Snapshot tests of the TUI at 80×24: the layout of every screen, compared with SVG snapshots in
-tests/__snapshots__ (pytest-textual-snapshot; `--snapshot-update` after a deliberate change).
+"""Snapshot tests of the TUI at 80×24 against a real server with live data, compared with SVG
+snapshots in tests/__snapshots__ (pytest-textual-snapshot; `--snapshot-update` after a deliberate
+change, and look at every SVG before accepting it).
 
-The screens are taken with no server behind them (the discard port), the one state whose every
-character is fixed; what real data looks like is checked by the pilot tests in test_tui.py."""
+The server is the real one with the bundled model; what differs from one run to the next is pinned
+by PinnedClient before the TUI sees it, and nothing else: the port in the status line, trace and
+key ids, a key's secret, span timings, and the bucket each first token fell in."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
 import pytest
+from textual.widgets import DataTable, Input, Static
 
-from tui.app import ApplianceTUI
+from tests.conftest import CHAT_MODEL, Server, config_text, start_server, stop_server
+from tui.app import ApplianceTUI, SecretScreen
+from tui.client import AdminClient
 
-NO_SERVER = "http://127.0.0.1:9"  # the discard port: nothing listens, every poll fails the same way
+PINNED_URL = "http://127.0.0.1:8080"
+_BUCKET = re.compile(r'^appliance_time_to_first_token_seconds_bucket\{(?P<labels>[^}]*)\} (?P<count>\S+)$', re.M)
+_HITS = re.compile(r'^appliance_requests_total\{(?P<labels>[^}]*status="cache_hit"[^}]*)\} (?P<count>\S+)$', re.M)
+_MODEL = re.compile(r'model="([^"]*)"')
+_LE = re.compile(r'le="([^"]*)"')
 
 
-async def _wait_for_the_banner(pilot) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(100):
+class PinnedClient(AdminClient):
+    """The admin API of the real server, with the values that change from run to run replaced by
+    fixed ones: ids become stable pseudo-ids in the order first seen, the n-th span of a trace
+    starts n ms in and lasts 1 ms per span under it, and every model answer's first token falls
+    in the (0.1 s, 0.25 s] bucket (cache hits stay at 0 s, as the server records them)."""
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__(base_url, None)
+        self.base_url = PINNED_URL  # what the status line names; the real port is a free one
+        self.pinned: dict[str, str] = {}
+
+    def _pin(self, real: str, prefix: str, length: int) -> str:
+        if real not in self.pinned:
+            self.pinned[real] = prefix + hashlib.sha256(f"{prefix}{len(self.pinned)}".encode()).hexdigest()[:length]
+        return self.pinned[real]
+
+    def _real(self, pinned: str) -> str:
+        return next((real for real, shown in self.pinned.items() if shown == pinned), pinned)
+
+    async def metrics(self) -> str:
+        text = await super().metrics()
+        hits: dict[str, float] = {}
+        for m in _HITS.finditer(text):
+            model = _MODEL.search(m["labels"])
+            hits[model[1] if model else ""] = hits.get(model[1] if model else "", 0.0) + float(m["count"])
+        totals = {_MODEL.search(m["labels"])[1]: float(m["count"]) for m in _BUCKET.finditer(text) if 'le="+Inf"' in m["labels"]}
+
+        def pinned(m: re.Match[str]) -> str:
+            model, le = _MODEL.search(m["labels"])[1], float(_LE.search(m["labels"])[1])  # type: ignore[index]
+            count = totals[model] if le >= 0.25 else hits.get(model, 0.0)
+            return f"appliance_time_to_first_token_seconds_bucket{{{m['labels']}}} {count}"
+
+        return _BUCKET.sub(pinned, text)
+
+    async def traces(self, limit: int = 100) -> dict[str, Any]:
+        listed = await super().traces(limit)
+        for t in listed["traces"]:
+            spans = _walk((await super().trace(t["trace_id"]))["spans"])
+            t["trace_id"], t["duration_ms"] = self._pin(t["trace_id"], "", 32), float(len(spans))
+        return listed
+
+    async def trace(self, trace_id: str) -> dict[str, Any]:
+        tree = await super().trace(self._real(trace_id))
+        spans = _walk(tree["spans"])
+        start = min((s["start_ns"] for s in spans), default=0)
+        for n, span in enumerate(spans):
+            span["start_ns"], span["duration_ms"] = start + n * 1_000_000, float(len(_walk([span])))
+        return tree
+
+    async def keys(self) -> dict[str, Any]:
+        listed = await super().keys()
+        for k in listed["keys"]:
+            k["id"] = self._pin(k["id"], "key_", 12)
+        return listed
+
+    async def create_key(self, tenant: str, app: str, user: str, role: str) -> dict[str, Any]:
+        made = await super().create_key(tenant, app, user, role)
+        made["id"] = self._pin(made["id"], "key_", 12)
+        made["secret"] = "apl-" + base64.urlsafe_b64encode(hashlib.sha256(made["id"].encode()).digest()).decode().rstrip("=")
+        return made
+
+
+def _walk(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A span tree's spans in the order the timeline draws them."""
+    return [s for span in spans for s in (span, *_walk(span["children"]))]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A priced model with a global and a tenant budget, one answer from the model and the same
+    question again from the cache."""
+    server = start_server(tmp_path_factory.mktemp("tui-snapshots"),
+                          config_text(embeddings=False, cache="enabled = true\nsweep_interval_s = 0", price_in=0.15, price_out=0.6))
+    for budget in ({"level": "global", "name": "*", "usd": 100, "period": "month"}, {"level": "tenant", "name": "local", "usd": 5, "period": "day"}):
+        httpx.put(f"{server.base_url}/admin/budgets", json=budget, timeout=10).raise_for_status()
+    body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "What is the capital of Peru?"}], "max_tokens": 6, "temperature": 0}
+    for _ in range(2):
+        httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).raise_for_status()
+    server.wait_idle()
+    deadline = time.monotonic() + 20
+    while len(httpx.get(f"{server.base_url}/admin/traces", timeout=10).json()["traces"]) < 2:  # traces are written behind the answers
+        assert time.monotonic() < deadline, "the two traces were never written"
+        time.sleep(0.2)
+    yield server
+    stop_server(server)
+
+
+def tui(server: Server) -> ApplianceTUI:
+    app = ApplianceTUI(server.base_url, None, interval_s=60)  # one poll per screen shown: rates and sparkline hold still
+    app.client = PinnedClient(server.base_url)
+    return app
+
+
+def keys(text: str) -> list[str]:
+    return ["space" if c == " " else c for c in text]
+
+
+def text_of(app: ApplianceTUI, selector: str) -> str:
+    return str(app.query_one(selector, Static).render())
+
+
+def rows(app: ApplianceTUI, selector: str) -> int:
+    return app.query_one(selector, DataTable).row_count
+
+
+async def until(pilot, shown: Callable[[], bool]) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(200):
         await pilot.pause(0.05)
-        if not pilot.app.connected and "unreachable" in str(pilot.app.query_one("#status").render()):
+        if shown():
             return
+    raise AssertionError("the screen never showed the server's data")
 
 
-@pytest.mark.parametrize("tab", ["1", "2", "3", "4", "5", "6"])
-def test_every_screen_at_80_by_24(snap_compare, tab: str) -> None:  # type: ignore[no-untyped-def]
-    app = ApplianceTUI(NO_SERVER, None, interval_s=60)
-    assert snap_compare(app, press=[tab], terminal_size=(80, 24), run_before=_wait_for_the_banner)
+def steps(*groups: tuple[tuple[str, ...], Callable[[ApplianceTUI], bool]]):  # type: ignore[no-untyped-def]
+    """Press each group of keys, then wait until the live data it should bring is on screen."""
+    async def run(pilot) -> None:  # type: ignore[no-untyped-def]
+        app = pilot.app
+        await until(pilot, lambda: app.connected)
+        for presses, shown in groups:
+            await pilot.press(*presses)
+            await until(pilot, lambda: shown(app))
+        await pilot.pause(0.2)
+    return run
 
 
-def test_a_prompt_at_80_by_24(snap_compare) -> None:  # type: ignore[no-untyped-def]
-    app = ApplianceTUI(NO_SERVER, None, interval_s=60)
-    assert snap_compare(app, press=["6", "a"], terminal_size=(80, 24), run_before=_wait_for_the_banner)
+SCREENS = {
+    "overview": steps(((), lambda app: CHAT_MODEL in text_of(app, "#overview-body") and "TTFT p50 175 ms" in text_of(app, "#overview-body"))),
+    "budgets": steps((("2",), lambda app: "local" in str(app.query_one("#budget-tree").root.children[0].children[0].label))),  # type: ignore[attr-defined]
+    "cache-search": steps((("3",), lambda app: rows(app, "#cache-buckets") == 1),
+                          (("slash", *keys("Peru"), "enter"), lambda app: rows(app, "#cache-entries") == 1)),
+    "traces-timeline": steps((("4",), lambda app: rows(app, "#trace-table") == 2),
+                             (("down", "enter"), lambda app: "budget.settle" in text_of(app, "#trace-timeline"))),
+    "models": steps((("6",), lambda app: rows(app, "#model-table") == 1 and "KV" in text_of(app, "#slots"))),
+}
+
+
+@pytest.mark.parametrize("screen", SCREENS)
+def test_every_screen_at_80_by_24(snap_compare, served: Server, screen: str) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(tui(served), terminal_size=(80, 24), run_before=SCREENS[screen])
+
+
+def test_a_new_keys_secret_at_80_by_24(snap_compare, served: Server) -> None:  # type: ignore[no-untyped-def]
+    """The only test here that makes a key: the keys table behind the dialog shows just this one."""
+    shown = steps((("5", "n", *keys("acme web ann dev"), "enter"), lambda app: isinstance(app.screen, SecretScreen) and rows(app, "#key-table") == 1))
+    assert snap_compare(tui(served), terminal_size=(80, 24), run_before=shown)
+
+
+def test_a_prompt_at_80_by_24(snap_compare, served: Server) -> None:  # type: ignore[no-untyped-def]
+    shown = steps((("6",), lambda app: rows(app, "#model-table") == 1),
+                  (("a",), lambda app: isinstance(app.focused, Input)))
+    assert snap_compare(tui(served), terminal_size=(80, 24), run_before=shown)
