@@ -167,6 +167,8 @@ def test_the_tui_in_tmux_as_a_person_would(served: Server) -> None:
     try:
         shown = wait_for("connected to")
         assert CHAT_MODEL in wait_for(CHAT_MODEL) and "requests/s" in shown
+        time.sleep(4.5)  # two more polls, each logged by httpx at INFO under the CLI's logging
+        assert "HTTP Request" not in screen() and "INFO" not in screen()
         subprocess.run(["tmux", "send-keys", "-t", session, "5"], check=True)
         wait_for("role")  # the keys table's header
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
