@@ -122,7 +122,7 @@ def test_json_schema_output_and_seeds(mlx_server: Server) -> None:
     assert len({first, draw(8), draw(9)}) > 1  # and other seeds, other draws
 
 
-def test_lora_adapters_per_request_without_reloading_the_base(mlx_server: Server, tmp_path: Path) -> None:
+def test_lora_adapters_per_request_without_reloading_the_base(mlx_server: Server) -> None:
     question = "Tell me about the ocean."
 
     def answer(model: str = CHAT_MODEL, **extra: object) -> str:
@@ -149,7 +149,7 @@ def test_lora_adapters_per_request_without_reloading_the_base(mlx_server: Server
 
     # At runtime through the admin API: load a second adapter, use it, unload it.
     admin = f"{mlx_server.base_url}/admin/models/{CHAT_MODEL}/adapters"
-    other = write_mlx_adapter(tmp_path / "other", seed=2, modules=("k_proj", "o_proj"))
+    other = write_mlx_adapter(mlx_server.home / "adapters" / "other", seed=2, modules=("k_proj", "o_proj"))  # the API takes paths in the data dir
     loaded = httpx.put(f"{admin}/other", json={"path": str(other), "scale": 1.0}, timeout=60)
     assert loaded.status_code == 200, loaded.text
     assert answer(f"{CHAT_MODEL}:other") not in (base, tuned)
@@ -158,7 +158,9 @@ def test_lora_adapters_per_request_without_reloading_the_base(mlx_server: Server
     with pytest.raises(openai.NotFoundError, match="has no adapter 'other'"):
         answer(f"{CHAT_MODEL}:other")
     assert answer() == base  # unloading left the base as it was
-    broken = httpx.put(f"{admin}/bad", json={"path": str(tmp_path)}, timeout=60)
+    empty = mlx_server.home / "adapters" / "empty"
+    empty.mkdir(parents=True)
+    broken = httpx.put(f"{admin}/bad", json={"path": str(empty)}, timeout=60)
     assert broken.status_code == 400 and "not an mlx-lm LoRA adapter" in broken.json()["error"]["message"]
 
 
