@@ -46,8 +46,8 @@ tokens_per_minute = 400
 HUGE = [2**63 - 1, 2**64, 10**15, -(2**63), 10**30]
 
 
-def hostile_config(grace_s: float = 10.0) -> str:
-    text = config_text(embeddings=True, price_in=1.0, price_out=2.0, auth="keys")
+def hostile_config(grace_s: float = 10.0, slots: int = 8) -> str:
+    text = config_text(embeddings=True, price_in=1.0, price_out=2.0, auth="keys", slots=slots)
     text = text.replace('[auth]\nmode = "keys"\n\n[auth.open_principal]\nadmin = true\n', "")
     text = text.replace("[server]\n", f"[server]\nshutdown_grace_s = {grace_s}\n")
     return HOSTILE_CONFIG + text
@@ -303,7 +303,7 @@ def _stream_lines(server: Server, key: str, out: list[str], max_tokens: int = 20
 def test_sigterm_ends_long_streams_as_clients_can_parse(tmp_path: Path) -> None:
     import threading
 
-    server = start_server(tmp_path / "term", hostile_config(grace_s=2.0))
+    server = start_server(tmp_path / "term", hostile_config(grace_s=2.0, slots=2))
     key = new_key(server, "t-term")
     lines: list[list[str]] = [[], []]
     threads = [threading.Thread(target=_stream_lines, args=(server, key, out)) for out in lines]
@@ -313,10 +313,20 @@ def test_sigterm_ends_long_streams_as_clients_can_parse(tmp_path: Path) -> None:
     while not all(len(out) > 3 for out in lines):
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    # A third request waits for a slot that never frees before the grace period ends.
+    queued: list[httpx.Response] = []
+    waiting = threading.Thread(target=lambda: queued.append(call(server, key, "/v1/chat/completions", chat(max_tokens=8))))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while server.health()["models"][CHAT_MODEL]["queue_depth"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     server.process.send_signal(signal.SIGTERM)
-    for t in threads:
+    for t in [*threads, waiting]:
         t.join(timeout=60)  # an `incomplete chunked` cut would raise in the thread and leave no [DONE]
     assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
+    assert queued[0].status_code == 503 and queued[0].headers["Retry-After"], queued[0].text
+    assert queued[0].json()["error"]["code"] == "server_shutting_down"
     for out in lines:
         assert out[-1] == "data: [DONE]", out[-3:]
         events = [json.loads(line.removeprefix("data: ")) for line in out[:-1]]
