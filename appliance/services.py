@@ -58,9 +58,12 @@ class Services:
         prompt_tokens = finish.usage.prompt_tokens if finish is not None else prepared.request.prompt_length
         if completion_tokens is None:
             completion_tokens = finish.usage.completion_tokens if finish else 0
-        ttft = finish.time_to_first_token_s if finish else None
+        # A cache hit replays a stored answer: no model computed a first token or generated a token.
+        hit = status == "cache_hit"
+        ttft = finish.time_to_first_token_s if finish is not None and not hit else None
         m.prompt_tokens.labels(alias).inc(prompt_tokens)
-        m.completion_tokens.labels(alias).inc(completion_tokens)
+        if not hit:
+            m.completion_tokens.labels(alias).inc(completion_tokens)
         if finish is not None:
             m.cached_prompt_tokens.labels(alias).inc(finish.usage.cached_prompt_tokens)
             if ttft is not None:

@@ -178,3 +178,23 @@ def test_metrics_auth_is_none_by_default_and_checked_by_the_reader() -> None:
             parse_settings(f"[server]\nmetrics_auth = {bad}\n" + model, "fleet.toml")
         assert (info.value.file, info.value.key) == ("fleet.toml", "server.metrics_auth")
         assert problem in info.value.problem
+
+
+def test_a_cache_hit_is_not_a_first_token_or_generated_tokens(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A hit replays a stored answer: it counts as a request served from the cache, never in the
+    model's TTFT, decode rate or generated tokens."""
+    server = start_server(tmp_path / "hits", config_text(embeddings=False, cache="enabled = true"))
+    try:
+        body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8,
+                "temperature": 0}
+        first = httpx.post(f"{server.base_url}{CHAT}", json=body, timeout=120)
+        assert first.headers["x-cache"] == "miss"
+        before = scrape(server, "unused")
+        hit = httpx.post(f"{server.base_url}{CHAT}", json=body, timeout=120)
+        assert hit.headers["x-cache"] == "hit"
+        after = scrape(server, "unused")
+        assert value(after, "appliance_requests_total", model=CHAT_MODEL, endpoint="chat", status="cache_hit") == 1
+        for name in ("appliance_time_to_first_token_seconds_count", "appliance_decode_tokens_per_second_count", "appliance_completion_tokens_total"):
+            assert value(after, name, model=CHAT_MODEL) == value(before, name, model=CHAT_MODEL), name
+    finally:
+        stop_server(server)

@@ -119,7 +119,9 @@ async def test_a_server_that_is_down_is_shown_and_retried() -> None:
 
 
 def test_views_are_plain_functions() -> None:
-    text = ("# TYPE appliance_requests_total counter\nappliance_requests_total{model=\"m\",endpoint=\"chat\",status=\"ok\"} 10.0\n"
+    text = ("# TYPE appliance_http_responses_total counter\n"
+            "appliance_http_responses_total{route=\"/v1/chat/completions\",status_class=\"2xx\",code=\"\"} 10.0\n"
+            "appliance_http_responses_total{route=\"/metrics\",status_class=\"2xx\",code=\"\"} 50.0\n"
             "# TYPE appliance_slots_busy gauge\nappliance_slots_busy{model=\"m\"} 1.0\n"
             "# TYPE appliance_slots_total gauge\nappliance_slots_total{model=\"m\"} 8.0\n")
     then, now = views.parse_metrics(text.replace("10.0", "4.0"), 0.0), views.parse_metrics(text, 2.0)
@@ -376,15 +378,19 @@ def test_ttft_has_no_estimate_without_observations() -> None:
     assert views.quantile(((0.1, 3.0), (math.inf, 3.0)), math.nan) is None
 
 
-def test_ttft_leaves_cache_hits_out() -> None:
-    """The server observes a cache hit as a first token at 0 s; the overview's TTFT is the model's."""
-    text = ('# TYPE appliance_requests_total counter\n'
-            'appliance_requests_total{model="m",endpoint="chat",status="ok"} 2.0\n'
-            'appliance_requests_total{model="m",endpoint="chat",status="cache_hit"} 8.0\n'
+def test_errors_count_every_refusal_and_ttft_reads_the_histogram() -> None:
+    """Errors are every 4xx and 5xx the API answered, refusals before any model included; the TUI's
+    own polls are not requests. The server leaves cache hits out of TTFT, so the buckets are read as they are."""
+    text = ('# TYPE appliance_http_responses_total counter\n'
+            'appliance_http_responses_total{route="/v1/chat/completions",status_class="2xx",code=""} 6.0\n'
+            'appliance_http_responses_total{route="/v1/chat/completions",status_class="4xx",code="invalid_api_key"} 3.0\n'
+            'appliance_http_responses_total{route="/v1/chat/completions",status_class="5xx",code="overloaded"} 1.0\n'
+            'appliance_http_responses_total{route="/admin/budgets",status_class="2xx",code=""} 40.0\n'
             '# TYPE appliance_time_to_first_token_seconds histogram\n'
             + "".join(f'appliance_time_to_first_token_seconds_bucket{{le="{le}",model="m"}} {n}\n'
-                      for le, n in [("0.01", 8.0), ("0.1", 8.0), ("0.25", 9.0), ("0.5", 10.0), ("+Inf", 10.0)]))
+                      for le, n in [("0.01", 0.0), ("0.1", 0.0), ("0.25", 1.0), ("0.5", 2.0), ("+Inf", 2.0)]))
     sample = views.parse_metrics(text, 0.0)
+    assert (sample.requests, sample.errors) == (10.0, 4.0)
     assert sample.ttft_buckets == ((0.01, 0.0), (0.1, 0.0), (0.25, 1.0), (0.5, 2.0), (math.inf, 2.0))
     shown = views.overview(sample, None, None)
     assert shown.ttft_p50_s == pytest.approx(0.25) and shown.ttft_p95_s == pytest.approx(0.475)

@@ -25,7 +25,6 @@ from tui.client import AdminClient
 
 PINNED_URL = "http://127.0.0.1:8080"
 _BUCKET = re.compile(r'^appliance_time_to_first_token_seconds_bucket\{(?P<labels>[^}]*)\} (?P<count>\S+)$', re.M)
-_HITS = re.compile(r'^appliance_requests_total\{(?P<labels>[^}]*status="cache_hit"[^}]*)\} (?P<count>\S+)$', re.M)
 _MODEL = re.compile(r'model="([^"]*)"')
 _LE = re.compile(r'le="([^"]*)"')
 
@@ -34,7 +33,7 @@ class PinnedClient(AdminClient):
     """The admin API of the real server, with the values that change from run to run replaced by
     fixed ones: ids become stable pseudo-ids in the order first seen, the n-th span of a trace
     starts n ms in and lasts 1 ms per span under it, and every model answer's first token falls
-    in the (0.1 s, 0.25 s] bucket (cache hits stay at 0 s, as the server records them)."""
+    in the (0.1 s, 0.25 s] bucket (the server leaves cache hits out of TTFT)."""
 
     def __init__(self, base_url: str) -> None:
         super().__init__(base_url, None)
@@ -51,15 +50,11 @@ class PinnedClient(AdminClient):
 
     async def metrics(self) -> str:
         text = await super().metrics()
-        hits: dict[str, float] = {}
-        for m in _HITS.finditer(text):
-            model = _MODEL.search(m["labels"])
-            hits[model[1] if model else ""] = hits.get(model[1] if model else "", 0.0) + float(m["count"])
         totals = {_MODEL.search(m["labels"])[1]: float(m["count"]) for m in _BUCKET.finditer(text) if 'le="+Inf"' in m["labels"]}
 
         def pinned(m: re.Match[str]) -> str:
             model, le = _MODEL.search(m["labels"])[1], float(_LE.search(m["labels"])[1])  # type: ignore[index]
-            count = totals[model] if le >= 0.25 else hits.get(model, 0.0)
+            count = totals[model] if le >= 0.25 else 0.0
             return f"appliance_time_to_first_token_seconds_bucket{{{m['labels']}}} {count}"
 
         return _BUCKET.sub(pinned, text)

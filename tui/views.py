@@ -28,7 +28,7 @@ class Sample:
 
 
 def parse_metrics(text: str, at: float) -> Sample:
-    requests = errors = tokens = saved_verified = request_cost = cache_hits = 0.0
+    requests = errors = tokens = saved_verified = request_cost = 0.0
     buckets: dict[float, float] = {}
     busy: dict[str, float] = {}
     total: dict[str, float] = {}
@@ -37,12 +37,11 @@ def parse_metrics(text: str, at: float) -> Sample:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             name, labels, value = s.name, s.labels, s.value
-            if name == "appliance_requests_total":
+            if name == "appliance_http_responses_total" and labels.get("route", "").startswith("/v1/"):
+                # Every answer to a client, refusals before any model included; not the TUI's own polls.
                 requests += value
-                if labels.get("status") not in ("ok", "cache_hit", "cancelled", "stop", "length"):
+                if labels.get("status_class") in ("4xx", "5xx"):
                     errors += value
-                if labels.get("status") == "cache_hit":
-                    cache_hits += value
             elif name == "appliance_completion_tokens_total":
                 tokens += value
             elif name == "appliance_time_to_first_token_seconds_bucket":
@@ -60,9 +59,7 @@ def parse_metrics(text: str, at: float) -> Sample:
                 saved_verified += value
             elif name == "appliance_cache_request_cost_nanousd_total":
                 request_cost += value
-    # The server records every cache hit as a first token at 0 s, under every bound; taking the
-    # hits out of each cumulative bucket leaves the model's own TTFT.
-    ttft = tuple((bound, max(0.0, count - cache_hits)) for bound, count in sorted(buckets.items()))
+    ttft = tuple(sorted(buckets.items()))  # the server leaves cache hits out: this is the model's TTFT
     return Sample(at, requests, errors, tokens, ttft, busy, total, queue, cache, saved_verified, request_cost)
 
 
