@@ -819,7 +819,8 @@ class LlamaCppEngine:
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
         queued = None if job.first_step_at is None else job.first_step_at - job.submitted_at
         usage = Usage(len(job.request.prompt_tokens), job.generated, job.reused)
-        job.emit(FinishEvent(reason, usage, tail, ttft, end - job.submitted_at, error, error_status=status, error_code=_SHUTDOWN_CODE if status else None, retry_after_s=5 if status else None,
+        job.emit(FinishEvent(reason, usage, tail, ttft, end - job.submitted_at, error, error_status=status,
+                             error_code=_SHUTDOWN_CODE if status else None, retry_after_s=5 if status else None,
                              queue_time_s=queued, inter_token_s=tuple(job.token_gaps)))
 
     def _fail_all(self, message: str, status: int | None = None) -> None:
