@@ -124,6 +124,11 @@ class FinishEvent:
 EngineEvent = TokenEvent | FinishEvent
 
 
+# The error code and Retry-After of a request an engine ended because the server is stopping.
+SHUTTING_DOWN = "server_shutting_down"
+SHUTDOWN_RETRY_AFTER_S = 5
+
+
 class EngineError(Exception):
     """A failure the API maps onto an OpenAI error."""
 

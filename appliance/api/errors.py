@@ -11,6 +11,8 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from engines.base import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN
+
 log = logging.getLogger("appliance.api")
 
 
@@ -104,10 +106,10 @@ def envelope_when_cut(app: Any) -> Any:
         except asyncio.CancelledError:
             if started:
                 raise
-            error = APIError(503, "The server is shutting down; retry the request.", type="server_error", code="server_shutting_down",
-                             retry_after_s=5)
+            error = APIError(503, "The server is shutting down; retry the request.", type="server_error", code=SHUTTING_DOWN,
+                             retry_after_s=SHUTDOWN_RETRY_AFTER_S)
             await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"5"), (b"connection", b"close")]})
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode()), (b"connection", b"close")]})
             await send({"type": "http.response.body", "body": msgspec.json.encode(error.body())})
 
     return wrapped

@@ -24,6 +24,8 @@ import numpy as np
 
 from engines.base import (
     AdapterInfo,
+    SHUTDOWN_RETRY_AFTER_S,
+    SHUTTING_DOWN,
     ContextLengthExceeded,
     EngineClosed,
     EngineError,
@@ -820,7 +822,7 @@ class LlamaCppEngine:
         queued = None if job.first_step_at is None else job.first_step_at - job.submitted_at
         usage = Usage(len(job.request.prompt_tokens), job.generated, job.reused)
         job.emit(FinishEvent(reason, usage, tail, ttft, end - job.submitted_at, error, error_status=status,
-                             error_code=_SHUTDOWN_CODE if status else None, retry_after_s=5 if status else None,
+                             error_code=SHUTTING_DOWN if status else None, retry_after_s=SHUTDOWN_RETRY_AFTER_S if status else None,
                              queue_time_s=queued, inter_token_s=tuple(job.token_gaps)))
 
     def _fail_all(self, message: str, status: int | None = None) -> None:
@@ -869,7 +871,6 @@ class _EmbedJob:
 
 
 _WAKE = object()
-_SHUTDOWN_CODE = "server_shutting_down"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import (
+    SHUTDOWN_RETRY_AFTER_S,
+    SHUTTING_DOWN,
     AdapterInfo,
     EngineClosed,
     EngineError,
@@ -609,4 +611,4 @@ class MlxEngine:
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
         job.stream.push(FinishEvent(reason, Usage(len(job.request.prompt_tokens), job.generated, job.reused), tail, ttft,
                                     time.perf_counter() - job.submitted_at, error, error_status=status,
-                                    error_code="server_shutting_down" if status else None, retry_after_s=5 if status else None))
+                                    error_code=SHUTTING_DOWN if status else None, retry_after_s=SHUTDOWN_RETRY_AFTER_S if status else None))

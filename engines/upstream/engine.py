@@ -22,6 +22,8 @@ from typing import NoReturn
 import httpx
 
 from engines.base import (
+    SHUTDOWN_RETRY_AFTER_S,
+    SHUTTING_DOWN,
     AdapterInfo,
     EngineClosed,
     EngineError,
@@ -232,7 +234,8 @@ class UpstreamEngine:
             if self._aborting is not None:
                 usage = counted.usage(request) if counted.streamed or counted.reported else Usage(0, 0)
                 stream.push(FinishEvent("error", usage, time_to_first_token_s=counted.first_token_s, total_time_s=time.monotonic() - started,
-                                        error=self._aborting, error_status=503, error_code="server_shutting_down", retry_after_s=5))
+                                        error=self._aborting, error_status=503, error_code=SHUTTING_DOWN,
+                                        retry_after_s=SHUTDOWN_RETRY_AFTER_S))
             raise
 
     async def _attempts(self, request: GenerationRequest, stream: EventStream, counted: _Counted, started: float) -> None:
