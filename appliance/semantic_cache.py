@@ -28,6 +28,7 @@ from appliance.store.worker import StoreWorker
 from appliance.tracing import Tracing, annotate
 from engines.base import FinishEvent, GenerationRequest, SamplingParams
 from policy.cache import AskJudge, Cacheable, CachePolicy, Hit, Miss, judge_candidates, normalise, servable
+from policy.cache_guards import NO_LEXICON, Lexicon, lexicon_from_vocab, spelled
 from policy.cache_store import CacheStore, Entry
 
 log = logging.getLogger("appliance.cache")
@@ -55,6 +56,14 @@ def policy_of(cache: CacheSettings, threshold: float | None = None) -> CachePoli
         serve_unverified=cache.serve_unverified, max_temperature=cache.max_temperature,
         max_entries_per_tenant=cache.max_entries_per_tenant,
     )
+
+
+def bundled_lexicon() -> Lexicon:
+    """The MiniLM WordPiece vocabulary's whole words: what the guards take as spelled right."""
+    from importlib import resources
+
+    vocab = resources.files("appliance").joinpath("data/all-minilm-l6-v2/vocab.txt")
+    return lexicon_from_vocab(vocab.read_text(encoding="utf-8").splitlines())
 
 
 def bundled_minilm() -> Embedder:
@@ -85,6 +94,7 @@ class SemanticCache:
         self.metrics = metrics
         self.worker = StoreWorker(db_path, name="cache-store", synchronous=synchronous)
         self.embedder: Embedder | None = None
+        self.lexicon = NO_LEXICON
         self._sweeper: asyncio.Task[None] | None = None
         self._store_ready = False
 
@@ -93,6 +103,7 @@ class SemanticCache:
     async def start(self) -> None:
         if not self.settings.enabled:
             return
+        self.lexicon = await asyncio.to_thread(bundled_lexicon)
         if self.settings.embedder == "minilm":
             self.embedder = await asyncio.to_thread(bundled_minilm)
         else:
@@ -130,9 +141,10 @@ class SemanticCache:
         exact = await self.worker.run(lambda db: self._store(db).exact(key, qhash))
         if exact is not None and servable(exact.state, exact.created_at, now, policy):
             return Lookup(exact, 1.0, False, "exact", None)
-        vector = (await self.embedder.embed([item.question]))[0]
+        # A slip of the keys ("recieve") is spelled right before embedding, here and so in stored vectors.
+        vector = (await self.embedder.embed([spelled(item.question, self.lexicon)]))[0]
         candidates = await self.worker.run(lambda db: self._store(db).nearest(key, vector))
-        decision = judge_candidates(item.question, candidates, now, policy)
+        decision = judge_candidates(item.question, candidates, now, policy, self.lexicon)
         judged, judge_tokens = False, (0, 0)
         if isinstance(decision, AskJudge):
             probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question, span)

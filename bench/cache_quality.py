@@ -1,11 +1,15 @@
 """How well the semantic cache tells paraphrases (must hit) from near-misses (must not), stage by
 stage, on the hand-labelled pairs in tests/data/cache_pairs.jsonl: thresholds tuned on the
-`tune` half, figures reported on the `report` half.
+`tune` half only, figures printed for both halves (the `report` half is the one to quote).
 
     .venv/bin/python bench/cache_quality.py [--judge] [--json PATH]
 
-Stages: cosine alone; cosine + the near-miss guards; + the equivalence judge (the bundled
-SmolLM2-135M asked for one constrained yes/no token) on the borderline band below the threshold.
+Stages: cosine alone; cosine + the near-miss guards at one threshold; the guards with a stricter
+threshold for pairs that differ in a content word (the cache's rule); + the equivalence judge
+(the bundled SmolLM2-135M asked for one constrained yes/no token) on the borderline band below
+the thresholds. Besides the labelled pairs: hard negatives (each paraphrase's cached question
+against its nearest other question) and typo pairs (each labelled question against itself with
+one slip of the keys), both made at run time.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from policy.cache import near_miss  # noqa: E402
+from policy.cache import CachePolicy, threshold_for  # noqa: E402
+from policy.cache_guards import NO_LEXICON, Comparison, compare, spelled  # noqa: E402
 
 PAIRS = ROOT / "tests" / "data" / "cache_pairs.jsonl"
 MAX_FALSE_HITS = 0.02
@@ -37,8 +42,12 @@ class Pair:
     kind: str
     split: str
     cosine: float = 0.0
-    guard: str | None = None
+    comparison: Comparison = Comparison(None)
     judge: float | None = None
+
+    @property
+    def guard(self) -> str | None:
+        return self.comparison.guard
 
 
 def load_pairs() -> list[Pair]:
@@ -46,24 +55,45 @@ def load_pairs() -> list[Pair]:
     return [Pair(r["a"], r["b"], r["label"] == "hit", r["kind"], r["split"]) for r in rows]
 
 
-def embed_pairs(pairs: list[Pair]) -> float:
-    """Cosine of every pair with the cache's embedder, plus hard negatives: each paraphrase pair's
-    cached question against the most similar question of another pair (a different question on
-    a near topic, which a bucket full of entries will offer). Returns ms per one-question embed."""
-    from appliance.semantic_cache import bundled_minilm
+def typo(text: str) -> str | None:
+    """The text with one slip: the two middle letters of its longest word of 6+ letters swapped."""
+    words = [w for w in text.split() if w.isalpha() and len(w) >= 6]
+    if not words:
+        return None
+    word = max(words, key=len)
+    m = len(word) // 2
+    slipped = word[: m - 1] + word[m] + word[m - 1] + word[m + 1:]
+    return None if slipped == word else text.replace(word, slipped, 1)
 
+
+def embed_pairs(pairs: list[Pair]) -> float:
+    """Cosine of every pair with the cache's embedder (each question spelled as the cache spells it),
+    plus hard negatives: each paraphrase pair's cached question against the most similar question
+    of another pair (a different question on a near topic, which a bucket full of entries will
+    offer), and typo pairs. Returns ms per one-question embed."""
+    from appliance.semantic_cache import bundled_lexicon, bundled_minilm
+
+    lexicon = bundled_lexicon()
     embedder = bundled_minilm()
     try:
-        texts = sorted({p.a for p in pairs} | {p.b for p in pairs})
+        for p in [p for p in pairs if p.hit]:
+            for question in (p.a, p.b):
+                if (slipped := typo(question)) is not None:
+                    pairs.append(Pair(question, slipped, True, "typo", p.split))
+        texts = sorted({spelled(t, lexicon) for p in pairs for t in (p.a, p.b)})
         vectors = dict(zip(texts, embedder.embed_now(texts)))
-        paraphrases = [p for p in pairs if p.hit]
+
+        def vector(text: str) -> np.ndarray:
+            return vectors[spelled(text, lexicon)]
+
+        paraphrases = [p for p in pairs if p.hit and p.kind == "paraphrase"]
         for p in paraphrases:
             others = [q.b for q in paraphrases if q is not p]
-            nearest = max(others, key=lambda b: float(vectors[p.a] @ vectors[b]))
+            nearest = max(others, key=lambda b: float(vector(p.a) @ vector(b)))
             pairs.append(Pair(p.a, nearest, False, "other question", p.split))
         for p in pairs:
-            p.cosine = float(vectors[p.a] @ vectors[p.b])
-            p.guard = (g.reason if (g := near_miss(p.a, p.b)) else None)
+            p.cosine = float(vector(p.a) @ vector(p.b))
+            p.comparison = compare(p.a, p.b, lexicon)
         started = time.perf_counter()
         for t in texts[:100]:
             embedder.embed_now([t])
@@ -72,16 +102,20 @@ def embed_pairs(pairs: list[Pair]) -> float:
         embedder.close()
 
 
-def accepted(p: Pair, threshold: float, guards: bool, band: float | None = None, judge_min: float = 1.1) -> bool:
+def accepted(p: Pair, threshold: float, guards: bool, band: float | None = None, judge_min: float = 1.1, relief: float = 0.0) -> bool:
+    """The cache's decision for one pair: `relief` lowers the threshold for pairs whose content
+    words all match."""
     if guards and p.guard is not None:
         return False
-    if p.cosine >= threshold:
+    needed = threshold_for(p.comparison, CachePolicy(similarity_threshold=threshold, same_words_relief=relief)) if guards else threshold
+    if p.cosine >= needed:
         return True
     return band is not None and p.cosine >= band and p.judge is not None and p.judge >= judge_min
 
 
 def rates(pairs: list[Pair], **rule: object) -> tuple[float, float]:
-    hits = [p for p in pairs if p.hit]
+    """(share of paraphrases served, share of near-misses served); typo pairs are counted apart."""
+    hits = [p for p in pairs if p.kind == "paraphrase"]
     misses = [p for p in pairs if not p.hit]
     recall = sum(accepted(p, **rule) for p in hits) / len(hits)  # type: ignore[arg-type]
     false_hits = sum(accepted(p, **rule) for p in misses) / len(misses)  # type: ignore[arg-type]
@@ -89,19 +123,24 @@ def rates(pairs: list[Pair], **rule: object) -> tuple[float, float]:
 
 
 MARGIN = 0.04
+BAND_FLOOR = 0.50  # the judge is asked from here up to a pair's threshold
+FLOOR = 0.60  # no threshold below: a bucket's nearest entries down there are mostly other topics
 
 
-def tune_threshold(pairs: list[Pair], guards: bool) -> float:
+def tune_threshold(pairs: list[Pair], guards: bool, differing: bool | None = None) -> float:
     """The lowest threshold with no false hit on these pairs, raised by MARGIN: with about 200
-    negatives a half, a rate tuned to exactly 2% on one half lands above it on the other."""
-    for threshold in np.arange(0.50, 1.0001, 0.005):
+    negatives a half, a rate tuned to exactly 2% on one half lands above it on the other.
+    `differing`: tune on the pairs that differ in a content word (True) or on the others (False)."""
+    if differing is not None:
+        pairs = [p for p in pairs if bool(p.comparison.differs) == differing]
+    for threshold in np.arange(FLOOR, 1.0001, 0.005):
         if rates(pairs, threshold=float(threshold), guards=guards)[1] == 0:
             return min(1.0, round(float(threshold) + MARGIN, 3))
     return 1.0
 
 
-async def judge_band(pairs: list[Pair], band: float, threshold: float, judge_file: Path | None = None) -> float:
-    """Ask the judge about every guard-passing pair in [band, threshold); returns ms per call."""
+async def judge_band(asked: list[Pair], judge_file: Path | None = None) -> tuple[float, float]:
+    """Ask the judge about each pair; returns (ms a call, prompt tokens a call)."""
     from appliance.registry import Registry
     from appliance.semantic_cache import ask_judge
     from appliance.settings import parse_settings
@@ -112,14 +151,32 @@ async def judge_band(pairs: list[Pair], band: float, threshold: float, judge_fil
     registry = await asyncio.to_thread(Registry.load, settings)
     model = registry.get("judge")
     assert model is not None
-    asked = [p for p in pairs if p.guard is None and band <= p.cosine < threshold]
+    tokens = 0
     started = time.perf_counter()
     try:
         for p in asked:
-            p.judge, _ = await ask_judge(model, p.a, p.b)
+            p.judge, (prompt, _) = await ask_judge(model, p.a, p.b)
+            tokens += prompt
     finally:
         registry.close()
-    return (time.perf_counter() - started) / max(1, len(asked)) * 1000
+    return (time.perf_counter() - started) / max(1, len(asked)) * 1000, tokens / max(1, len(asked))
+
+
+def by_kind(pairs: list[Pair], **rule: object) -> dict[str, float]:
+    """Share of each kind's pairs served."""
+    kinds = sorted({p.kind for p in pairs})
+    return {k: sum(accepted(p, **rule) for p in pairs if p.kind == k) / sum(p.kind == k for p in pairs) for k in kinds}  # type: ignore[arg-type]
+
+
+def line(name: str, tune: list[Pair], report: list[Pair], results: dict[str, object], label: str, **rule: object) -> None:
+    t_recall, t_false = rates(tune, **rule)
+    r_recall, r_false = rates(report, **rule)
+    served = by_kind(report, **rule)
+    results[name] = {"rule": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rule.items()},
+                     "tune": {"recall": round(t_recall, 4), "false_hits": round(t_false, 4)},
+                     "report": {"recall": round(r_recall, 4), "false_hits": round(r_false, 4), "served_by_kind": {k: round(v, 3) for k, v in served.items()}}}
+    print(f"{name:<36} {label:>12} {t_recall:>7.1%} {t_false:>6.1%} {r_recall:>8.1%} {r_false:>6.1%}   "
+          + " ".join(f"{k.split()[0]} {v:.0%}" for k, v in served.items()))
 
 
 def main() -> int:
@@ -133,49 +190,68 @@ def main() -> int:
     tune = [p for p in pairs if p.split == "tune"]
     report = [p for p in pairs if p.split == "report"]
     results: dict[str, object] = {"pairs": len(pairs), "embed_ms_per_question": round(embed_ms, 2)}
-    print(f"{len(pairs)} pairs ({len(tune)} tune, {len(report)} report); embedding one question: {embed_ms:.1f} ms")
-    print(f"{'stage':<34} {'threshold':>9} {'recall':>8} {'false hits':>10}   (report half; threshold: none false on tune + {MARGIN})")
-    for name, guards in (("cosine alone", False), ("cosine + near-miss guards", True)):
-        threshold = tune_threshold(tune, guards)
-        recall, false_hits = rates(report, threshold=threshold, guards=guards)
-        results[name] = {"threshold": threshold, "recall": round(recall, 4), "false_hits": round(false_hits, 4)}
-        print(f"{name:<34} {threshold:>9.3f} {recall:>8.1%} {false_hits:>10.1%}")
-    guarded_threshold = float(results["cosine + near-miss guards"]["threshold"])  # type: ignore[index]
+    print(f"{len(pairs)} pairs ({len(tune)} tune, {len(report)} report), typo pairs and hard negatives included; "
+          f"embedding one question: {embed_ms:.1f} ms")
+    print(f"thresholds: the lowest with no false hit on the tune half + {MARGIN} (never below {FLOOR}), for pairs that differ in a "
+          "content word / pairs whose content words all match; recall: paraphrases served; served by kind on the report half")
+    print(f"{'stage':<36} {'threshold':>12} {'tune: recall':>7} {'false':>6} {'report: recall':>8} {'false':>6}")
+    one = tune_threshold(tune, False)
+    line("cosine alone", tune, report, results, f"{one:.3f}", threshold=one, guards=False)
+    one = tune_threshold(tune, True)
+    line("guards, one threshold", tune, report, results, f"{one:.3f}", threshold=one, guards=True)
+    differing = tune_threshold(tune, True, differing=True)
+    same = min(differing, tune_threshold(tune, True, differing=False))
+    line("guards, looser when words match", tune, report, results, f"{differing:.2f}/{same:.2f}", threshold=differing, guards=True,
+         relief=round(differing - same, 3))
+    policy = CachePolicy()
+    default = {"threshold": policy.similarity_threshold, "guards": True, "relief": policy.same_words_relief}
+    line("the cache's defaults", tune, report, results,
+         f"{policy.similarity_threshold:.2f}/{policy.similarity_threshold - policy.same_words_relief:.2f}", **default)
     kinds = sorted({p.kind for p in pairs if not p.hit})
     caught = {k: sum(p.guard is not None for p in report if p.kind == k) / sum(p.kind == k for p in report) for k in kinds}
-    blocked = sum(p.guard is not None for p in report if p.hit) / sum(p.hit for p in report)
+    blocked = sum(p.guard is not None for p in report if p.kind == "paraphrase") / sum(p.kind == "paraphrase" for p in report)
     results["guards"] = {"misses_caught_by_kind": {k: round(v, 3) for k, v in caught.items()}, "paraphrases_blocked": round(blocked, 3)}
-    print("guards on the report half: misses caught " + ", ".join(f"{k} {v:.0%}" for k, v in caught.items())
+    print("guards alone on the report half: misses caught " + ", ".join(f"{k} {v:.0%}" for k, v in caught.items())
           + f"; paraphrases wrongly blocked {blocked:.0%}")
-    for kind in kinds + ["paraphrase"]:
+    for kind in kinds + ["paraphrase", "typo"]:
         values = [p.cosine for p in pairs if p.kind == kind]
-        print(f"  cosine {kind:<11} mean {np.mean(values):.3f}  min {np.min(values):.3f}  max {np.max(values):.3f}")
+        print(f"  cosine {kind:<14} mean {np.mean(values):.3f}  min {np.min(values):.3f}  max {np.max(values):.3f}")
     if args.judge or args.judge_model:
-        band_floor = 0.50
-        judge_ms = asyncio.run(judge_band(pairs, band_floor, 1.01, args.judge_model))
-        asked = [p for p in pairs if p.judge is not None]
-        yes_hit = [p.judge for p in asked if p.hit]
-        yes_miss = [p.judge for p in asked if not p.hit]
-        auc = float(np.mean([h > m for h in yes_hit for m in yes_miss] or [0.5]))
-        print(f"  judge on {len(asked)} guard-passing pairs: p(yes) mean {np.mean(yes_hit):.2f} on paraphrases, "
-              f"{np.mean(yes_miss):.2f} on misses; AUC {auc:.2f}; {judge_ms:.0f} ms a call")
-        best = (rates(tune, threshold=guarded_threshold, guards=True)[0], guarded_threshold, guarded_threshold, 1.1)
-        for threshold in np.arange(guarded_threshold, 1.0, 0.01):
-            for band in np.arange(band_floor, threshold, 0.02):
-                for judge_min in np.arange(0.3, 1.0, 0.05):
-                    recall, false_hits = rates(tune, threshold=float(threshold), guards=True, band=float(band), judge_min=float(judge_min))
-                    if false_hits == 0 and recall > best[0]:
-                        best = (recall, float(threshold), float(band), float(judge_min))
-        _, threshold, band, judge_min = best
-        recall, false_hits = rates(report, threshold=threshold, guards=True, band=band, judge_min=judge_min)
-        results["cosine + guards + judge"] = {"threshold": round(threshold, 3), "band": round(band, 3), "judge_min": round(judge_min, 3),
-                                              "recall": round(recall, 4), "false_hits": round(false_hits, 4), "judge_ms": round(judge_ms, 1),
-                                              "judge_auc": round(auc, 3)}
-        print(f"{'cosine + guards + judge':<34} {threshold:>9.3f} {recall:>8.1%} {false_hits:>10.1%}"
-              f"   judge on [{band:.2f}, {threshold:.2f}) with p(yes) >= {judge_min:.2f}")
+        judge_stage(pairs, tune, report, default, results, args.judge_model)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def judge_stage(pairs: list[Pair], tune: list[Pair], report: list[Pair], default: dict[str, object], results: dict[str, object],
+                judge_model: Path | None) -> None:
+    """The judge on every guard-passing pair between BAND_FLOOR and its threshold; the band and
+    P(yes) cut-off that add the most recall with no false hit on the tune half, applied to the
+    report half."""
+    policy = CachePolicy(similarity_threshold=float(default["threshold"]), same_words_relief=float(default["relief"]))  # type: ignore[arg-type]
+    asked = [p for p in pairs if p.guard is None and BAND_FLOOR <= p.cosine < threshold_for(p.comparison, policy)]
+    judge_ms, prompt_tokens = asyncio.run(judge_band(asked, judge_model))
+    yes_hit = [p.judge for p in asked if p.hit and p.judge is not None]
+    yes_miss = [p.judge for p in asked if not p.hit and p.judge is not None]
+    auc = float(np.mean([h > m for h in yes_hit for m in yes_miss] or [0.5]))
+    print(f"  judge on {len(asked)} guard-passing pairs in [{BAND_FLOOR}, threshold): p(yes) mean {np.mean(yes_hit or [0]):.2f} on "
+          f"paraphrases, {np.mean(yes_miss or [0]):.2f} on misses; AUC {auc:.2f}; {judge_ms:.0f} ms and {prompt_tokens:.0f} prompt "
+          "tokens + 1 a call")
+    base = rates(tune, **default)  # type: ignore[arg-type]
+    best = (base[0], None, 1.1)
+    for band in np.arange(BAND_FLOOR, float(default["threshold"]), 0.02):  # type: ignore[arg-type]
+        for judge_min in np.arange(0.3, 1.0, 0.05):
+            recall, false_hits = rates(tune, band=float(band), judge_min=float(judge_min), **default)  # type: ignore[arg-type]
+            if false_hits <= base[1] and recall > best[0]:
+                best = (recall, float(band), float(judge_min))
+    _, band, judge_min = best
+    label = "no band helps" if band is None else f"[{band:.2f}, t) p>={judge_min:.2f}"
+    line("+ judge (band tuned on tune)", tune, report, results, label, band=band, judge_min=judge_min, **default)
+    for half, name in ((tune, "tune"), (report, "report")):
+        calls = sum(p.judge is not None for p in half if band is not None and p.cosine >= band)
+        print(f"    {name}: {calls} judge calls for {len(half)} lookups")
+    results["judge"] = {"asked": len(asked), "auc": round(auc, 3), "ms_per_call": round(judge_ms, 1), "prompt_tokens_per_call": round(prompt_tokens, 1)}
+
 
 
 if __name__ == "__main__":

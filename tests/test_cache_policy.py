@@ -10,7 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policy.cache import AskJudge, Cacheable, CachePolicy, Candidate, Hit, Miss, NotCacheable, classify, judge_candidates, near_miss, normalise
+from policy.cache import AskJudge, Cacheable, CachePolicy, Candidate, Hit, Miss, NotCacheable, classify, judge_candidates, normalise, threshold_for
+from policy.cache_guards import NO_LEXICON, Comparison, Lexicon, compare, lexicon_from_vocab, spelled
+
+VOCAB = Path(__file__).resolve().parent.parent / "appliance" / "data" / "all-minilm-l6-v2" / "vocab.txt"
+LEXICON = lexicon_from_vocab(VOCAB.read_text(encoding="utf-8").splitlines())
 
 POLICY = CachePolicy(similarity_threshold=0.8, judge_band=0.6)
 
@@ -59,32 +63,98 @@ def test_normalising_ignores_case_space_and_final_punctuation() -> None:
     assert normalise("  What is   DNS?? ") == normalise("what is dns") == "what is dns"
 
 
+# Pairs written for these tests, in other wordings than tests/data/cache_pairs.jsonl.
 @pytest.mark.parametrize(("a", "b", "reason"), [
+    # negations and opposites, in the lists or by a negating prefix
     ("Which foods are safe for dogs?", "Which foods are not safe for dogs?", "negation"),
+    ("Can I drink alcohol while taking antibiotics?", "Can't I drink alcohol while taking antibiotics?", "negation"),
     ("Which metals are magnetic?", "Which metals are non-magnetic?", "negation"),
+    ("Is it legal to own a pet fox?", "Is it illegal to own a pet fox?", "negation"),
+    ("Is coffee good for your heart?", "Is coffee bad for your heart?", "opposite"),
+    ("Which foods raise cholesterol?", "Which foods lower cholesterol?", "opposite"),
+    ("How do I tighten a loose screw?", "How do I loosen a tight screw?", "opposite"),
+    ("How do I turn on dark mode in Slack?", "How do I turn off dark mode in Slack?", "opposite"),
+    ("What foods help you fall asleep?", "What foods keep you awake?", "opposite"),
+    ("How do I upload a file?", "How do I download a file?", "opposite"),
+    # numbers, dates, quantifiers, names
     ("Convert 5 miles to km", "Convert 50 miles to km", "number"),
-    ("Who won the World Cup in 2014?", "Who won the World Cup in 2018?", "number"),
+    ("Is it cold at ten degrees?", "Is it cold at five degrees?", "number"),
     ("What's open on Monday?", "What's open on Sunday?", "date"),
+    ("What should I pack for Oslo in winter?", "What should I pack for Oslo in autumn?", "date"),
+    ("Do all birds fly?", "Do some birds fly?", "opposite"),
+    ("Which countries run only on solar power?", "Which countries run on solar power?", "scope"),
+    ("What are the cheapest flights to Rome?", "What are flights to Rome?", "scope"),
     ("What is the capital of Austria?", "What is the capital of Australia?", "entity"),
     ("How do I sort a list in Python?", "how do I sort a list in rust", "entity"),
-    ("How do I upload a file?", "How do I download a file?", "scope"),
+    ("Who founded Amazon?", "Who founded Tesla?", "entity"),
+    # another group or place in the same slot, lower case or not a name
+    ("What vaccines do puppies need?", "What vaccines do kittens need?", "swap"),
+    ("How many hours should toddlers sleep?", "How many hours should teenagers sleep?", "swap"),
+    ("how long is maternity leave in germany", "how long is maternity leave in france", "swap"),
+    ("How do I cook quinoa?", "How do I cook couscous?", "swap"),
+    ("Can pregnant women drink coffee?", "Can breastfeeding women drink coffee?", "swap"),
+    # a narrower question: a phrase the other side lacks
+    ("What are common symptoms of diabetes?", "What are common symptoms of diabetes in cats?", "scope"),
+    ("How do I file taxes?", "How do I file taxes as a freelancer?", "scope"),
+    ("How do I get a mortgage?", "How do I get a mortgage if I'm self-employed?", "scope"),
+    # the same words turned round, another kind of answer
     ("How do I convert dollars to euros?", "How do I convert euros to dollars?", "scope"),
-    ("Do all birds fly?", "Do some birds fly?", "scope"),
+    ("Is whole milk healthier than skim milk?", "Is skim milk healthier than whole milk?", "scope"),
+    ("When was the Eiffel Tower built?", "Where was the Eiffel Tower built?", "question"),
 ])
 def test_near_misses_are_caught(a: str, b: str, reason: str) -> None:
-    guard = near_miss(a, b)
-    assert guard is not None and guard.reason == reason
-    assert near_miss(b, a) is not None
+    assert compare(a, b, LEXICON).guard == reason
+    assert compare(b, a, LEXICON).guard is not None
 
 
-@pytest.mark.parametrize(("a", "b"), [
-    ("What is the capital of France?", "Tell me France's capital"),
-    ("How can I reset my password?", "What is the way to reset my password"),
-    ("How do I list all running processes on Linux?", "Linux command to show every running process?"),
-    ("How do I convert a string to an integer in Java?", "In Java, what's the way to parse a String into an int?"),
+@pytest.mark.parametrize(("a", "b", "differs"), [
+    ("What is the capital of France?", "Tell me France's capital", ()),
+    ("How can I reset my password?", "What is the way to reset my password", ()),
+    ("Who painted the Mona Lisa?", "The Mona Lisa was painted by whom?", ()),
+    ("How do I convert a string to an integer in Java?", "In Java, what's the way to parse a String into an int?",
+     ("convert", "parse")),
+    ("How can I lower my blood pressure?", "How can I reduce my blood pressure?", ("lower", "reduce")),
+    ("How do I make my Wi-Fi faster?", "How do I make my wifi faster?", ()),
+    ("How do I set an env var?", "How do I set an environment variable?", ()),
+    ("What is the difference between a virus and a bacterium?", "How do viruses differ from bacteria?", ()),
+    ("Why do leaves change colour in autumn?", "Why do leaves change color in autumn?", ()),
+    ("How many litres of water should I drink each day?", "How many litres of water should I drink daily?", ()),
+    ("What is compound interest?", "Can you explain how compound interest works?", ("works",)),
 ])
-def test_paraphrases_pass_the_guards(a: str, b: str) -> None:
-    assert near_miss(a, b) is None
+def test_rewordings_pass_the_guards(a: str, b: str, differs: tuple[str, ...]) -> None:
+    assert compare(a, b, LEXICON) == Comparison(None, differs)
+
+
+@pytest.mark.parametrize(("typo", "right"), [
+    ("How do I recieve payments?", "How do I receive payments?"),  # two letters swapped
+    ("What is the diffrence between a lake and a pond?", "What is the difference between a lake and a pond?"),  # a vowel dropped
+    ("How do I seperate eggs?", "How do I separate eggs?"),  # a vowel for a vowel
+    ("How do I change my adress?", "How do I change my address?"),  # a doubled letter dropped
+    ("How do I boil an egg untill it is hard?", "How do I boil an egg until it is hard?"),  # a letter doubled
+])
+def test_typos_are_spelled_right_and_pass_the_guards(typo: str, right: str) -> None:
+    assert spelled(typo, LEXICON) == right
+    assert compare(typo, right, LEXICON) == Comparison(None)
+
+
+def test_spelling_leaves_known_words_names_and_unlikely_slips_alone() -> None:
+    lexicon = Lexicon({"vegas": 900, "receive": 100, "ethanol": 800})
+    assert spelled("Vegans recieve ethanol", lexicon) == "Vegans receive ethanol"  # capitalised: a name, not a slip
+    assert spelled("vegans methanol", lexicon) == "vegans methanol"  # n dropped is no common slip; the first letter is never one
+    assert spelled("recieve", NO_LEXICON) == "recieve"
+    # both spelled right: two words, not a slip
+    assert compare("What is the capital of Austria?", "What is the capital of Australia?", lexicon).guard == "entity"
+    assert compare("How toxic is ethanol?", "How toxic is methanol?", lexicon).guard == "swap"
+
+
+def test_a_pair_that_differs_in_a_word_needs_the_full_threshold() -> None:
+    policy = CachePolicy(similarity_threshold=0.8, same_words_relief=0.05, judge_band=0.8)
+    assert threshold_for(Comparison(None, ("works",)), policy) == 0.8
+    assert threshold_for(Comparison(None), policy) == pytest.approx(0.75)
+    asked = "Can you explain how compound interest works?"
+    stored = "What is compound interest?"
+    assert judge_candidates(asked, [_candidate(0.78, question=stored)], 1000.0, policy) == Miss("similarity")
+    assert judge_candidates("What's compound interest", [_candidate(0.78, question=stored)], 1000.0, policy) == Hit(1, 0.78, judged=False)
 
 
 def _candidate(similarity: float, state: str = "verified", question: str = "How do I reset my password?", age: float = 0.0) -> Candidate:
@@ -95,6 +165,7 @@ def test_judging_candidates() -> None:
     asked = "What is the way to reset my password?"
     assert judge_candidates(asked, [_candidate(0.9)], 1000.0, POLICY) == Hit(1, 0.9, judged=False)
     assert judge_candidates(asked, [_candidate(0.7)], 1000.0, POLICY) == AskJudge(_candidate(0.7))
+    assert judge_candidates("How do I reset my password on Android?", [_candidate(0.9)], 1000.0, POLICY) == Miss("guard:entity")
     assert judge_candidates(asked, [_candidate(0.5)], 1000.0, POLICY) == Miss("similarity")
     assert judge_candidates(asked, [_candidate(0.99, "rejected")], 1000.0, POLICY) == Miss("rejected")
     assert judge_candidates(asked, [_candidate(0.99, "stale")], 1000.0, POLICY) == Miss("stale")
@@ -109,7 +180,7 @@ def test_judging_candidates() -> None:
 
 def test_the_labelled_set_at_the_default_threshold() -> None:
     """False hits and paraphrase recall on the report half, with the real embedder and guards
-    (measured: recall 77.1%, false hits 1.5%; asserted with margins)."""
+    (measured: recall 67.6%, false hits 1.5%, typo pairs served 95%; asserted with margins)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import cache_quality
 
@@ -119,8 +190,11 @@ def test_the_labelled_set_at_the_default_threshold() -> None:
     assert len(pairs) >= 400 and sum(p.hit for p in pairs) >= 200
     cache_quality.embed_pairs(pairs)
     report = [p for p in pairs if p.split == "report"]
-    recall, false_hits = cache_quality.rates(report, threshold=CacheSettings().similarity_threshold, guards=True)
-    assert false_hits <= 0.025, false_hits
-    assert recall >= 0.65, recall
+    policy = CachePolicy()
+    rule = {"threshold": CacheSettings().similarity_threshold, "guards": True, "relief": policy.same_words_relief}
+    recall, false_hits = cache_quality.rates(report, **rule)
+    assert false_hits <= 0.02, false_hits
+    assert recall >= 0.62, recall
+    assert cache_quality.by_kind(report, **rule)["typo"] >= 0.9
     # without the guards the same threshold serves near-misses
     assert cache_quality.rates(report, threshold=CacheSettings().similarity_threshold, guards=False)[1] > 0.3

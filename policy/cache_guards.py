@@ -1,0 +1,498 @@
+"""Near-miss guards, pure: whether two questions that embed close together may share an answer.
+
+The two questions are compared word by word after normalising what does not change a question
+(case, punctuation, contractions, inflections, common typos, stop words). A content word one side
+has and the other lacks is what matters: if it is a negator, a number, a date, a quantifier, a
+name or an opposite of the other side's word, or the two questions differ by nothing but swapped
+words, the answer is not shared whatever the cosine says. Any other unmatched word leaves the pair
+to a stricter cosine threshold (`Comparison.differs`).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from difflib import SequenceMatcher
+from types import MappingProxyType
+
+# -- word classes: closed classes of English, not words fitted to any labelled pair -------------
+
+_NUMBER_WORDS = {
+    "zero": "0", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7", "eight": "8", "nine": "9",
+    "ten": "10", "eleven": "11", "twelve": "12", "thirteen": "13", "fourteen": "14", "fifteen": "15", "sixteen": "16",
+    "seventeen": "17", "eighteen": "18", "nineteen": "19", "twenty": "20", "thirty": "30", "forty": "40", "fifty": "50",
+    "sixty": "60", "seventy": "70", "eighty": "80", "ninety": "90", "hundred": "100", "thousand": "1000",
+    "million": "1000000", "billion": "1000000000", "trillion": "1000000000000", "dozen": "12", "half": "1/2",
+    "quarter": "1/4", "double": "x2", "twice": "x2", "triple": "x3", "thrice": "x3",
+    "second": "2nd", "third": "3rd", "fourth": "4th", "fifth": "5th", "sixth": "6th", "seventh": "7th", "eighth": "8th",
+    "ninth": "9th", "tenth": "10th",
+}  # not "one", "first", "last": as often "a", a pronoun or an adverb as a number
+_DATE_WORDS = {
+    "january", "february", "march", "april", "june", "july", "august", "september", "october", "november", "december",
+    "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec",
+    "monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday", "weekend", "weekday",
+    "today", "tomorrow", "yesterday", "tonight", "morning", "afternoon", "evening", "night", "noon", "midnight",
+    "summer", "autumn", "winter",
+    "century", "decade", "ago", "previous", "upcoming",
+}  # not "may", "fall", "spring", "second": common words first
+_NEGATORS = {
+    "not", "no", "never", "without", "none", "nobody", "nothing", "neither", "nor", "nowhere", "cannot", "non",
+    "lack", "lacking", "except", "excluding", "unable", "fail", "fails", "failed", "instead", "avoid", "prevent",
+    "dont", "doesnt", "didnt", "isnt", "arent", "wasnt", "werent", "wont", "wouldnt", "shouldnt", "couldnt", "cant",
+    "hasnt", "havent", "hadnt", "mustnt",
+}
+_NEGATING_PREFIXES = ("non", "un", "in", "im", "ir", "il", "dis", "anti", "de", "mis")
+# Who or how much a question is about: one side having one the other lacks asks about another scope.
+_QUANTIFIERS = {
+    "all", "every", "each", "some", "most", "least", "only", "both", "either", "few", "fewer", "more", "less",
+    "several", "always", "entire", "whole", "partial", "partly", "best", "worst", "better", "worse", "max", "min",
+    "maximum", "minimum",
+}
+_SAME_QUANTIFIER = {"every": "all", "each": "all", "entire": "whole"}
+# Opposites in everyday questions. A pair is flagged when one side has one word and the other its
+# opposite, wherever they stand (a reworded question keeps its side of each pair).
+_OPPOSITES = """
+good/bad good/evil better/worse best/worst right/wrong correct/wrong correct/incorrect true/false real/fake
+positive/negative pros/cons advantages/disadvantages benefits/risks benefits/drawbacks benefits/dangers
+strengths/weaknesses safe/dangerous safe/unsafe safe/risky healthy/unhealthy healthy/sick healthy/harmful well/ill
+legal/illegal valid/invalid possible/impossible likely/unlikely able/unable known/unknown visible/invisible
+hot/cold warm/cool warm/cold wet/dry damp/dry moist/dry light/dark bright/dark bright/dim light/heavy
+hard/soft hard/easy difficult/easy simple/complicated simple/complex rough/smooth sharp/blunt sharp/dull
+big/small large/small little/big long/short tall/short high/low wide/narrow broad/narrow thick/thin deep/shallow
+fat/thin fat/lean full/empty full/hungry dense/sparse loose/tight tighten/loosen fast/slow quick/slow rapid/slow
+early/late new/old young/old modern/ancient fresh/stale fresh/old ripe/unripe raw/cooked fresh/frozen
+rich/poor wealthy/poor expensive/cheap costly/cheap free/paid strong/weak powerful/weak loud/quiet noisy/quiet
+clean/dirty neat/messy open/closed open/close open/shut start/stop start/finish start/end begin/end beginning/end
+first/last before/after past/future above/below over/under up/down upstairs/downstairs in/out inside/outside
+internal/external interior/exterior inner/outer on/off front/back top/bottom upper/lower left/right forward/backward
+ahead/behind near/far close/far north/south east/west horizontal/vertical even/odd singular/plural
+increase/decrease increase/reduce raise/lower rise/fall rise/drop grow/shrink expand/shrink expand/contract
+gain/lose gain/loss win/lose victory/defeat profit/loss more/less more/fewer most/least max/min maximum/minimum
+many/few plus/minus add/remove add/subtract multiply/divide add/delete include/exclude include/omit combine/separate
+join/separate join/leave attach/detach connect/disconnect buy/sell buying/selling import/export send/receive
+give/take lend/borrow spend/save save/waste save/delete deposit/withdraw credit/debit asset/liability
+upload/download push/pull install/uninstall enable/disable lock/unlock encrypt/decrypt encode/decode
+compress/decompress compress/extract zip/unzip mount/unmount follow/unfollow subscribe/unsubscribe login/logout
+accept/reject accept/decline accept/refuse allow/deny allow/block allow/forbid allowed/forbidden permit/forbid
+show/hide reveal/conceal remember/forget find/lose found/lost keep/lose keep/discard obey/disobey
+lead/follow teach/learn hire/fire employ/fire punish/reward praise/blame praise/criticize help/hurt heal/hurt
+attack/defend offense/defense war/peace friend/enemy hero/villain love/hate like/hate like/dislike agree/disagree
+happy/sad glad/sorry laugh/cry joy/sorrow hope/fear calm/anxious confident/nervous polite/rude kind/cruel
+generous/selfish honest/dishonest patient/impatient brave/cowardly wise/foolish smart/stupid clever/stupid
+guilty/innocent success/failure succeed/fail pass/fail hit/miss always/never often/rarely often/seldom
+frequent/rare common/rare usual/unusual normal/unusual normal/abnormal typical/unusual same/different
+similar/different equal/unequal all/none all/some some/none everyone/nobody everything/nothing
+arrive/depart arrive/leave arrival/departure enter/exit entrance/exit come/go stay/leave float/sink
+input/output inbound/outbound incoming/outgoing ascending/descending asc/desc male/female men/women man/woman
+boys/girls boy/girl kid/adult kids/adults husband/wife father/mother son/daughter brother/sister king/queen adult/child
+adults/children parent/child senior/junior single/married day/night sunrise/sunset morning/evening morning/night
+summer/winter spring/autumn birth/death born/died live/die alive/dead asleep/awake sleep/wake sunny/cloudy
+public/private local/remote online/offline client/server frontend/backend read/write reading/writing
+problem/solution cause/effect causes/effects present/absent wild/tame wild/domestic
+permanent/temporary natural/artificial organic/synthetic sweet/sour sweet/salty sweet/bitter acidic/alkaline
+freeze/thaw melt/freeze inhale/exhale maximize/minimize overestimate/underestimate overweight/underweight
+upstream/downstream upgrade/downgrade uppercase/lowercase major/minor majority/minority rural/urban
+domestic/international domestic/foreign superior/inferior optimistic/pessimistic mature/immature
+vacant/occupied busy/free valuable/worthless build/destroy create/destroy break/fix
+"""
+_STOP = set("""
+a an the is are was were be been being am do does did doing done have has had having i me my mine myself you your
+yours yourself we us our ours they them their theirs it its itself he him his she her hers this that these those
+there here what whats which who whom whose how why when where whether if so as at by of in on to for from with about
+into onto than then too also very just really actually exactly simply basically please can could would should will
+shall may might must tell explain describe define show give let know want need like get gets got getting go goes
+make makes making made take takes took way ways method methods thing things something anything anyone someone
+somebody one ones any kind sort tips tip idea ideas and or but between im ive id youre theyre weve thats theres whos
+s d ll re ve m t
+""".split())
+_TIME_UNITS = {"second", "minute", "hour", "day", "night", "week", "month", "year"}
+_PERIODIC = {"hourly": "hour", "daily": "day", "nightly": "night", "weekly": "week", "monthly": "month", "yearly": "year",
+             "annual": "year", "annually": "year"}
+_SCAFFOLD_BEFORE = {"way", "ways", "method", "methods", "approach", "option", "options", "practice", "practices"}
+_TECH = {
+    "python", "java", "javascript", "typescript", "rust", "go", "golang", "ruby", "php", "perl", "swift", "kotlin",
+    "scala", "haskell", "elixir", "erlang", "clojure", "lua", "julia", "matlab", "r", "c", "sql", "bash", "zsh",
+    "powershell", "html", "css", "react", "vue", "angular", "svelte", "django", "flask", "fastapi", "rails", "spring",
+    "node", "deno", "linux", "windows", "macos", "mac", "ios", "android", "ubuntu", "debian", "docker", "kubernetes",
+    "postgres", "postgresql", "mysql", "sqlite", "mongodb", "redis", "git", "aws", "azure", "gcp", "excel", "numpy",
+    "pandas", "pytorch", "tensorflow", "chrome", "firefox", "safari", "iphone", "ipad",
+}
+# Words that give a direction: "dollars to euros" is not "euros to dollars" ("and", "or", "vs" do not).
+_CONNECTORS = {"to", "from", "into", "over", "than", "before", "after", "against"}
+_UNITS = {
+    "cm": "centimeter", "mm": "millimeter", "km": "kilometer", "m": "meter", "kg": "kilogram", "g": "gram",
+    "mg": "milligram", "lb": "pound", "lbs": "pound", "oz": "ounce", "ft": "foot", "feet": "foot", "in": "inch",
+    "mi": "mile", "l": "liter", "ml": "milliliter", "litre": "liter", "metre": "meter", "kph": "kilometer",
+    "mph": "mile", "hr": "hour", "hrs": "hour", "min": "minute", "mins": "minute", "sec": "second", "secs": "second",
+    "gb": "gigabyte", "mb": "megabyte", "kb": "kilobyte", "tb": "terabyte", "js": "javascript", "ts": "typescript",
+    "py": "python", "db": "database", "us": "usa", "uk": "britain", "pc": "computer", "tv": "television",
+}
+_UNITS_BESIDE_NUMBERS = {"in", "us", "min", "sec", "second", "m", "g", "l", "mi", "db", "ts", "py"}  # common words elsewhere
+_VOWELS = set("aeiouy")
+_KEYBOARD = ["qwertyuiop", "asdfghjkl", "zxcvbnm"]
+
+
+def _keyboard_neighbours() -> dict[str, set[str]]:
+    near: dict[str, set[str]] = {}
+    for r, row in enumerate(_KEYBOARD):
+        for c, ch in enumerate(row):
+            cells = [(r, c - 1), (r, c + 1), (r - 1, c), (r - 1, c + 1), (r + 1, c - 1), (r + 1, c)]
+            near[ch] = {_KEYBOARD[i][j] for i, j in cells if 0 <= i < 3 and 0 <= j < len(_KEYBOARD[i])}
+    return near
+
+
+_NEAR_KEYS = _keyboard_neighbours()
+
+
+def _pairs(text: str) -> dict[str, set[str]]:
+    table: dict[str, set[str]] = {}
+    for item in text.split():
+        x, y = item.split("/")
+        table.setdefault(x, set()).add(y)
+        table.setdefault(y, set()).add(x)
+    return table
+
+
+
+
+@dataclass(frozen=True)
+class Lexicon:
+    """Words a vocabulary knows whole, by rank (lower is more common). A word it does not know is a
+    typo, or a rare name or term; without a lexicon every word counts as known."""
+
+    ranks: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    def knows(self, word: str) -> bool:
+        return not self.ranks or word in self.ranks or _stem(word) in self.ranks or _stem(word) + "e" in self.ranks
+
+
+def lexicon_from_vocab(lines: Iterable[str]) -> Lexicon:
+    """From a WordPiece vocabulary (one piece a line, most common first): its whole alphabetic words."""
+    ranks: dict[str, int] = {}
+    for rank, line in enumerate(lines):
+        word = line.strip()
+        if len(word) > 1 and word.isascii() and word.isalpha():
+            ranks.setdefault(word, rank)
+    return Lexicon(MappingProxyType(ranks))
+
+
+NO_LEXICON = Lexicon()
+
+
+# -- words ---------------------------------------------------------------------------------------
+
+_TOKEN = re.compile(r"\$?\d+(?:[.,:/]\d+)*(?:st|nd|rd|th|s|%)?|[^\W\d_](?:[\w+#']|\.(?=\w))*[+#]*", re.UNICODE)
+_CONTRACTION = re.compile(r"(?i)\b(can|won|shan|ai)'?t\b|n't\b|'(re|ve|ll|d|m|s)\b")
+
+
+@dataclass(frozen=True)
+class Word:
+    plain: str  # casefolded, units and number words spelled one way
+    stem: str
+    name: bool  # capitalised past the start of a sentence, all capitals, or a product's spelling
+    after: str = ""  # the word before it
+
+
+def _expand(text: str) -> str:
+    def repl(m: re.Match[str]) -> str:
+        if m.group(1):
+            return {"can": "can not", "won": "will not", "shan": "shall not", "ai": "is not"}[m.group(1).lower()]
+        return " not" if m.group(0).lower() == "n't" else " "
+    text = unicodedata.normalize("NFKC", text).replace("’", "'").replace("‘", "'")
+    return _CONTRACTION.sub(repl, text)
+
+
+def _stem(word: str) -> str:
+    """Inflections that do not change a question: plurals, -ed, -ing, -ly, a final e."""
+    for suffix, repl in (("ies", "y"), ("ied", "y"), ("sses", "ss"), ("ches", "ch"), ("shes", "sh"), ("xes", "x"),
+                         ("ing", ""), ("ed", ""), ("ly", ""), ("s", "")):
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3 and not word.endswith(("ss", "us", "is")):
+            word = word[: -len(suffix)] + repl
+            break
+    if len(word) > 4 and word[-1] == word[-2] and word[-1] not in "aeiousl":
+        word = word[:-1]  # running -> runn -> run
+    return word.rstrip("e") if len(word) > 3 else word
+
+
+_OPPOSITE = {**{_stem(w): {_stem(o) for o in os} for w, os in _pairs(_OPPOSITES).items()}, **_pairs(_OPPOSITES)}
+
+
+def words(text: str) -> list[Word]:
+    found: list[Word] = []
+    text = _expand(text)
+    matches = list(_TOKEN.finditer(text))
+    tokens = [m.group(0) for m in matches]
+    for i, m in enumerate(matches):
+        token = m.group(0)
+        start = not text[: m.start()].strip() or text[: m.start()].rstrip()[-1] in ".?!:;\"(-"
+        parts = [p for p in re.split(r"[-_/]", token) if p] if token[:1].isalpha() else [token]
+        for part in parts:
+            plain = part.casefold().replace("'", "").rstrip(".").lstrip("$")
+            if not plain:
+                continue
+            beside_number = i > 0 and tokens[i - 1][:1].isdigit()
+            if plain in _UNITS and (beside_number or plain not in _UNITS_BESIDE_NUMBERS):
+                plain = _UNITS[plain]
+            plain = _NUMBER_WORDS.get(plain, plain)
+            name = (not start and part[:1].isupper() and plain != "i") or (len(part) > 1 and part.isupper()) \
+                or plain in _TECH or any(c in part for c in "+#") or ("." in part and part[:1].isalpha())
+            found.append(Word(plain, _stem(plain) if plain.isalpha() else plain, name, found[-1].plain if found else ""))
+            start = False
+    return found
+
+
+def _is_number(word: str) -> bool:
+    return word[:1].isdigit() or word in set(_NUMBER_WORDS.values())
+
+
+def _typo(a: str, b: str) -> bool:
+    """One slip of the kind people make: two letters swapped, a vowel for a vowel, a key beside the
+    right one, a vowel or a doubled letter dropped or added. The first letter is rarely the slip."""
+    if a == b or a[:1] != b[:1] or min(len(a), len(b)) < 4 or not (a.isalpha() and b.isalpha()):
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        if len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]]:
+            return True
+        if len(diff) == 1:
+            x, y = a[diff[0]], b[diff[0]]
+            return (x in _VOWELS and y in _VOWELS) or y in _NEAR_KEYS.get(x, set())
+        return False
+    short, long_ = (a, b) if len(a) < len(b) else (b, a)
+    if len(long_) != len(short) + 1:
+        return False
+    for i, ch in enumerate(long_):
+        if long_[:i] + long_[i + 1:] == short:
+            beside = {long_[i - 1] if i > 0 else "", long_[i + 1] if i + 1 < len(long_) else ""}
+            return ch in _VOWELS or ch in beside or bool(_NEAR_KEYS.get(ch, set()) & beside)
+    return False
+
+
+def spelled(text: str, lexicon: Lexicon) -> str:
+    """The question with each word the lexicon does not know, and that is one common slip from a
+    word it does, spelled as that word (the most common one): "recieve" embeds as "receive"."""
+    if not lexicon.ranks:
+        return text
+
+    def fix(m: re.Match[str]) -> str:
+        word = m.group(0)
+        lower = word.lower()
+        if len(lower) < 5 or lexicon.knows(lower) or not word.islower():
+            return word
+        best = min((w for w in _variants(lower) if w in lexicon.ranks and _typo(lower, w)),
+                   key=lambda w: lexicon.ranks[w], default=None)
+        return best or word
+
+    return re.sub(r"[A-Za-z]+", fix, text)
+
+
+def _variants(word: str) -> set[str]:
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    splits = [(word[:i], word[i:]) for i in range(len(word) + 1)]
+    out = {a + b[1:] for a, b in splits if b}
+    out |= {a + b[1] + b[0] + b[2:] for a, b in splits if len(b) > 1}
+    out |= {a + c + b[1:] for a, b in splits if b for c in letters}
+    out |= {a + c + b for a, b in splits for c in letters}
+    return out
+
+
+# -- the comparison ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Comparison:
+    guard: str | None  # why they are different questions: number, date, negation, opposite, scope, entity, swap
+    differs: tuple[str, ...] = ()  # content words one side has that the other lacks (no guard among them)
+
+
+def _unscaffolded(ws: list[Word]) -> list[Word]:
+    """Without "best" in "the best way to" (it asks how, not which is best), nor "every" in "every
+    day" (daily)."""
+    out = []
+    for i, w in enumerate(ws):
+        after = ws[i + 1].plain if i + 1 < len(ws) else ""
+        if w.plain in ("best", "better") and after in _SCAFFOLD_BEFORE:
+            continue
+        if w.plain in ("each", "every", "per", "a") and after in _TIME_UNITS:
+            continue
+        out.append(Word(_PERIODIC[w.plain], _PERIODIC[w.plain], False) if w.plain in _PERIODIC else w)
+    return out
+
+
+def _content(ws: list[Word]) -> list[Word]:
+    return [w for w in ws if not (w.plain in _STOP or (len(w.plain) == 1 and w.plain.isalpha() and not w.name))]
+
+
+_IRREGULAR = _pairs("man/men woman/women child/children person/people foot/feet tooth/teeth mouse/mice goose/geese "
+                    "die/dice ox/oxen leaf/leaves life/lives knife/knives wife/wives half/halves")
+
+
+def _same_word(x: Word, y: Word, lexicon: Lexicon) -> bool:
+    a, b = x.plain, y.plain
+    if a == b or x.stem == y.stem or a in (b + "s", b + "es") or b in (a + "s", a + "es") or b in _IRREGULAR.get(a, ()):
+        return True
+    if not (a.isalpha() and b.isalpha()):
+        return False
+    if (not lexicon.knows(a) or not lexicon.knows(b)) and _typo(a, b):
+        return True
+    if _spelling(a) == _spelling(b):
+        return True  # colour / color, centre / center, organise / organize
+    short, long_ = sorted((a, b), key=len)
+    if x.name and y.name:
+        return False  # Austria / Australia
+    if len(short) >= 3 and len(long_) >= 2 * len(short) and long_.startswith(short):
+        return True  # env / environment, app / application
+    common = len(_common_prefix(a, b))
+    return common >= 5 and common >= 0.8 * len(short)  # differ / difference, bacterium / bacteria
+
+
+def _spelling(word: str) -> str:
+    word = re.sub(r"our\b|our(?=s|ed|ing)", "or", word)
+    word = re.sub(r"([^aeiou])re\b", r"\1er", word)
+    return re.sub(r"is(e|ed|es|ing|ation)\b", r"iz\1", word)
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def _matches(w: Word, other: list[Word], lexicon: Lexicon) -> bool:
+    if any(_same_word(w, o, lexicon) for o in other):
+        return True
+    return w.plain in {a.plain + b.plain for a, b in zip(other, other[1:])}  # wifi / wi-fi, login / log in
+
+
+def _unmatched(ws: list[Word], other: list[Word], lexicon: Lexicon) -> list[Word]:
+    others = {o.plain for o in other}
+    joined = {id(w) for a, b in zip(ws, ws[1:]) if a.plain + b.plain in others for w in (a, b)}
+    return [w for w in ws if id(w) not in joined and not _matches(w, other, lexicon)]
+
+
+def _canonical(word: str) -> str:
+    return _SAME_QUANTIFIER.get(word, word)
+
+
+def _ordered(ws: list[Word]) -> set[tuple[str, str, str]]:
+    """(word, connector, word) around each connector: "dollars to euros" is not "euros to dollars"."""
+    out = set()
+    for i, w in enumerate(ws):
+        if w.plain in _CONNECTORS:
+            before = next((v.stem for v in reversed(ws[:i]) if v.plain not in _STOP), None)
+            after = next((v.stem for v in ws[i + 1:] if v.plain not in _STOP), None)
+            if before and after:
+                out.add((before, w.plain, after))
+    return out
+
+
+def _pure_swap(ca: list[Word], cb: list[Word], unmatched: list[Word], lexicon: Lexicon) -> bool:
+    """The same content words in the same order but for one or two in the same place on each
+    side: "for adults" / "for children", "quinoa" / "couscous"."""
+    a = [_key(w, cb, lexicon) for w in ca]
+    b = [w.stem for w in cb]
+    ops = [op for op in SequenceMatcher(None, a, b, autojunk=False).get_opcodes() if op[0] != "equal"]
+    if not ops or any(op[0] != "replace" for op in ops):
+        return False
+    swapped = sum(max(i2 - i1, j2 - j1) for _, i1, i2, j1, j2 in ops)
+    if swapped > 2 or len(a) - swapped < 1:
+        return False
+    words = [w for _, i1, i2, j1, j2 in ops for w in ca[i1:i2] + cb[j1:j2]]
+    if not {id(w) for w in words} <= {id(w) for w in unmatched}:
+        return False  # "Wi-Fi" / "wifi": the same words, written apart
+    return not all(w.after in _VERB_SLOT for w in words)  # "can I lower" / "can I reduce": a verb said otherwise
+
+
+def _key(w: Word, other: list[Word], lexicon: Lexicon) -> str:
+    """A word as the other side spells it when they are the same word, for aligning the two."""
+    return next((o.stem for o in other if _same_word(w, o, lexicon)), w.stem)
+
+
+def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Comparison:
+    wa, wb = _unscaffolded(words(cached)), _unscaffolded(words(asked))
+    ca, cb = _content(wa), _content(wb)
+    # Negators are counted, not matched: "not" twice is not "not" once.
+    if sum(w.plain in _NEGATORS for w in wa) != sum(w.plain in _NEGATORS for w in wb):
+        return Comparison("negation")
+    stems_a, stems_b = {w.stem for w in wa} | {w.plain for w in wa}, {w.stem for w in wb} | {w.plain for w in wb}
+    for x, y in ((stems_a, stems_b), (stems_b, stems_a)):
+        for word in x - y:
+            for prefix in _NEGATING_PREFIXES:
+                rest = word[len(prefix):].lstrip("-")
+                if word.startswith(prefix) and len(rest) >= 4 and rest in y and rest not in x:
+                    return Comparison("negation")  # safe / unsafe, magnetic / non-magnetic
+    for count_a, count_b in ((Counter(w.plain for w in wa), Counter(w.plain for w in wb)),
+                             (Counter(w.stem for w in wa), Counter(w.stem for w in wb))):
+        for word in count_a.keys() | count_b.keys():
+            for opposite in _OPPOSITE.get(word, ()):
+                if count_a[word] > count_b[word] and count_b[opposite] > count_a[opposite]:
+                    return Comparison("opposite")
+    if {_canonical(w.plain) for w in wa if _is_number(w.plain)} != {_canonical(w.plain) for w in wb if _is_number(w.plain)}:
+        return Comparison("number")
+    unmatched_a, unmatched_b = _unmatched(ca, cb, lexicon), _unmatched(cb, ca, lexicon)
+    if any(w.plain in _DATE_WORDS for w in unmatched_a + unmatched_b):
+        return Comparison("date")
+    quant_a = {_canonical(w.plain) for w in wa if w.plain in _QUANTIFIERS}
+    quant_b = {_canonical(w.plain) for w in wb if w.plain in _QUANTIFIERS}
+    if quant_a != quant_b or sum(_superlative(w.plain, lexicon) for w in wa) != sum(_superlative(w.plain, lexicon) for w in wb):
+        return Comparison("scope")
+    if any(w.name for w in unmatched_a + unmatched_b):
+        return Comparison("entity")
+    order_a, order_b = _ordered(wa), _ordered(wb)
+    if any((y, c, x) in order_b and (x, c, y) not in order_b for x, c, y in order_a if x != y):
+        return Comparison("scope")  # the same words the other way round: dollars to euros
+    if "than" in {w.plain for w in wa} & {w.plain for w in wb} and not unmatched_a and not unmatched_b \
+            and [_key(w, cb, lexicon) for w in ca] != [w.stem for w in cb]:
+        return Comparison("scope")  # the comparison turned round: is X healthier than Y
+    kind_a, kind_b = _asks_for(wa), _asks_for(wb)
+    if kind_a and kind_b and kind_a != kind_b:
+        return Comparison("question")  # when / where / who was it built
+    if _pure_swap(ca, cb, unmatched_a + unmatched_b, lexicon):
+        return Comparison("swap")
+    if (not unmatched_a and _narrowed(wb, unmatched_b)) or (not unmatched_b and _narrowed(wa, unmatched_a)):
+        return Comparison("scope")  # the same question for a narrower group or place: "... in cats", "... as a freelancer"
+    return Comparison(None, tuple(sorted({w.plain for w in unmatched_a + unmatched_b})))
+
+
+_PREPOSITIONS = {"for", "in", "on", "at", "as", "among", "during", "with", "within", "near", "across", "inside", "outside",
+                 "under", "between", "from", "by", "if", "when", "while", "unless"}
+
+
+def _narrowed(ws: list[Word], added: list[Word]) -> bool:
+    """A phrase the other side lacks, led by a preposition: "for trucks", "in young children"."""
+    new = {id(w) for w in added}
+    for i, w in enumerate(ws):
+        if w.plain in _PREPOSITIONS:
+            rest = [v for v in ws[i + 1: i + 4] if v.plain not in _STOP]
+            if rest and id(rest[0]) in new:
+                return True
+    return False
+
+
+# After these a word is a verb ("can I lower", "how to reduce"): a verb swapped for another is rewording
+# as often as not, and its opposites are listed. After "can" or "do" comes the subject: "do puppies need".
+_VERB_SLOT = {"i", "you", "we", "they", "he", "she", "to", "please", "not"}
+_ANSWER_KINDS = {"when": "time", "where": "place", "who": "person", "whom": "person", "whose": "person", "why": "reason"}
+
+
+def _asks_for(ws: list[Word]) -> str | None:
+    """The kind of answer a question word asks for; None for what / which / how, which ask for any."""
+    for i, w in enumerate(ws):
+        if w.plain in _ANSWER_KINDS:
+            return _ANSWER_KINDS[w.plain]
+        if w.plain == "how" and i + 1 < len(ws) and ws[i + 1].plain in ("many", "much", "long", "often", "far", "old"):
+            return ws[i + 1].plain
+    return None
+
+
+def _superlative(word: str, lexicon: Lexicon) -> bool:
+    if word in ("most", "least", "best", "worst"):
+        return True
+    if not word.endswith("est") or len(word) < 6:
+        return False
+    base = word[:-3]
+    candidates = {base, base + "e", base[:-1] if len(base) > 2 and base[-1] == base[-2] else base, base[:-1] + "y" if base.endswith("i") else base}
+    return any(c in lexicon.ranks and c not in _STOP and len(c) >= 3 for c in candidates)
