@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prometheus_client import Gauge
 
 from appliance.embedders import Embedder, EngineEmbedder
 from appliance.metrics import Metrics
@@ -41,6 +42,12 @@ class Lookup:
     reason: str
     vector: np.ndarray | None  # the question's embedding, kept for storing after a miss
     judge_tokens: tuple[int, int] = (0, 0)  # (prompt, completion) spent asking the judge
+
+
+def cost_weighted_verified_hit_rate(metrics: Metrics) -> float | None:
+    """Saved on verified hits / cost of all cacheable requests, since start; None before any cost."""
+    cost = metrics.cache_request_cost_nanos._value.get()
+    return metrics.cache_saved_nanos.labels("verified")._value.get() / cost if cost else None
 
 
 def model_version(settings: ModelSettings) -> str:
@@ -93,6 +100,11 @@ class SemanticCache:
         self.registry = registry
         self.metrics = metrics
         self.worker = StoreWorker(db_path, name="cache-store", synchronous=synchronous)
+        # Read from the counters at scrape time, as GET /admin/cache computes it; for a window, PromQL:
+        # rate(appliance_cache_saved_nanousd_total{state="verified"}[1h]) / rate(appliance_cache_request_cost_nanousd_total[1h])
+        Gauge("appliance_cache_cost_weighted_verified_hit_rate", "What hits on verified answers saved / the cost of every cacheable "
+              "request (misses as charged, hits as the call they replaced), since start; 0 before any", registry=metrics.registry,
+              ).set_function(lambda: cost_weighted_verified_hit_rate(metrics) or 0.0)
         self.embedder: Embedder | None = None
         self.lexicon = NO_LEXICON
         self._sweeper: asyncio.Task[None] | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
 
@@ -274,5 +275,49 @@ def test_an_embedding_model_of_the_fleet_can_be_the_embedder(tmp_path) -> None:
         assert ask(server, "unused", QUESTION).headers["x-cache"] == "hit"
         tables = [r[0] for r in db(server).execute("SELECT name FROM sqlite_master WHERE name LIKE 'cache_vec_engine%'")]
         assert tables, "the vectors live in the engine embedder's own space"
+    finally:
+        stop_server(server)
+
+
+def test_the_metrics_carry_the_cost_weighted_rate_on_verified_answers(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    question = "What is the tallest tree species?"
+    miss = ask(server, keys["zeta"], question)
+    assert stored(server, question)
+    httpx.post(f"{server.base_url}/v1/cache/feedback", json={"response_id": miss.json()["id"], "rating": "good"},
+               headers={"Authorization": f"Bearer {keys['zeta']}"}).raise_for_status()
+    assert ask(server, keys["zeta"], question).headers["x-cache-state"] == "verified"
+    scraped = httpx.get(f"{server.base_url}/metrics").text
+    gauge = float(re.search(r"^appliance_cache_cost_weighted_verified_hit_rate (\S+)$", scraped, re.M).group(1))  # type: ignore[union-attr]
+    saved = float(re.search(r'^appliance_cache_saved_nanousd_total\{state="verified"\} (\S+)$', scraped, re.M).group(1))  # type: ignore[union-attr]
+    cost = float(re.search(r"^appliance_cache_request_cost_nanousd_total (\S+)$", scraped, re.M).group(1))  # type: ignore[union-attr]
+    assert 0 < gauge < 1 and gauge == pytest.approx(saved / cost)
+    stats = httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {keys['admin']}"}).json()
+    assert stats["since_start"]["cost_weighted_verified_hit_rate"] == pytest.approx(gauge)
+
+
+def test_the_judge_decides_the_band_through_the_server_and_never_overrides_a_guard(tmp_path) -> None:
+    """The bundled SmolLM2 as the judge; a threshold no rewording reaches, so every reworded lookup
+    in the band asks it, and a cut-off of 0 so its answer always lets the hit through."""
+    cache = (f'enabled = true\nsweep_interval_s = 0\nsimilarity_threshold = 0.99\njudge_band = 0.3\njudge_model = "{CHAT_MODEL}"\n'
+             "judge_min_probability = 0.0")
+    server = start_server(tmp_path / "judged", config_text(embeddings=False, price_in=1.0, price_out=2.0, cache=cache))
+    try:
+        def judge_calls() -> float:
+            found = re.search(r"^appliance_cache_judge_calls_total (\S+)$", httpx.get(f"{server.base_url}/metrics").text, re.M)
+            return float(found.group(1)) if found else 0.0
+
+        first = ask(server, "unused", QUESTION)
+        assert first.headers["x-cache"] == "miss" and stored(server, QUESTION)
+        trap = ask(server, "unused", "How do I not reset my password?")  # in the band, but a guard says no
+        assert trap.headers["x-cache"] == "miss" and trap.headers["x-cache-reason"] == "guard:negation" and judge_calls() == 0
+        judged = ask(server, "unused", "I forgot my password, how can I set a new one?")  # words differ: the full threshold
+        assert judged.headers["x-cache"] == "hit" and float(judged.headers["x-cache-similarity"]) < 0.99
+        assert judged.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+        assert judge_calls() == 1
+        # the hit costs the judge's call: its prompt and one token at the judge model's prices
+        logged = eventually(server, "SELECT status, cost_nanos FROM request_log WHERE id = ?", judged.json()["id"])
+        assert logged is not None and logged[0] == "cache_hit" and logged[1] > 0
+        assert eventually(server, "SELECT judged FROM cache_hits WHERE response_id = ?", judged.json()["id"]) == (1,)
     finally:
         stop_server(server)
