@@ -16,7 +16,11 @@ from dataclasses import dataclass
 
 import jsonschema
 
+import numpy as np
+
 from policy.guardrails import INJECTION as _INJECTION
+from policy.router_knn import Knn, cheapest_within, estimate, feature_vector
+from policy.router_text import routing_text
 
 TIER_NAMES = ("small", "mid", "frontier")
 
@@ -40,7 +44,7 @@ class Decision:
     confidence: float  # 0..1: how sure the heuristics are
     score: float
     reason: str
-    by: str = "heuristics"  # or "calibration"
+    by: str = "heuristics"  # or "buckets", "knn" (a calibration decided)
 
 
 _CODE = re.compile(r"```|\bdef |\bclass |\bfunction\b|\breturn\b|=>|[{};]\s*$|\bimport |#include|\bSELECT\b|\bfn \w+\(", re.M)
@@ -54,28 +58,17 @@ _MATH_OPS = re.compile(r"\d\s*[-+*/×÷^=]\s*\d|\d+\s*%|\$\s*\d")
 _STEPS = re.compile(r"\b(step[- ]by[- ]step|steps|first\b.*\bthen\b|explain why|compare|analy[sz]e|design|plan|trade-?offs?|"
                     r"pros and cons|in detail|reasoning|derive|justify|evaluate)\b", re.I | re.S)
 _ENUMERATION = re.compile(r"^\s*(\d+[.)]|[-*•])\s+", re.M)
-def _distinct_text(text: str) -> str:
-    """Repeated lines and sentences count once: padding a prompt does not make it harder."""
-    seen: set[str] = set()
-    kept = []
-    for piece in re.split(r"(?<=[.!?\n])\s+", text):
-        key = re.sub(r"\s+", " ", piece.strip().lower())
-        if key and key not in seen:
-            seen.add(key)
-            kept.append(piece.strip())
-    return " ".join(kept)
 
 
 def features(messages: list[dict[str, str]], structured_output: bool) -> Features:
     """From the user turns only: the system prompt is the operator's, not the caller's to game."""
     user_text = "\n".join(m.get("content", "") for m in messages if m.get("role") == "user")
-    last = next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
     injection = bool(_INJECTION.search(user_text))
-    cleaned = _INJECTION.sub(" ", _distinct_text(last))
+    cleaned = routing_text(messages)
     words = len(set(re.findall(r"\w+", cleaned.lower())))
     numbers = len(_NUMBER.findall(cleaned))  # a word problem states several quantities
     math_hits = len(_MATH_OPS.findall(cleaned)) + len(_MATH_WORDS.findall(cleaned)) + (min(3, numbers // 2) if numbers >= 2 else 0)
-    steps = len(_STEPS.findall(cleaned)) + min(5, len(_ENUMERATION.findall(last)))
+    steps = len(_STEPS.findall(cleaned)) + min(5, len(_ENUMERATION.findall(cleaned)))
     letters = [c for c in cleaned if c.isalpha()]
     non_ascii = sum(1 for c in letters if ord(c) > 127) / len(letters) if letters else 0.0
     turns = sum(1 for m in messages[:-1] if m.get("role") in ("user", "assistant"))
@@ -83,39 +76,55 @@ def features(messages: list[dict[str, str]], structured_output: bool) -> Feature
     return Features(words, bool(_CODE.search(cleaned)), math_hits, steps, structured_output, turns, non_ascii, injection, word_problem)
 
 
-def score(f: Features) -> float:
-    """A difficulty score: 0 trivial, ~1 mid, ~2 and more frontier."""
-    s = 0.0
-    s += min(1.0, f.words / 120)  # long asks need more model, up to a point (distinct words: padding is flat)
-    s += 0.8 if f.code else 0.0
-    s += min(1.2, 0.4 * f.math)
-    s += min(1.0, 0.35 * f.steps)
-    s += 0.3 if f.structured_output else 0.0
-    s += 0.8 if f.word_problem else 0.0  # measured: a 0.5B model solves 17% of GSM8K, a 1.5B 57%
-    s += min(0.4, 0.1 * f.turns)
-    s += 0.3 if f.non_ascii_ratio > 0.3 else 0.0
-    return s
+def parts(f: Features) -> dict[str, float]:
+    """Each heuristic feature's share of the difficulty score, by name (what `appliance eval features`
+    weighs against measured outcomes)."""
+    return {
+        "words": min(1.0, f.words / 120),  # long asks need more model, up to a point (distinct words: padding is flat)
+        "code": 0.8 if f.code else 0.0,
+        # Any maths signal reaches the middle tier: measured on bench/mixed_set.py's calibration part, the
+        # smallest tier answered 6 of 16 short sums and counts, the middle one 13 (docs/performance.md).
+        "math": min(1.2, 0.9 + 0.1 * (f.math - 1)) if f.math else 0.0,
+        "steps": min(1.0, 0.35 * f.steps),
+        "structured_output": 0.3 if f.structured_output else 0.0,
+        "word_problem": 0.8 if f.word_problem else 0.0,  # measured: a 0.5B model solves 17% of GSM8K, a 1.5B 57%
+        "turns": min(0.4, 0.1 * f.turns),
+        "non_ascii": 0.3 if f.non_ascii_ratio > 0.3 else 0.0,
+    }
 
 
-def decide(f: Features, tiers: int, mid_at: float = 0.9, frontier_at: float = 1.8) -> Decision:
+ALL_FEATURES = ("words", "code", "math", "steps", "structured_output", "word_problem", "turns", "non_ascii")
+# The features the heuristics score with: those that predicted a better tier on the development data
+# (`appliance eval features`; tests/test_router.py checks it on what is measured); a feature that
+# does not is dropped here.
+HEURISTIC_FEATURES = ALL_FEATURES
+
+
+def score(f: Features, use: tuple[str, ...] = HEURISTIC_FEATURES) -> float:
+    """A difficulty score: 0 trivial, ~1 mid, ~2 and more frontier, from the features in `use`."""
+    found = parts(f)
+    return sum(found[name] for name in use)
+
+
+def decide(f: Features, tiers: int, mid_at: float = 0.9, frontier_at: float = 1.8, use: tuple[str, ...] = HEURISTIC_FEATURES) -> Decision:
     """Tier from the score; confidence falls near a boundary, where the cheap LLM may be asked."""
-    s = score(f)
+    s = score(f, use)
     bounds = [mid_at, frontier_at][: max(0, tiers - 1)]
     tier = sum(1 for b in bounds if s >= b)
     distance = min((abs(s - b) for b in bounds), default=1.0)
     confidence = min(1.0, 0.5 + distance)
-    parts = [f"score {s:.2f}"]
+    said = [f"score {s:.2f}"]
     if f.code:
-        parts.append("code")
+        said.append("code")
     if f.math:
-        parts.append(f"maths x{f.math}")
+        said.append(f"maths x{f.math}")
     if f.steps:
-        parts.append(f"steps x{f.steps}")
+        said.append(f"steps x{f.steps}")
     if f.structured_output:
-        parts.append("structured output")
+        said.append("structured output")
     if f.word_problem:
-        parts.append("word problem")
-    return Decision(tier, round(confidence, 3), round(s, 3), ", ".join(parts))
+        said.append("word problem")
+    return Decision(tier, round(confidence, 3), round(s, 3), ", ".join(said))
 
 
 def clamp_tier(tier: int, tiers: int, floor: int | None, ceiling: int | None) -> int:
@@ -242,11 +251,21 @@ class BucketChoice:
 @dataclass(frozen=True)
 class Calibration:
     """Per bucket, the cheapest tier that keeps `keep` of the best tier's accuracy there, as measured.
-    Keeping that share in every bucket keeps it overall, whatever the workload's mix of buckets."""
+    Keeping that share in every bucket keeps it overall, whatever the workload's mix of buckets.
+    With a labelled table (`knn`), each request is compared with the labelled requests most like it
+    first; the buckets decide where it has too few near neighbours."""
     tiers: tuple[str, ...]  # the aliases it was measured with, cheapest first
     keep: float
     min_samples: int
     choices: tuple[tuple[str, BucketChoice], ...]  # fine and coarse buckets
+    knn: Knn | None = None
+    samples: int = 0  # questions measured on every tier
+    accuracy: tuple[float, ...] = ()  # per tier, over all of them (as measured, not smoothed)
+    cost_nanos: tuple[float, ...] = ()  # mean per answer, per tier
+
+    @property
+    def method(self) -> str:
+        return "knn" if self.knn is not None else "buckets"
 
     def choice(self, name: str) -> BucketChoice | None:
         """The bucket's choice if it was measured often enough to be used."""
@@ -280,19 +299,46 @@ def calibrate(observations: list[Observation], tiers: tuple[str, ...], keep: flo
         best = max(accuracy)
         chosen = next(t for t in range(len(tiers)) if accuracy[t] >= keep * best)
         choices.append((key, BucketChoice(chosen, min(counts), tuple(accuracy), tuple(cost))))
-    return Calibration(tuple(tiers), keep, min_samples, tuple(choices))
+    per_tier = [[o for o in observations if o.tier == tier] for tier in range(len(tiers))]
+    return Calibration(tuple(tiers), keep, min_samples, tuple(choices), None, min(len(rows) for rows in per_tier),
+                       tuple(round(sum(o.correct for o in rows) / len(rows), 4) if rows else 0.0 for rows in per_tier),
+                       tuple(round(sum(o.cost_nanos for o in rows) / len(rows), 1) if rows else 0.0 for rows in per_tier))
 
 
-def decide_calibrated(f: Features, tiers: int, calibration: Calibration | None) -> Decision:
-    """The measured tier for the request's bucket (fine if measured often enough, else coarse); the
-    heuristics where neither was. Confidence grows with the bucket's sample count, so a thinly measured
-    bucket may still consult the classifier model."""
+def describe(calibration: Calibration | None, tiers: tuple[str, ...]) -> dict[str, object]:
+    """What a route decides by, as `/v1/models` shows it: the method, how many labelled questions it
+    learned from, the threshold (`keep`) and each tier's measured accuracy."""
+    if calibration is None:
+        return {"method": "heuristics", "samples": 0, "tiers": list(tiers), "threshold": None, "accuracy": None,
+                "calibrated_buckets": [], "heuristic_features": list(HEURISTIC_FEATURES)}
+    knn = calibration.knn
+    samples, accuracy = (knn.samples, knn.accuracy()) if knn is not None else (calibration.samples, calibration.accuracy)
+    return {"method": calibration.method, "samples": samples, "tiers": list(tiers), "threshold": calibration.keep,
+            "accuracy": dict(zip(tiers, accuracy)) if accuracy else None, "calibrated_buckets": calibration.measured()}
+
+
+def decide_calibrated(f: Features, tiers: int, calibration: Calibration | None, vector: np.ndarray | None = None) -> Decision:
+    """The labelled requests nearest this one (given its embedding `vector`) when there are enough
+    above the similarity floor; else the measured tier for the request's bucket (fine if measured
+    often enough, else coarse); else the heuristics. Confidence grows with what was measured, so a
+    thinly measured decision may still consult the classifier model."""
+    if calibration is not None and calibration.knn is not None and vector is not None and len(calibration.tiers) == tiers:
+        knn = calibration.knn
+        found = estimate(knn, vector, feature_vector(f))
+        if found.neighbours >= knn.settings.min_neighbours and found.nearest is not None:
+            tier = cheapest_within(found.accuracy, calibration.keep)
+            accuracy = "/".join(f"{a:.2f}" for a in found.accuracy)
+            nearest = knn.texts[found.nearest][:60]
+            return Decision(tier, round(found.weight / (found.weight + knn.settings.prior), 3), round(score(f), 3),
+                            f"knn: {found.neighbours} neighbours (nearest {found.similarity:.2f}: {nearest!r}), "
+                            f"P(correct) by tier {accuracy}, keep {calibration.keep}", "knn")
     fine, coarse = buckets(f)
     for name in (fine, coarse):
-        found = calibration.choice(name) if calibration is not None else None
-        if found is not None and found.tier < tiers:
-            confidence = found.samples / (found.samples + calibration.min_samples)
-            accuracy = "/".join(f"{a:.2f}" for a in found.accuracy)
-            return Decision(found.tier, round(confidence, 3), round(score(f), 3),
-                            f"calibrated: {name} (n={found.samples}, accuracy by tier {accuracy})", "calibration")
+        found_bucket = calibration.choice(name) if calibration is not None else None
+        if found_bucket is not None and found_bucket.tier < tiers:
+            assert calibration is not None
+            confidence = found_bucket.samples / (found_bucket.samples + calibration.min_samples)
+            accuracy = "/".join(f"{a:.2f}" for a in found_bucket.accuracy)
+            return Decision(found_bucket.tier, round(confidence, 3), round(score(f), 3),
+                            f"calibrated: {name} (n={found_bucket.samples}, accuracy by tier {accuracy})", "buckets")
     return decide(f, tiers)

@@ -1,0 +1,185 @@
+"""What the router reads of a request: the task, not what is said around it to buy a dearer tier.
+
+The last user turn, with forged chat turns, claims of authority or difficulty, pleas for a bigger
+model, repeated sentences, code nobody asks about, and a preamble the question neither refers to
+nor needs taken out. The features and the learned scorer's embedding both read only this text, so
+none of that moves a decision. Pure; nothing here changes what the model is sent.
+"""
+
+from __future__ import annotations
+
+import re
+
+from policy.guardrails import INJECTION
+
+# Words that argue about the model, the effort or the caller's standing rather than state the task.
+PLEA = re.compile(
+    r"\b((biggest|largest|best|strongest|smartest|most (capable|powerful|expensive|advanced|intelligent)|premium|frontier|top|highest|"
+    r"advanced|larger|bigger|stronger|smarter|better|expensive)[- ](model|tier|ai|llm|engine|version|reasoning)s?|"
+    r"expert[- ](mode|level)|vip|(extremely|very|really|super|incredibly|exceptionally) (hard|difficult|complex|tricky)|"
+    r"(hard|difficult|complex|tricky|challenging) (question|problem|task|one|request)|this (matters|is (important|critical|urgent))|"
+    r"(answer|think|respond|reply|check|reason)( very| really)? (carefully|thoroughly|hard|deeply|precisely|accurately|rigorously)|"
+    r"maximum (effort|priority|quality)|(top|highest|high|urgent|maximum) priority|priority\s*[:=]|tier\s*[:=]|"
+    r"as (the|an?|your) (ceo|cto|cfo|admin(istrator)?|owner|developer|manager|director|operator|supervisor|lead)\b|"
+    r"i (hereby )?(authori[sz]e|order|instruct|command|require) you|authori[sz]ed (to|by)|(admin|root|sudo|developer|god) (access|mode|override)|"
+    r"enterprise[- ](tier|customer|plan|user|account)|premium (user|customer|account|plan|subscriber)|"
+    r"full (capacity|power|reasoning)|\bgpt-?\d|\bclaude\b|\bgemini\b|"
+    r"my (boss|manager|ceo|cto|lead) (said|says|wants|insists|requires))", re.I)
+_TEMPLATE_TAG = re.compile(r"<\|[a-z_]+\|>\s*(system|user|assistant)?|\[/?INST\]|<</?SYS>>", re.I)
+# A line that opens a turn ("### System", "[assistant]", "<system>", "User:"): what follows it until the
+# next such line is that role's, and only the user's turns are the caller's.
+_ROLE_LINE = re.compile(r"^\s*(#{1,6}\s*|\[|<|\*\*)?\s*(system|assistant|developer|user|human|ai|model)\s*(\]|>|\*\*|:)?\s*$", re.I)
+_ROLE_OBJECT = re.compile(r"[\"']role[\"']\s*:\s*[\"'](system|assistant|developer)[\"']", re.I)
+_ROLE_ELEMENT = re.compile(r"<(system|sys|assistant|developer|instructions?)>.*?</\1>", re.I | re.S)
+_CLAUSE = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'”’)\]])\s+|(?<=[:;])\s+")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_CODE_LINE = re.compile(
+    r"^\s*(def |class |import |from [\w.]+ import |return\b|for .+ in .+:\s*$|while .+:\s*$|if .+:\s*$|elif |else:|try:|except\b|"
+    r"function\b|const |let |var |#include|using |public |private |fn |func |package |"
+    r"(SELECT|INSERT|UPDATE|DELETE|CREATE|WITH)\b.*\b(FROM|INTO|SET|TABLE|AS)\b|//|/\*|\*/|[{}()\[\]]+;?\s*$)"
+    r"|[;{]\s*$|^\s{2,}\S.*[=(){};]", re.M)
+# Prose that talks about code: then the code is the task, not padding.
+_CODE_TALK = re.compile(
+    r"\b(code|coding|function|functions|method|class|script|program|programming|snippet|query|sql|regex|bug|bugs|error|errors|"
+    r"exception|traceback|stack trace|compile|compiler|refactor|debug|implement\w*|unit tests?|tests? (pass|fail)|docstring|"
+    r"variable|loop|syntax|python|javascript|typescript|java|rust|golang|c\+\+|c#|html|css|bash|shell|library|module|"
+    r"algorithm|complexity|output of|return value|returns?|runtime|this line|these lines|the above|the following|below)\b", re.I)
+# A sentence that sets aside what came before it: what came before is not the task.
+_DISMISSAL = re.compile(
+    r"\b(never ?mind( about)?( all)?( of)?( that| this| the above| it)?|not my (real |actual )?question|(that|this|the above) (is|was) (irrelevant|unrelated|not (the|my) question)|"
+    r"ignore (all )?(that|this|the above|everything (above|before))|disregard (that|this|the above)|(that|the above) aside|"
+    r"(proof|details?|context|background|that) (sketch )?aside|forget (that|the above|all that)|(my|the) (real|actual) question|"
+    r"here is what i (really |actually )?(need|want|want to know|am asking)|what i (really |actually )?(need|want) (is|to know))\b", re.I)
+_QUESTION_END = re.compile(r"\?\s*[\"')\]]*\s*$")
+# Words that point back at what came before (not "this", which as often points at what follows).
+_REFERENCE = re.compile(r"\b(it|its|they|them|their|he|she|him|her|his|hers|above|previous|former|latter|aforementioned|"
+                        r"the same|so far|earlier)\b", re.I)
+# Text that announces material to work on ("from this email:", "the following"): what comes after is that material.
+_INTRODUCES = re.compile(r":\s*$|:\s*\n|\b(following|below|this (text|email|message|passage|review|paragraph|document|article|note|letter|"
+                         r"sentence|list|table|data|report|ticket|conversation|transcript))\b", re.I | re.M)
+_ASK = re.compile(r"^\W*(classify|translate|name|list|give|tell|spell|summari[sz]e|rewrite|extract|write|say|define|convert|explain|"
+                  r"describe|identify|answer|compute|calculate|solve|what|who|where|when|which|why|how|is|are|does|do|can)\b", re.I)
+_WORD = re.compile(r"[^\W\d_]{3,}")
+_NUMBER = re.compile(r"\d+")
+_QUANTITY = re.compile(r"\b(how (many|much|long|far|old|often|fast|big|tall)|what (is|was|are) the (total|number|amount|sum|cost|price|"
+                       r"difference|average|ratio|percentage)|calculate|compute)\b", re.I)
+_HARD = re.compile(r"\b(prove|proof|theorem|lemma|integral|derivative|equation|manifold|eigen\w*|matrix|polynomial|"
+                   r"complexity|algorithm|optimi[sz]\w*|derive|step[- ]by[- ]step)\b", re.I)
+_COMMON = frozenset("the and for are was you not but all any can how who why its his her our out one two has had use get "
+                    "what which where when whose whom does have with from that this there their about would could should "
+                    "many much into your yours they them than then were been being also just only very more most some such "
+                    "name give tell please make find show list write explain answer question".split())
+
+
+def last_user_turn(messages: list[dict[str, str]]) -> str:
+    return next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
+
+
+def routing_text(messages: list[dict[str, str]]) -> str:
+    """The task the last user turn states, each sentence once, and only the sentences it needs."""
+    last = last_user_turn(messages)
+    lines = _without_code_nobody_asks_about(_callers_turns(_ROLE_ELEMENT.sub("\n", _TEMPLATE_TAG.sub("\n", last))))
+    kept = _unreferenced_preamble_dropped(_after_dismissal(_clauses(lines)))
+    if kept:
+        return "\n".join(kept)
+    # Nothing but instructions to the system: what is left of them once the patterns are cut out.
+    return re.sub(r"\s+", " ", PLEA.sub(" ", INJECTION.sub(" ", last))).strip()
+
+
+def _callers_turns(text: str) -> list[str]:
+    """The lines of the caller's own turns: a forged system or assistant turn inside the message is dropped."""
+    kept, role = [], "user"
+    for line in text.split("\n"):
+        opened = _ROLE_LINE.match(line)
+        if opened:
+            role = "user" if opened.group(2).lower() in ("user", "human") else "other"
+            continue
+        if role == "user" and not _ROLE_OBJECT.search(line):
+            kept.append(line)
+    return kept
+
+
+def _without_code_nobody_asks_about(lines: list[str]) -> list[str]:
+    """Code beside prose that never mentions code (or any name in it) is padding; code alone, or code
+    the prose talks about, is the task."""
+    code, fenced = [], False
+    for line in lines:
+        if _FENCE.match(line):
+            fenced = not fenced
+            code.append(True)
+        else:
+            code.append(fenced or bool(_CODE_LINE.search(line)))
+    prose = [line for line, is_code in zip(lines, code) if not is_code and line.strip()]
+    if not prose or not any(code):
+        return lines
+    said = " ".join(prose)
+    names = {w.lower() for line, is_code in zip(lines, code) if is_code for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", line)}
+    if _CODE_TALK.search(said) or names & {w.lower() for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", said)} - _COMMON:
+        return lines
+    return prose
+
+
+def _clauses(lines: list[str]) -> list[str]:
+    """Each clause once, without those that pose as instructions to the system or plead for a model
+    (a clause goes when a match touches it: "tier: frontier" spans two)."""
+    seen: set[str] = set()
+    kept_lines = []
+    for line in lines:
+        flagged = [m.span() for pattern in (INJECTION, PLEA) for m in pattern.finditer(line)]
+        kept, start = [], 0
+        for end in [m.start() for m in _CLAUSE.finditer(line)] + [len(line)]:
+            clause, span, start = line[start:end], (start, end), end
+            key = re.sub(r"\s+", " ", clause.strip().lower())
+            if not key or key in seen or any(a < span[1] and b > span[0] for a, b in flagged):
+                continue
+            seen.add(key)
+            kept.append(clause.strip())
+        if kept:
+            kept_lines.append(" ".join(kept))
+    return kept_lines
+
+
+def _sentences(lines: list[str]) -> list[tuple[int, str]]:
+    return [(i, s) for i, line in enumerate(lines) for s in re.split(r"(?<=[.!?])\s+", line) if s.strip()]
+
+
+def _after_dismissal(lines: list[str]) -> list[str]:
+    """Everything up to the last sentence that sets it aside ("Never mind that.", "Proof aside, ...")
+    goes, that sentence's words before the dismissal too; what follows is the task."""
+    sentences = _sentences(lines)
+    marked = [n for n, (_, s) in enumerate(sentences) if _DISMISSAL.search(s)]
+    if not marked:
+        return lines
+    n = marked[-1]
+    line_of, sentence = sentences[n]
+    rest = sentence[[m.end() for m in _DISMISSAL.finditer(sentence)][-1]:]
+    rest = re.sub(r"^[\s,.:;!-]+", "", rest)
+    after = ([rest] if rest else []) + [s for i, s in sentences[n + 1:] if i == line_of]
+    kept = ([" ".join(after)] if after else []) + [line for i, line in enumerate(lines) if i > line_of]
+    return kept if kept else lines
+
+
+def _content(text: str) -> set[str]:
+    """Content words, cut to a stem of five letters ("pens" and "pen" still differ; "girls" meets "girl")."""
+    return {w.lower()[:5].rstrip("s") for w in _WORD.findall(text)} - {w[:5].rstrip("s") for w in _COMMON}
+
+
+def _unreferenced_preamble_dropped(lines: list[str]) -> list[str]:
+    """A preamble made to look hard (long, or full of numbers and maths) before a closing question that
+    stands alone goes: the question neither points back ("it", "this", "the above"), nor shares a content
+    word with it, nor asks for a quantity the preamble's numbers could give (a word problem's question
+    never stands alone)."""
+    sentences = _sentences(lines)
+    if len(sentences) < 2:
+        return lines
+    # The ask: the last line when there are several, else the last sentence; a question or an instruction.
+    if len(lines) > 1:
+        question, before = lines[-1], " ".join(lines[:-1])
+    else:
+        question, before = sentences[-1][1], " ".join(s for _, s in sentences[:-1])
+    if not (_QUESTION_END.search(question) or _ASK.match(question)) or _INTRODUCES.search(before):
+        return lines
+    standalone = len(re.findall(r"\w+", question)) >= 3 and not _REFERENCE.search(question) and not _content(question) & _content(before)
+    looks_hard = len(before.split()) >= 25 or len(_NUMBER.findall(before)) >= 2 or bool(_HARD.search(before))
+    asks_quantity = bool(_QUANTITY.search(question)) and bool(_NUMBER.search(before))
+    return [question] if standalone and looks_hard and not asks_quantity else lines
