@@ -1,25 +1,34 @@
 """`appliance eval router`: a labelled set through a route and through each of its tiers alone, over
 a running appliance's HTTP API; accuracy, cost, tier shares and latency against the baselines
 "always smallest" and "always frontier", and the router's place relative to the straight line
-between them (what routing at random would give for the same cost). Runs are stored and listed.
+between them (what routing at random would give for the same cost). Runs are stored and listed,
+with each question asked and each target's answer, so a calibration can learn from them later.
+
+A labelled set is GSM8K-style JSONL (`question`, `answer` as '#### N', the final number checked) or
+workload records (`messages`, optional `max_tokens` and `response_format`, judged by the workload's
+own `check(record, text)` from a checker file).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import apsw
 import httpx
+import numpy as np
 
 from policy.budgets import Price
-from policy.router import Observation, buckets, features
+from policy.router import Features, Observation, buckets, features
+from policy.router_knn import FEATURE_COLUMNS, Knn, KnnSettings, feature_vector, train
+from policy.router_text import routing_text
 
 SYSTEM = "Solve the problem step by step, briefly. End with a last line of the form 'Answer: <number>'."
 _ANSWER = re.compile(r"answer\s*[:=]?\s*\$?\s*(-?[\d,]*\.?\d+)", re.I)
@@ -55,6 +64,95 @@ def create_answer_table(db: apsw.Connection) -> None:
             PRIMARY KEY (run_id, question, target)
         ) STRICT
     """)
+
+
+def create_question_table(db: apsw.Connection) -> None:
+    """What each question of a run asked, so a learned router can embed it later."""
+    db.execute("""
+        CREATE TABLE eval_questions (
+            run_id INTEGER NOT NULL REFERENCES eval_runs(id) ON DELETE CASCADE,
+            question INTEGER NOT NULL,
+            ref TEXT NOT NULL,
+            family TEXT NOT NULL,
+            messages TEXT NOT NULL,
+            response_format TEXT,
+            adversarial_of TEXT,
+            PRIMARY KEY (run_id, question)
+        ) STRICT
+    """)
+
+
+@dataclass(frozen=True)
+class Question:
+    ref: str  # the record's id, or the line's number
+    family: str
+    messages: tuple[dict[str, str], ...]
+    gold: str | None = None  # the number a GSM8K-style answer must end with
+    record: dict[str, Any] | None = field(default=None, hash=False)  # a workload record, for its checker
+    max_tokens: int | None = None
+    response_format: dict[str, Any] | None = field(default=None, hash=False)
+    adversarial_of: str | None = None  # a manipulated copy of this question (its ref): not what the question needs
+
+    @property
+    def structured(self) -> bool:
+        return bool(self.response_format) and self.response_format.get("type") in ("json_object", "json_schema")
+
+
+Checker = Callable[[dict[str, Any], str], bool]
+
+
+def numeric(pairs: list[tuple[str, str]]) -> list[Question]:
+    """GSM8K-style pairs under the prompt that asks for a last line 'Answer: <number>'."""
+    return [Question(str(i), "gsm8k", ({"role": "system", "content": SYSTEM}, {"role": "user", "content": q}), gold)
+            for i, (q, gold) in enumerate(pairs)]
+
+
+def load_questions(path: Path, limit: int) -> list[Question]:
+    """A JSONL file of GSM8K-style lines or of workload records (`messages`), in file order."""
+    found: list[Question] = []
+    pairs: list[tuple[str, str]] = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise SystemExit(f"error: {path}:{number}: not JSON ({exc})") from None
+        if isinstance(row, dict) and isinstance(row.get("messages"), list):
+            messages = tuple({"role": str(m["role"]), "content": str(m.get("content") or "")} for m in row["messages"])
+            adversarial = row.get("adversarial") or {}
+            found.append(Question(str(row.get("id", number)), str(row.get("family", "")), messages, None, row,
+                                  row.get("max_tokens"), row.get("response_format"), adversarial.get("base")))
+        elif isinstance(row, dict) and "question" in row and "answer" in row:
+            pairs.append((str(row["question"]), str(row["answer"]).split("####")[-1].strip().replace(",", "")))
+        else:
+            raise SystemExit(f"error: {path}:{number}: expected `messages` (a workload record) or `question` and `answer`")
+        if len(found) + len(pairs) >= limit:
+            break
+    if found and pairs:
+        raise SystemExit(f"error: {path}: mixes workload records and question/answer lines")
+    return found or numeric(pairs)
+
+
+def load_checker(path: Path) -> Checker:
+    """`check(record, text) -> bool` from a workload's checker file."""
+    spec = importlib.util.spec_from_file_location("workload_check", path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise SystemExit(f"error: {path}: no checker file there (a Python file defining check(record, text))")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    check = getattr(module, "check", None)
+    if not callable(check):
+        raise SystemExit(f"error: {path}: defines no check(record, text)")
+    return check
+
+
+def find_checker(data: Path) -> Path | None:
+    """A workload keeps `check.py` beside its splits or one folder up (bench/workload/check.py)."""
+    for folder in (data.parent, data.parent.parent):
+        if (folder / "check.py").is_file():
+            return folder / "check.py"
+    return None
 
 
 def gsm8k(limit: int, path: Path | None = None) -> list[tuple[str, str]]:
@@ -119,18 +217,23 @@ class Answer:
     answered_by: str | None
 
 
-def run(base_url: str, key: str, route: str, tiers: list[str], prices: dict[str, Price], questions: list[tuple[str, str]],
-        max_tokens: int, progress: Any = None, answers: list[Answer] | None = None, include_route: bool = True) -> dict[str, Any]:
+def run(base_url: str, key: str, route: str, tiers: list[str], prices: dict[str, Price], questions: list[Question],
+        max_tokens: int, progress: Any = None, answers: list[Answer] | None = None, include_route: bool = True,
+        check: Checker | None = None) -> dict[str, Any]:
     """Every question through the route and each tier alone; `answers`, when given, receives each
-    question's result per target."""
+    question's result per target. A workload record's answer is judged by `check`; `max_tokens` is
+    for questions that do not name their own."""
     targets = {name: Target(name) for name in ([route] if include_route else []) + tiers}
     headers = {"Authorization": f"Bearer {key}", "Cache-Control": "no-cache, no-store"}  # measure models, not the cache
     with httpx.Client(base_url=base_url, headers=headers, timeout=600) as client:
-        for i, (question, gold) in enumerate(questions):
-            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-            bucket = buckets(features(messages, False))[0]  # the same features the router computes
+        for i, q in enumerate(questions):
+            if q.gold is None and (check is None or q.record is None):
+                raise ValueError(f"question {q.ref} has neither a gold number nor a checker")
+            bucket = buckets(features(list(q.messages), q.structured))[0]  # the same features the router computes
             for name, target in targets.items():
-                body = {"model": name, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+                body: dict[str, Any] = {"model": name, "messages": list(q.messages), "max_tokens": q.max_tokens or max_tokens, "temperature": 0}
+                if q.response_format:
+                    body["response_format"] = q.response_format
                 started = time.perf_counter()
                 response = client.post("/v1/chat/completions", json=body)
                 latency = time.perf_counter() - started
@@ -144,7 +247,12 @@ def run(base_url: str, key: str, route: str, tiers: list[str], prices: dict[str,
                 data = response.json()
                 served = response.headers.get("x-route-model") or ("default" if response.headers.get("x-route-default") else data["model"])
                 target.models[served] = target.models.get(served, 0) + 1
-                correct = same_number(extract(data["choices"][0]["message"]["content"]), gold)
+                text = data["choices"][0]["message"]["content"] or ""
+                if q.gold is not None:
+                    correct = same_number(extract(text), q.gold)
+                else:
+                    assert check is not None and q.record is not None
+                    correct = bool(check(q.record, text))
                 target.correct += correct
                 # A routed answer also paid for its failed attempts (and its classifier call is settled
                 # apart): x-route-cost-nanousd sums every attempt.
@@ -184,7 +292,8 @@ def compare(summary: dict[str, Any], tiers: Sequence[str], route: str) -> dict[s
     }
 
 
-def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, Any], answers: Sequence[Answer] = ()) -> int:
+def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, Any], answers: Sequence[Answer] = (),
+          asked: Sequence[Question] = ()) -> int:
     with db:
         db.execute("INSERT INTO eval_runs(at, kind, dataset, questions, summary) VALUES (?, 'router', ?, ?, ?)",
                    (time.time(), dataset, questions, json.dumps(summary)))
@@ -192,6 +301,9 @@ def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, 
         db.executemany("INSERT INTO eval_answers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        [(run_id, a.question, a.target, a.tier, a.bucket, int(a.correct), a.cost_nanos, a.latency_s, a.answered_by)
                         for a in answers])
+        db.executemany("INSERT INTO eval_questions VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       [(run_id, i, q.ref, q.family, json.dumps(list(q.messages)), json.dumps(q.response_format) if q.response_format else None,
+                         q.adversarial_of) for i, q in enumerate(asked)])
         return run_id
 
 
@@ -207,6 +319,65 @@ def observations(db: apsw.Connection, run_ids: list[int], tiers: tuple[str, ...]
             if target in tiers:
                 found.append(Observation(bucket, tiers.index(target), bool(correct), cost))
     return found
+
+
+@dataclass(frozen=True)
+class Labelled:
+    """One question of a stored run with every tier's result: what a learned router trains on."""
+    run_id: int
+    ref: str
+    family: str
+    messages: tuple[dict[str, str], ...]
+    structured: bool
+    correct: tuple[bool, ...]  # per tier, cheapest first
+    cost_nanos: tuple[int, ...]
+    adversarial_of: str | None = None
+
+
+def labelled(db: apsw.Connection, run_ids: list[int], tiers: tuple[str, ...]) -> tuple[list[Labelled], int]:
+    """The questions of stored runs that every tier answered (a failed request measured the server,
+    not the tier), and how many were left out for that. Runs from before questions were stored give none."""
+    found, partial = [], 0
+    for run_id in run_ids:
+        results: dict[int, dict[str, tuple[bool, int]]] = {}
+        for question, target, correct, cost in db.execute(
+                "SELECT question, target, correct, cost_nanos FROM eval_answers "
+                "WHERE run_id = ? AND tier IS NOT NULL AND answered_by IS NOT NULL", (run_id,)):
+            results.setdefault(question, {})[target] = (bool(correct), cost)
+        for question, ref, family, messages, response_format, adversarial_of in db.execute(
+                "SELECT question, ref, family, messages, response_format, adversarial_of FROM eval_questions WHERE run_id = ? ORDER BY question",
+                (run_id,)):
+            mine = results.get(question, {})
+            if not all(t in mine for t in tiers):
+                partial += 1
+                continue
+            kind = (json.loads(response_format) or {}).get("type") if response_format else None
+            found.append(Labelled(run_id, ref, family, tuple(json.loads(messages)), kind in ("json_object", "json_schema"),
+                                  tuple(mine[t][0] for t in tiers), tuple(mine[t][1] for t in tiers), adversarial_of))
+    return found, partial
+
+
+def routing_inputs(rows: Sequence[Labelled]) -> tuple[list[Features], list[str], np.ndarray, str]:
+    """Each labelled question as the route sees it: its features, the text the router reads, that text
+    embedded by the bundled MiniLM (the embedder a route loads for its learned table), and the
+    embedder's name."""
+    from appliance.semantic_cache import bundled_minilm
+
+    found = [features(list(r.messages), r.structured) for r in rows]
+    texts = [routing_text(list(r.messages)) for r in rows]
+    embedder = bundled_minilm()
+    try:
+        vectors = [embedder.embed_now(texts[i:i + 32]) for i in range(0, len(texts), 32)]
+    finally:
+        embedder.close()
+    return found, texts, np.concatenate(vectors) if vectors else np.zeros((0, embedder.dimension), np.float32), embedder.name
+
+
+def train_knn(rows: Sequence[Labelled], settings: KnnSettings) -> Knn:
+    found, texts, vectors, embedder = routing_inputs(rows)
+    return train(vectors, np.array([feature_vector(f) for f in found]).reshape(len(rows), len(FEATURE_COLUMNS)),
+                 np.array([r.correct for r in rows], dtype=bool).reshape(len(rows), -1),
+                 np.array([r.cost_nanos for r in rows], dtype=np.float64).reshape(len(rows), -1), tuple(texts), embedder, settings)
 
 
 def tiers_of(db: apsw.Connection, run_id: int) -> list[str] | None:

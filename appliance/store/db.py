@@ -100,6 +100,12 @@ def _create_eval_answers(db: apsw.Connection) -> None:
     create_answer_table(db)
 
 
+def _create_eval_questions(db: apsw.Connection) -> None:
+    from appliance.evaluate import create_question_table
+
+    create_question_table(db)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     ("0001_request_log", _create_request_log),
     ("0002_api_keys", keystore.create_tables),
@@ -109,6 +115,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0006_spans", _create_spans),
     ("0007_eval_runs", _create_eval_runs),
     ("0008_eval_answers", _create_eval_answers),
+    ("0009_eval_questions", _create_eval_questions),
 )
 
 
