@@ -19,7 +19,7 @@ from appliance.api import render
 from appliance.api.cached import CachePlan, cache_plan, serve_hit
 from appliance.api.common import authenticate, decode_body
 from appliance.api.errors import APIError, invalid
-from appliance.api.routed import routed_chat
+from appliance.api.routed import route_meta, routed_chat
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from appliance.api.translate import Prepared, chat_messages, check_token_ids, prepare_chat, prepare_completion
 from appliance.gate import Admission
@@ -175,7 +175,7 @@ async def list_models(request: Request[Any, Any, Any], services: Services) -> di
             listing["data"].append({"id": f"{model.settings.alias}:{adapter.name}", "object": "model", "created": services.started_at,
                                     "owned_by": "appliance-adapter", "meta": {"base": model.settings.alias, "scale": adapter.scale}})
     listing["data"] += [{"id": r.alias, "object": "model", "created": services.started_at, "owned_by": "appliance-route",
-                         "meta": {"tiers": list(r.tiers), "calibrated_buckets": r.calibration.measured() if r.calibration else []}}
+                         "meta": route_meta(r)}
                         for r in services.settings.routes]
     return listing
 

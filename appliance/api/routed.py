@@ -15,21 +15,25 @@ import json
 import time
 from typing import Any
 
+import numpy as np
 from litestar import Request, Response
 from litestar.response import Stream
 
 from appliance.api import render
-from appliance.api.cached import replay, route_cache_plan, serve_hit
+from appliance.api.cached import CachePlan, replay, route_cache_plan, serve_hit
 from appliance.api.errors import APIError
 from appliance.api.schemas import ChatCompletionRequest
 from appliance.api.translate import Prepared, chat_messages, prepare_chat
+from appliance.embedders import Embedder
 from appliance.registry import LoadedModel
+from appliance.semantic_cache import bundled_minilm
 from appliance.services import Services, price_of
 from appliance.settings import RouteSettings
 from appliance.tracing import RequestTrace, annotate
 from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
 from policy.identity import Principal
-from policy.router import TIER_NAMES, Verdict, buckets, clamp_tier, decide_calibrated, features, validate
+from policy.router import TIER_NAMES, Verdict, buckets, clamp_tier, decide_calibrated, describe, features, validate
+from policy.router_text import routing_text
 
 _NOT_SERVED = ("cooling down", "timeout", "failed to serve")
 _cooling: dict[str, float] = {}  # model alias -> until when it is skipped after failing to serve
@@ -77,6 +81,48 @@ async def classify_with_llm(services: Services, route: RouteSettings, principal:
         return bounded
 
 
+_embedders: dict[str, Embedder] = {}  # the learned router's own, by name, when the cache has none of that name
+_embedder_lock = asyncio.Lock()
+
+
+async def _routing_vector(services: Services, route: RouteSettings, text: str, plan: CachePlan) -> tuple[np.ndarray | None, str]:
+    """The embedding of what the router reads, for a route that learned from labelled requests, and
+    how it was had: the cache's lookup already embedded the same text with the same embedder on a
+    miss, so it is shared; else it is embedded here."""
+    knn = route.calibration.knn if route.calibration is not None else None
+    if knn is None:
+        return None, "not needed"
+    cache_embedder = services.cache.embedder
+    lookup, item = plan.lookup, plan.item
+    if (cache_embedder is not None and cache_embedder.name == knn.embedder and lookup is not None and lookup.vector is not None
+            and item is not None and item.question.split() == text.split()):  # whitespace does not change the tokens
+        return lookup.vector, "shared with the cache"
+    embedder = cache_embedder if cache_embedder is not None and cache_embedder.name == knn.embedder else await _own_embedder(knn.embedder)
+    if embedder is None:
+        return None, f"no embedder {knn.embedder!r}"
+    vector = (await embedder.embed([text]))[0]
+    if vector.shape[0] != knn.vectors.shape[1]:
+        return None, f"dimension {vector.shape[0]}, the table's {knn.vectors.shape[1]}"
+    return vector, "embedded"
+
+
+async def _own_embedder(name: str) -> Embedder | None:
+    """The bundled MiniLM (what `appliance eval calibrate` embeds with), loaded once on first use."""
+    async with _embedder_lock:
+        if name not in _embedders:
+            loaded = await asyncio.to_thread(bundled_minilm)
+            if loaded.name != name:
+                return None
+            _embedders[name] = loaded
+        return _embedders[name]
+
+
+def route_meta(route: RouteSettings) -> dict[str, object]:
+    """What `/v1/models` says of a route: its tiers and what it decides by (method, labelled
+    questions, threshold, each tier's measured accuracy)."""
+    return describe(route.calibration, route.tiers)
+
+
 def _role_bounds(route: RouteSettings, role: str) -> tuple[int | None, int | None]:
     floor = dict(route.role_floor).get(role)
     ceiling = dict(route.role_ceiling).get(role)
@@ -108,18 +154,20 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     if body.response_format is not None and body.response_format.json_schema is not None:
         schema = body.response_format.json_schema.schema
     found = features(messages, wants_json)
-    decision = decide_calibrated(found, len(route.tiers), route.calibration)
-    tier, how = decision.tier, decision.by
+    text = routing_text(messages)
     with traced.child("route.decide", route=route.alias) as span:
+        vector, embedded = await _routing_vector(services, route, text, plan)
+        decision = decide_calibrated(found, len(route.tiers), route.calibration, vector)
+        tier, how = decision.tier, decision.by
         if decision.confidence < route.classifier_below and route.classifier_model:
-            opinion = await classify_with_llm(services, route, principal, request_id, messages[-1]["content"], tier, traced)
+            opinion = await classify_with_llm(services, route, principal, request_id, text, tier, traced)
             if opinion is not None:
                 tier, how = opinion, "classifier"
         floor, ceiling = _role_bounds(route, principal.role)
         bounded = clamp_tier(tier, len(route.tiers), floor, ceiling)
         annotate(span, route__score=decision.score, route__confidence=decision.confidence, route__reason=decision.reason,
                  route__by=how, route__bucket=buckets(found)[0], route__tier=bounded, route__tier_before_role=tier, route__injection_flagged=found.injection,
-                 route__features=json.dumps(dataclasses.asdict(found)))
+                 route__features=json.dumps(dataclasses.asdict(found)), route__embedding=embedded)
     if found.injection:
         services.metrics.route_injection_flags.inc()
     last = len(route.tiers) - 1
