@@ -244,6 +244,7 @@ def judge_stage(pairs: list[Pair], tune: list[Pair], report: list[Pair], default
             recall, false_hits = rates(tune, band=float(band), judge_min=float(judge_min), **default)  # type: ignore[arg-type]
             if false_hits <= base[1] and recall > best[0]:
                 best = (recall, float(band), float(judge_min))
+    line("+ judge on the whole band, p>=0.5", tune, report, results, f"[{BAND_FLOOR:.2f}, t)", band=BAND_FLOOR, judge_min=0.5, **default)
     _, band, judge_min = best
     label = "no band helps" if band is None else f"[{band:.2f}, t) p>={judge_min:.2f}"
     line("+ judge (band tuned on tune)", tune, report, results, label, band=band, judge_min=judge_min, **default)
