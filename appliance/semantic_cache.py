@@ -21,8 +21,8 @@ import numpy as np
 from prometheus_client import Gauge
 
 from appliance.embedders import Embedder, EngineEmbedder
-from appliance.metrics import Metrics
 from appliance.judge import yes_probability
+from appliance.metrics import Metrics
 from appliance.registry import LoadedModel, Registry
 from appliance.settings import CacheSettings, ModelSettings, TracingSettings
 from appliance.store.worker import StoreWorker

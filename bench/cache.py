@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import appliance_server  # noqa: E402
+
 from appliance.semantic_cache import bundled_minilm  # noqa: E402
 from appliance.store.db import connect, migrate  # noqa: E402
 from policy.cache import Bucket, CachePolicy, judge_candidates, question_hash  # noqa: E402
@@ -123,7 +124,7 @@ def http(n: int, workdir: Path, max_tokens: int) -> tuple[dict[str, list[float]]
             elapsed, result = ask("How do I reset my password?", {"Cache-Control": "no-cache"})
             assert result == "bypass", result
             out["model call (no-cache)"].append(elapsed)
-        found = re.search(r"^appliance_cache_cost_weighted_verified_hit_rate (\S+)$", client.get("/metrics").text, re.M)
+        found = re.search(r"^appliance_cache_cost_weighted_verified_hit_rate (\S+)$", client.get("/metrics").text, re.MULTILINE)
         return out, float(found.group(1)) if found else float("nan")
     finally:
         appliance_server.stop(proc)

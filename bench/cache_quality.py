@@ -19,7 +19,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from policy.cache import CachePolicy, threshold_for  # noqa: E402
-from policy.cache_guards import NO_LEXICON, Comparison, compare, spelled  # noqa: E402
+from policy.cache_guards import Comparison, compare, spelled  # noqa: E402
 
 PAIRS = ROOT / "tests" / "data" / "cache_pairs.jsonl"
 MAX_FALSE_HITS = 0.02
@@ -42,7 +42,7 @@ class Pair:
     kind: str
     split: str
     cosine: float = 0.0
-    comparison: Comparison = Comparison(None)
+    comparison: Comparison = field(default_factory=lambda: Comparison(None))
     judge: float | None = None
 
     @property

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
+from itertools import pairwise
 from types import MappingProxyType
 
 # -- word classes: closed classes of English, not words fitted to any labelled pair -------------
@@ -364,12 +365,12 @@ def _common_prefix(a: str, b: str) -> str:
 def _matches(w: Word, other: list[Word], lexicon: Lexicon) -> bool:
     if any(_same_word(w, o, lexicon) for o in other):
         return True
-    return w.plain in {a.plain + b.plain for a, b in zip(other, other[1:])}  # wifi / wi-fi, login / log in
+    return w.plain in {a.plain + b.plain for a, b in pairwise(other)}  # wifi / wi-fi, login / log in
 
 
 def _unmatched(ws: list[Word], other: list[Word], lexicon: Lexicon) -> list[Word]:
     others = {o.plain for o in other}
-    joined = {id(w) for a, b in zip(ws, ws[1:]) if a.plain + b.plain in others for w in (a, b)}
+    joined = {id(w) for a, b in pairwise(ws) if a.plain + b.plain in others for w in (a, b)}
     return [w for w in ws if id(w) not in joined and not _matches(w, other, lexicon)]
 
 

@@ -288,9 +288,9 @@ def test_the_metrics_carry_the_cost_weighted_rate_on_verified_answers(cached: tu
                headers={"Authorization": f"Bearer {keys['zeta']}"}).raise_for_status()
     assert ask(server, keys["zeta"], question).headers["x-cache-state"] == "verified"
     scraped = httpx.get(f"{server.base_url}/metrics").text
-    gauge = float(re.search(r"^appliance_cache_cost_weighted_verified_hit_rate (\S+)$", scraped, re.M).group(1))  # type: ignore[union-attr]
-    saved = float(re.search(r'^appliance_cache_saved_nanousd_total\{state="verified"\} (\S+)$', scraped, re.M).group(1))  # type: ignore[union-attr]
-    cost = float(re.search(r"^appliance_cache_request_cost_nanousd_total (\S+)$", scraped, re.M).group(1))  # type: ignore[union-attr]
+    gauge = float(re.search(r"^appliance_cache_cost_weighted_verified_hit_rate (\S+)$", scraped, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    saved = float(re.search(r'^appliance_cache_saved_nanousd_total\{state="verified"\} (\S+)$', scraped, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    cost = float(re.search(r"^appliance_cache_request_cost_nanousd_total (\S+)$", scraped, re.MULTILINE).group(1))  # type: ignore[union-attr]
     assert 0 < gauge < 1 and gauge == pytest.approx(saved / cost)
     stats = httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {keys['admin']}"}).json()
     assert stats["since_start"]["cost_weighted_verified_hit_rate"] == pytest.approx(gauge)
@@ -304,7 +304,7 @@ def test_the_judge_decides_the_band_through_the_server_and_never_overrides_a_gua
     server = start_server(tmp_path / "judged", config_text(embeddings=False, price_in=1.0, price_out=2.0, cache=cache))
     try:
         def judge_calls() -> float:
-            found = re.search(r"^appliance_cache_judge_calls_total (\S+)$", httpx.get(f"{server.base_url}/metrics").text, re.M)
+            found = re.search(r"^appliance_cache_judge_calls_total (\S+)$", httpx.get(f"{server.base_url}/metrics").text, re.MULTILINE)
             return float(found.group(1)) if found else 0.0
 
         first = ask(server, "unused", QUESTION)

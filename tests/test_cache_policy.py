@@ -10,7 +10,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policy.cache import AskJudge, Cacheable, CachePolicy, Candidate, Hit, Miss, NotCacheable, classify, judge_candidates, normalise, threshold_for
+from policy.cache import (
+    AskJudge,
+    Cacheable,
+    CachePolicy,
+    Candidate,
+    Hit,
+    Miss,
+    NotCacheable,
+    classify,
+    judge_candidates,
+    normalise,
+    threshold_for,
+)
 from policy.cache_guards import NO_LEXICON, Comparison, Lexicon, compare, lexicon_from_vocab, spelled
 
 VOCAB = Path(__file__).resolve().parent.parent / "appliance" / "data" / "all-minilm-l6-v2" / "vocab.txt"
