@@ -15,6 +15,7 @@ one slip of the keys), both made at run time.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import asyncio
 import json
 import sys
@@ -31,6 +32,7 @@ from policy.cache import CachePolicy, threshold_for  # noqa: E402
 from policy.cache_guards import Comparison, compare, spelled  # noqa: E402
 
 PAIRS = ROOT / "tests" / "data" / "cache_pairs.jsonl"
+HELDOUT = ROOT / "tests" / "data" / "cache_pairs_heldout.jsonl"  # never tuned on: measured only
 MAX_FALSE_HITS = 0.02
 
 
@@ -50,8 +52,8 @@ class Pair:
         return self.comparison.guard
 
 
-def load_pairs() -> list[Pair]:
-    rows = [json.loads(line) for line in PAIRS.read_text().splitlines() if line.strip()]
+def load_pairs(path: Path = PAIRS) -> list[Pair]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [Pair(r["a"], r["b"], r["label"] == "hit", r["kind"], r["split"]) for r in rows]
 
 
@@ -66,7 +68,7 @@ def typo(text: str) -> str | None:
     return None if slipped == word else text.replace(word, slipped, 1)
 
 
-def embed_pairs(pairs: list[Pair]) -> float:
+def embed_pairs(pairs: list[Pair], augment: bool = True) -> float:
     """Cosine of every pair with the cache's embedder (each question spelled as the cache spells it),
     plus hard negatives: each paraphrase pair's cached question against the most similar question
     of another pair (a different question on a near topic, which a bucket full of entries will
@@ -76,7 +78,7 @@ def embed_pairs(pairs: list[Pair]) -> float:
     lexicon = bundled_lexicon()
     embedder = bundled_minilm()
     try:
-        for p in [p for p in pairs if p.hit]:
+        for p in [p for p in pairs if p.hit and augment]:
             for question in (p.a, p.b):
                 if (slipped := typo(question)) is not None:
                     pairs.append(Pair(question, slipped, True, "typo", p.split))
@@ -86,7 +88,7 @@ def embed_pairs(pairs: list[Pair]) -> float:
         def vector(text: str) -> np.ndarray:
             return vectors[spelled(text, lexicon)]
 
-        paraphrases = [p for p in pairs if p.hit and p.kind == "paraphrase"]
+        paraphrases = [p for p in pairs if p.hit and p.kind == "paraphrase" and augment]
         for p in paraphrases:
             others = [q.b for q in paraphrases if q is not p]
             nearest = max(others, key=lambda b: float(vector(p.a) @ vector(b)))
@@ -184,7 +186,11 @@ def main() -> int:
     parser.add_argument("--judge", action="store_true", help="also run the judge stage (loads the bundled model)")
     parser.add_argument("--judge-model", type=Path, help="a GGUF chat model to judge with instead of the bundled one")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--heldout", action="store_true",
+                        help=f"only the cache's defaults on {HELDOUT.name}, pairs written apart from the guards and never tuned on")
     args = parser.parse_args()
+    if args.heldout:
+        return heldout()
     pairs = load_pairs()
     embed_ms = embed_pairs(pairs)
     tune = [p for p in pairs if p.split == "tune"]
@@ -220,6 +226,24 @@ def main() -> int:
         judge_stage(pairs, tune, report, default, results, args.judge_model)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def heldout() -> int:
+    """The cache's defaults, as shipped, on the held-out pairs: nothing here is tuned."""
+    pairs = load_pairs(HELDOUT)
+    embed_pairs(pairs, augment=False)
+    policy = CachePolicy()
+    default = {"threshold": policy.similarity_threshold, "guards": True, "relief": policy.same_words_relief}
+    rewordings = [p for p in pairs if p.hit]
+    traps = [p for p in pairs if not p.hit]
+    served = {k: (sum(accepted(p, **default) for p in pairs if p.kind == k), sum(p.kind == k for p in pairs))  # type: ignore[arg-type]
+              for k in sorted({p.kind for p in pairs})}
+    reword_rate = sum(accepted(p, **default) for p in rewordings) / len(rewordings)  # type: ignore[arg-type]
+    trap_rate = sum(accepted(p, **default) for p in traps) / len(traps)  # type: ignore[arg-type]
+    print(f"held-out pairs ({HELDOUT.name}, sha256 {hashlib.sha256(HELDOUT.read_bytes()).hexdigest()[:16]}): {len(pairs)}")
+    print("served by kind: " + ", ".join(f"{k} {n}/{total} ({n / total:.0%})" for k, (n, total) in served.items()))
+    print(f"rewordings served {reword_rate:.1%} (target >= 60%), traps served {trap_rate:.1%} (target <= 2%)")
     return 0
 
 
