@@ -77,7 +77,7 @@ def read(path: Path) -> Calibration:
     known = ("tiers", "keep", "min_samples", "samples", "accuracy", "cost_nanousd", "knn", "buckets")
     unknown = set(raw) - set(known)
     if unknown:
-        raise CalibrationError(sorted(unknown)[0], f"unknown key (expected {', '.join(known)})")
+        raise CalibrationError(min(unknown), f"unknown key (expected {', '.join(known)})")
     tiers = raw.get("tiers")
     if not isinstance(tiers, list) or not tiers or not all(isinstance(t, str) for t in tiers):
         raise CalibrationError("tiers", "expected a non-empty list of model aliases, cheapest first")
@@ -134,7 +134,7 @@ def _knn(table: object, path: Path, tiers: int) -> Knn:
         raise CalibrationError("knn", "expected a table: [knn]")
     unknown = set(table) - set(_KNN_KEYS)
     if unknown:
-        raise CalibrationError(f"knn.{sorted(unknown)[0]}", f"unknown key (expected {', '.join(_KNN_KEYS)})")
+        raise CalibrationError(f"knn.{min(unknown)}", f"unknown key (expected {', '.join(_KNN_KEYS)})")
     for key in ("table", "embedder"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise CalibrationError(f"knn.{key}", "expected a non-empty string")

@@ -31,7 +31,7 @@ from policy.router_knn import FEATURE_COLUMNS, Knn, KnnSettings, feature_vector,
 from policy.router_text import routing_text
 
 SYSTEM = "Solve the problem step by step, briefly. End with a last line of the form 'Answer: <number>'."
-_ANSWER = re.compile(r"answer\s*[:=]?\s*\$?\s*(-?[\d,]*\.?\d+)", re.I)
+_ANSWER = re.compile(r"answer\s*[:=]?\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from policy.router import ALL_FEATURES, HEURISTIC_FEATURES, Calibration, Features, decide, decide_calibrated
-from policy.router_knn import Knn, cheapest_within, estimate, feature_vector
+from policy.router_knn import Knn, cheapest_within, estimate
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,7 @@ def leave_one_out(knn: Knn, keep: float) -> list[int | None]:
     the table's own held-out estimate of what it learned."""
     chosen: list[int | None] = []
     for i in range(knn.samples):
-        others = np.arange(knn.samples) != i
-        rest = Knn(knn.embedder, knn.vectors[others], knn.features[others], knn.correct[others], knn.cost_nanos[others],
-                   tuple(t for j, t in enumerate(knn.texts) if j != i), knn.settings)
-        found = estimate(rest, knn.vectors[i], knn.features[i])
+        found = estimate(knn, knn.vectors[i], knn.features[i], leave_out=i)
         chosen.append(cheapest_within(found.accuracy, keep) if found.neighbours >= knn.settings.min_neighbours else None)
     return chosen
 

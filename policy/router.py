@@ -15,7 +15,6 @@ import re
 from dataclasses import dataclass
 
 import jsonschema
-
 import numpy as np
 
 from policy.guardrails import INJECTION as _INJECTION
@@ -47,17 +46,17 @@ class Decision:
     by: str = "heuristics"  # or "buckets", "knn" (a calibration decided)
 
 
-_CODE = re.compile(r"```|\bdef |\bclass |\bfunction\b|\breturn\b|=>|[{};]\s*$|\bimport |#include|\bSELECT\b|\bfn \w+\(", re.M)
+_CODE = re.compile(r"```|\bdef |\bclass |\bfunction\b|\breturn\b|=>|[{};]\s*$|\bimport |#include|\bSELECT\b|\bfn \w+\(", re.MULTILINE)
 _MATH_WORDS = re.compile(
     r"\b(solve|equation|integral|derivative|probability|prove|theorem|percent|percentage|average|sum of|product of|"
-    r"how many|how much|calculat\w*|compute|total|remainder|ratio|fraction|times as many|per hour|per day)\b", re.I)
+    r"how many|how much|calculat\w*|compute|total|remainder|ratio|fraction|times as many|per hour|per day)\b", re.IGNORECASE)
 _QUANTITY_QUESTION = re.compile(r"\b(how (many|much|long|far|old)|what (is|was) the (total|number|amount|cost|price|difference)|"
-                                r"in total|altogether|left over|remain)\b", re.I)
+                                r"in total|altogether|left over|remain)\b", re.IGNORECASE)
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)?(?![\w.])")
 _MATH_OPS = re.compile(r"\d\s*[-+*/×÷^=]\s*\d|\d+\s*%|\$\s*\d")
 _STEPS = re.compile(r"\b(step[- ]by[- ]step|steps|first\b.*\bthen\b|explain why|compare|analy[sz]e|design|plan|trade-?offs?|"
-                    r"pros and cons|in detail|reasoning|derive|justify|evaluate)\b", re.I | re.S)
-_ENUMERATION = re.compile(r"^\s*(\d+[.)]|[-*•])\s+", re.M)
+                    r"pros and cons|in detail|reasoning|derive|justify|evaluate)\b", re.IGNORECASE | re.DOTALL)
+_ENUMERATION = re.compile(r"^\s*(\d+[.)]|[-*•])\s+", re.MULTILINE)
 
 
 def features(messages: list[dict[str, str]], structured_output: bool) -> Features:
@@ -140,7 +139,7 @@ def clamp_tier(tier: int, tiers: int, floor: int | None, ceiling: int | None) ->
 
 _REFUSAL = re.compile(
     r"^\s*(i'?m sorry|i am sorry|sorry,|i cannot|i can't|i can not|i am unable|i'm unable|as an ai|i don't know|"
-    r"i do not know|unfortunately, i)", re.I)
+    r"i do not know|unfortunately, i)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)

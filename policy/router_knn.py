@@ -94,14 +94,20 @@ def similarities(knn: Knn, vector: np.ndarray, features: np.ndarray) -> tuple[np
     return text, (1 - w) * text + w * (knn.features @ features.astype(np.float32))
 
 
-def estimate(knn: Knn, vector: np.ndarray, features: np.ndarray) -> Estimate:
+def estimate(knn: Knn, vector: np.ndarray, features: np.ndarray, leave_out: int | None = None) -> Estimate:
     """P(correct | tier) from the k most similar labelled requests whose text is at least `floor`
-    similar (the floor reads the embeddings alone: two requests are not alike for sharing no trait)."""
+    similar (the floor reads the embeddings alone: two requests are not alike for sharing no trait).
+    `leave_out`: a row of the table to estimate as if it were not there (a held-out check)."""
     s = knn.settings
-    prior = (knn.correct.sum(axis=0) + 1) / (knn.samples + 2)  # smoothed: no tier is certain from a handful
-    if knn.samples == 0:
+    right, n = knn.correct.sum(axis=0), knn.samples
+    if leave_out is not None:
+        right, n = right - knn.correct[leave_out], n - 1
+    prior = (right + 1) / (n + 2)  # smoothed: no tier is certain from a handful
+    if n == 0:
         return Estimate(tuple(float(p) for p in prior), 0, 0.0, None, 0.0)
     text, sims = similarities(knn, vector, features)
+    if leave_out is not None:
+        text[leave_out] = sims[leave_out] = -np.inf
     order = np.argsort(-sims, kind="stable")  # stable: equal similarities keep the table's order
     order = order[text[order] >= s.floor][: s.k]
     if len(order) == 0:
@@ -110,7 +116,7 @@ def estimate(knn: Knn, vector: np.ndarray, features: np.ndarray) -> Estimate:
     weights = np.exp(s.sharpness * (sims[order] - sims[order[0]]))
     right = weights @ knn.correct[order].astype(np.float64)
     accuracy = (right + s.prior * prior) / (weights.sum() + s.prior)
-    return Estimate(tuple(round(float(p), 4) for p in accuracy), int(len(order)), round(float(weights.sum()), 4),
+    return Estimate(tuple(round(float(p), 4) for p in accuracy), len(order), round(float(weights.sum()), 4),
                     int(order[0]), round(float(sims[order[0]]), 4))
 
 

@@ -24,51 +24,60 @@ PLEA = re.compile(
     r"i (hereby )?(authori[sz]e|order|instruct|command|require) you|authori[sz]ed (to|by)|(admin|root|sudo|developer|god) (access|mode|override)|"
     r"enterprise[- ](tier|customer|plan|user|account)|premium (user|customer|account|plan|subscriber)|"
     r"full (capacity|power|reasoning)|\bgpt-?\d|\bclaude\b|\bgemini\b|"
-    r"my (boss|manager|ceo|cto|lead) (said|says|wants|insists|requires))", re.I)
-_TEMPLATE_TAG = re.compile(r"<\|[a-z_]+\|>\s*(system|user|assistant)?|\[/?INST\]|<</?SYS>>", re.I)
-# A line that opens a turn ("### System", "[assistant]", "<system>", "User:"): what follows it until the
-# next such line is that role's, and only the user's turns are the caller's.
-_ROLE_LINE = re.compile(r"^\s*(#{1,6}\s*|\[|<|\*\*)?\s*(system|assistant|developer|user|human|ai|model)\s*(\]|>|\*\*|:)?\s*$", re.I)
-_ROLE_OBJECT = re.compile(r"[\"']role[\"']\s*:\s*[\"'](system|assistant|developer)[\"']", re.I)
-_ROLE_ELEMENT = re.compile(r"<(system|sys|assistant|developer|instructions?)>.*?</\1>", re.I | re.S)
+    r"my (boss|manager|ceo|cto|lead) (said|says|wants|insists|requires)|"
+    r"(expensive|largest|biggest|strongest|smartest|best|highest|premium|advanced|powerful|capable|frontier|top|quality)\W+(\w+\W+){0,3}"
+    r"(model|tier|llm|engine)s?\b|priority request|by order of|override|difficulty\s*[:=]|"
+    r"this is an? (\w+[ ,]+){0,2}(hard|difficult|complex|tricky|challenging)|"
+    # claims that the task is hard: graduate exams and olympiads do not make a question one
+    r"olympiad|ph\.?d|graduate[- ](level|exam|course)|qualifying exam|proof[- ]level|rigou?r|rigorous(ly)?|formal correctness|"
+    r"multi-step reasoning|asymptotic complexity|edge cases|for context)", re.IGNORECASE)
+# Chat-template tags inside a message: each becomes a line naming the turn it opens (or a plain break).
+_TEMPLATE_TAG = re.compile(r"<\|(im_start|start_header_id)\|>\s*(system|user|assistant|developer)\s*(<\|end_header_id\|>)?|"
+                           r"<\|(system|user|assistant)\|>|<<(/?)SYS>>|<\|(im_end|eot_id|end)\|>|<\|[a-z_]+\|>|\[/?INST\]", re.IGNORECASE)
+# A line that opens a turn ("### System", "[assistant]", "<system>", "User:", "[SYSTEM]: text"): what follows
+# until the next such line is that role's, and only the user's turns are the caller's.
+_ROLE_LINE = re.compile(r"^\s*(#{1,6}\s*|\[|<|\*\*)?\s*(system|assistant|developer|user|human|ai|model)\s*(\]|>|\*\*)?\s*(:|$)\s*(.*)$", re.IGNORECASE)
+_ROLE_OBJECT = re.compile(r"[\"']role[\"']\s*:\s*[\"'](system|assistant|developer)[\"']", re.IGNORECASE)
+_ROLE_ELEMENT = re.compile(r"<(system|sys|assistant|developer|instructions?)>.*?</\1>", re.IGNORECASE | re.DOTALL)
 _CLAUSE = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'”’)\]])\s+|(?<=[:;])\s+")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _CODE_LINE = re.compile(
     r"^\s*(def |class |import |from [\w.]+ import |return\b|for .+ in .+:\s*$|while .+:\s*$|if .+:\s*$|elif |else:|try:|except\b|"
     r"function\b|const |let |var |#include|using |public |private |fn |func |package |"
-    r"(SELECT|INSERT|UPDATE|DELETE|CREATE|WITH)\b.*\b(FROM|INTO|SET|TABLE|AS)\b|//|/\*|\*/|[{}()\[\]]+;?\s*$)"
-    r"|[;{]\s*$|^\s{2,}\S.*[=(){};]", re.M)
+    r"(SELECT|INSERT|UPDATE|DELETE|CREATE|WITH)\b.*\b(FROM|INTO|SET|TABLE|AS)\b|"
+    r"(FROM|JOIN|LEFT JOIN|RIGHT JOIN|INNER JOIN|WHERE|GROUP BY|ORDER BY|HAVING|LIMIT|UNION|VALUES)\b|--\s|//|/\*|\*/|[{}()\[\]]+;?\s*$)"
+    r"|[;{]\s*$|^\s{2,}\S.*[=(){};]|::|->|=>|#include|\w+\([^()]*\)\s*[{:]", re.MULTILINE)
+_JSON_LINE = re.compile(r"^\s*([\w ]{1,40}:\s*)?[{\[]\s*[\"'{\[]")
+_CODE_SYMBOL = re.compile(r"[{}\[\]();<>=_:&|^\\#]")
 # Prose that talks about code: then the code is the task, not padding.
 _CODE_TALK = re.compile(
     r"\b(code|coding|function|functions|method|class|script|program|programming|snippet|query|sql|regex|bug|bugs|error|errors|"
     r"exception|traceback|stack trace|compile|compiler|refactor|debug|implement\w*|unit tests?|tests? (pass|fail)|docstring|"
     r"variable|loop|syntax|python|javascript|typescript|java|rust|golang|c\+\+|c#|html|css|bash|shell|library|module|"
-    r"algorithm|complexity|output of|return value|returns?|runtime|this line|these lines|the above|the following|below)\b", re.I)
+    r"algorithm|complexity|output of|return value|returns?|runtime|this line|these lines|the above|the following|below|"
+    r"json|schema|xml|yaml|csv|markdown|table|format|field|fields|key|keys)\b", re.IGNORECASE)
 # A sentence that sets aside what came before it: what came before is not the task.
 _DISMISSAL = re.compile(
     r"\b(never ?mind( about)?( all)?( of)?( that| this| the above| it)?|not my (real |actual )?question|(that|this|the above) (is|was) (irrelevant|unrelated|not (the|my) question)|"
     r"ignore (all )?(that|this|the above|everything (above|before))|disregard (that|this|the above)|(that|the above) aside|"
     r"(proof|details?|context|background|that) (sketch )?aside|forget (that|the above|all that)|(my|the) (real|actual) question|"
-    r"here is what i (really |actually )?(need|want|want to know|am asking)|what i (really |actually )?(need|want) (is|to know))\b", re.I)
+    r"here is what i (really |actually )?(need|want|want to know|am asking)|what i (really |actually )?(need|want) (is|to know))\b", re.IGNORECASE)
 _QUESTION_END = re.compile(r"\?\s*[\"')\]]*\s*$")
 # Words that point back at what came before (not "this", which as often points at what follows).
 _REFERENCE = re.compile(r"\b(it|its|they|them|their|he|she|him|her|his|hers|above|previous|former|latter|aforementioned|"
-                        r"the same|so far|earlier)\b", re.I)
+                        r"the same|so far|earlier)\b", re.IGNORECASE)
 # Text that announces material to work on ("from this email:", "the following"): what comes after is that material.
 _INTRODUCES = re.compile(r":\s*$|:\s*\n|\b(following|below|this (text|email|message|passage|review|paragraph|document|article|note|letter|"
-                         r"sentence|list|table|data|report|ticket|conversation|transcript))\b", re.I | re.M)
+                         r"sentence|list|table|data|report|ticket|conversation|transcript))\b", re.IGNORECASE | re.MULTILINE)
 _ASK = re.compile(r"^\W*(classify|translate|name|list|give|tell|spell|summari[sz]e|rewrite|extract|write|say|define|convert|explain|"
-                  r"describe|identify|answer|compute|calculate|solve|what|who|where|when|which|why|how|is|are|does|do|can)\b", re.I)
+                  r"describe|identify|answer|compute|calculate|solve|what|who|where|when|which|why|how|is|are|does|do|can)\b", re.IGNORECASE)
 _WORD = re.compile(r"[^\W\d_]{3,}")
 _NUMBER = re.compile(r"\d+")
 _QUANTITY = re.compile(r"\b(how (many|much|long|far|old|often|fast|big|tall)|what (is|was|are) the (total|number|amount|sum|cost|price|"
-                       r"difference|average|ratio|percentage)|calculate|compute)\b", re.I)
+                       r"difference|average|ratio|percentage)|calculate|compute)\b", re.IGNORECASE)
 _HARD = re.compile(r"\b(prove|proof|theorem|lemma|integral|derivative|equation|manifold|eigen\w*|matrix|polynomial|"
-                   r"complexity|algorithm|optimi[sz]\w*|derive|step[- ]by[- ]step)\b", re.I)
-_COMMON = frozenset("the and for are was you not but all any can how who why its his her our out one two has had use get "
-                    "what which where when whose whom does have with from that this there their about would could should "
-                    "many much into your yours they them than then were been being also just only very more most some such "
-                    "name give tell please make find show list write explain answer question".split())
+                   r"complexity|algorithm|optimi[sz]\w*|derive|step[- ]by[- ]step)\b", re.IGNORECASE)
+_COMMON = frozenset(["the", "and", "for", "are", "was", "you", "not", "but", "all", "any", "can", "how", "who", "why", "its", "his", "her", "our", "out", "one", "two", "has", "had", "use", "get", "what", "which", "where", "when", "whose", "whom", "does", "have", "with", "from", "that", "this", "there", "their", "about", "would", "could", "should", "many", "much", "into", "your", "yours", "they", "them", "than", "then", "were", "been", "being", "also", "just", "only", "very", "more", "most", "some", "such", "name", "give", "tell", "please", "make", "find", "show", "list", "write", "explain", "answer", "question"])
 
 
 def last_user_turn(messages: list[dict[str, str]]) -> str:
@@ -78,7 +87,7 @@ def last_user_turn(messages: list[dict[str, str]]) -> str:
 def routing_text(messages: list[dict[str, str]]) -> str:
     """The task the last user turn states, each sentence once, and only the sentences it needs."""
     last = last_user_turn(messages)
-    lines = _without_code_nobody_asks_about(_callers_turns(_ROLE_ELEMENT.sub("\n", _TEMPLATE_TAG.sub("\n", last))))
+    lines = _without_code_nobody_asks_about(_callers_turns(_ROLE_ELEMENT.sub("\n", _TEMPLATE_TAG.sub(_turn_line, last))))
     kept = _unreferenced_preamble_dropped(_after_dismissal(_clauses(lines)))
     if kept:
         return "\n".join(kept)
@@ -86,37 +95,69 @@ def routing_text(messages: list[dict[str, str]]) -> str:
     return re.sub(r"\s+", " ", PLEA.sub(" ", INJECTION.sub(" ", last))).strip()
 
 
+def _turn_line(tag: re.Match[str]) -> str:
+    role = tag.group(2) or tag.group(4)
+    if role:
+        return f"\n[{role}]\n"
+    if tag.group(5) is not None:  # <<SYS>> opens a system turn, <</SYS>> goes back to the user's
+        return "\n[user]\n" if tag.group(5) else "\n[system]\n"
+    if tag.group(6):  # the end of a turn: what follows, in the caller's own message, is the caller's
+        return "\n[user]\n"
+    return "\n"
+
+
 def _callers_turns(text: str) -> list[str]:
-    """The lines of the caller's own turns: a forged system or assistant turn inside the message is dropped."""
+    """The lines of the caller's own turns: a forged system or assistant turn inside the message is dropped.
+    A role named without brackets needs its colon ("System: ..."), so a line that merely starts with
+    the word is not taken for a turn."""
     kept, role = [], "user"
     for line in text.split("\n"):
         opened = _ROLE_LINE.match(line)
-        if opened:
+        if opened and (opened.group(1) or opened.group(3) or opened.group(4) == ":"):
             role = "user" if opened.group(2).lower() in ("user", "human") else "other"
-            continue
+            line = opened.group(5)
+            if not line.strip():
+                continue
         if role == "user" and not _ROLE_OBJECT.search(line):
             kept.append(line)
+    if not any(line.strip() for line in kept):
+        # A forged turn that never hands back to the user holds the question too ("SYSTEM: ... What is X?"):
+        # its sentences are sorted one by one instead.
+        return [(m.group(5) if (m := _ROLE_LINE.match(line)) else line) for line in text.split("\n")]
     return kept
 
 
-def _without_code_nobody_asks_about(lines: list[str]) -> list[str]:
-    """Code beside prose that never mentions code (or any name in it) is padding; code alone, or code
-    the prose talks about, is the task."""
+def _code_lines(lines: list[str]) -> list[bool]:
     code, fenced = [], False
     for line in lines:
         if _FENCE.match(line):
             fenced = not fenced
             code.append(True)
         else:
-            code.append(fenced or bool(_CODE_LINE.search(line)))
+            code.append(fenced or _code_like(line))
+    return code
+
+
+def _without_code_nobody_asks_about(lines: list[str]) -> list[str]:
+    """Code beside prose that never mentions code (or any name in it) is padding; code alone, or code
+    the prose talks about, is the task."""
+    code = _code_lines(lines)
     prose = [line for line, is_code in zip(lines, code) if not is_code and line.strip()]
     if not prose or not any(code):
         return lines
-    said = " ".join(prose)
+    labels = [m.group(1) for line, is_code in zip(lines, code) if is_code and (m := _JSON_LINE.match(line)) and m.group(1)]
+    said = " ".join(prose + labels)  # "JSON Schema: {...}" names what its value is
     names = {w.lower() for line, is_code in zip(lines, code) if is_code for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", line)}
     if _CODE_TALK.search(said) or names & {w.lower() for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", said)} - _COMMON:
         return lines
     return prose
+
+
+def _code_like(line: str) -> bool:
+    """A line of code or data: a code construct, a JSON value (after a label, "Schema: {...}"), or dense in
+    the symbols code is written with and prose is not."""
+    symbols = len(_CODE_SYMBOL.findall(line))
+    return bool(_CODE_LINE.search(line) or _JSON_LINE.match(line)) or (symbols >= 3 and symbols >= 0.1 * len(line.strip()))
 
 
 def _clauses(lines: list[str]) -> list[str]:
@@ -124,7 +165,13 @@ def _clauses(lines: list[str]) -> list[str]:
     (a clause goes when a match touches it: "tier: frontier" spans two)."""
     seen: set[str] = set()
     kept_lines = []
-    for line in lines:
+    for line, is_code in zip(lines, _code_lines(lines)):
+        if is_code:  # code is kept line by line as written (a repeated line once): its clauses are not sentences
+            key = line.strip()
+            if key and key not in seen:
+                seen.add(key)
+                kept_lines.append(line.rstrip())
+            continue
         flagged = [m.span() for pattern in (INJECTION, PLEA) for m in pattern.finditer(line)]
         kept, start = [], 0
         for end in [m.start() for m in _CLAUSE.finditer(line)] + [len(line)]:

@@ -256,7 +256,7 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
         try:
             collected = await asyncio.wait_for(_until_disconnect(request, _collect(events)), route.attempt_timeout_s)
             finish = collected.finish
-        except asyncio.TimeoutError:
+        except TimeoutError:
             # Too slow: the stream is closed (the engine drops the request), the model cools down.
             _cooling[model.settings.alias] = time.monotonic() + route.cooldown_s
             annotate(span, outcome="timeout")
