@@ -902,6 +902,10 @@ def test_a_learned_route_sends_a_request_to_the_tier_its_neighbours_needed(route
     decided = next(s for s in spans_of(collector, response.headers["x-trace-id"]) if s["name"] == "route.decide")["attributes"]
     assert decided["route.by"] == "knn" and decided["route.reason"].startswith("knn: ")
     assert decided["route.embedding"] == "shared with the cache"  # the cache's lookup embedded the same text
+    # The cache embedded a typo spelled right ("capital"): not the text the router reads, so not shared.
+    typo = ask(server, keys["dev"], "Which city is the captial of Kenya?", model="learned", max_tokens=8)
+    decided = next(s for s in spans_of(collector, typo.headers["x-trace-id"]) if s["name"] == "route.decide")["attributes"]
+    assert typo.headers["x-cache"] == "miss" and decided["route.embedding"] == "embedded" and typo.headers["x-route-tier"] == "2"
     greeting = ask(server, keys["dev"], "Hello, good to see you!", model="learned", max_tokens=8, headers={"Cache-Control": "no-cache"})
     assert greeting.headers["x-route-tier"] == "0"
     spans = spans_of(collector, greeting.headers["x-trace-id"])

@@ -31,6 +31,7 @@ from appliance.services import Services, price_of
 from appliance.settings import RouteSettings
 from appliance.tracing import RequestTrace, annotate
 from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
+from policy.cache_guards import spelled
 from policy.identity import Principal
 from policy.router import TIER_NAMES, Verdict, buckets, clamp_tier, decide_calibrated, describe, features, validate
 from policy.router_text import routing_text
@@ -87,15 +88,16 @@ _embedder_lock = asyncio.Lock()
 
 async def _routing_vector(services: Services, route: RouteSettings, text: str, plan: CachePlan) -> tuple[np.ndarray | None, str]:
     """The embedding of what the router reads, for a route that learned from labelled requests, and
-    how it was had: the cache's lookup already embedded the same text with the same embedder on a
-    miss, so it is shared; else it is embedded here."""
+    how it was had: on a miss the cache's lookup has embedded the question with the same embedder, and
+    when that was exactly this text (nothing taken out here, no typo spelled right there) it is shared;
+    else it is embedded here, so a request's vector never depends on whether the cache was asked."""
     knn = route.calibration.knn if route.calibration is not None else None
     if knn is None:
         return None, "not needed"
     cache_embedder = services.cache.embedder
     lookup, item = plan.lookup, plan.item
     if (cache_embedder is not None and cache_embedder.name == knn.embedder and lookup is not None and lookup.vector is not None
-            and item is not None and item.question.split() == text.split()):  # whitespace does not change the tokens
+            and item is not None and spelled(item.question, services.cache.lexicon).split() == text.split()):  # spaces are not tokens
         return lookup.vector, "shared with the cache"
     embedder = cache_embedder if cache_embedder is not None and cache_embedder.name == knn.embedder else await _own_embedder(knn.embedder)
     if embedder is None:
