@@ -474,7 +474,8 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
             print(f"error: {settings.file}: routes: no route with alias {args.route!r}", file=sys.stderr)
             return 2
         prices = {m.alias: Price.per_million(m.price_input_per_mtok, m.price_output_per_mtok) for m in settings.models}
-        questions = evaluate.load_questions(args.file, args.limit) if args.file else evaluate.numeric(evaluate.gsm8k(args.limit))
+        questions = (evaluate.load_questions(args.file, args.limit or sys.maxsize) if args.file
+                     else evaluate.numeric(evaluate.gsm8k(args.limit or 50)))
         check = None
         if any(q.record is not None for q in questions):
             found = args.checker or evaluate.find_checker(args.file)
@@ -763,7 +764,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation = sub.add_parser("eval", help="evaluations").add_subparsers(dest="eval_command", required=True)
     router = evaluation.add_parser("router", help="GSM8K through a route and each of its tiers, over HTTP")
     router.add_argument("--route", default="auto")
-    router.add_argument("--limit", type=int, default=50, help="questions (the first N of the test split)")
+    router.add_argument("--limit", type=int, help="questions: the first N (default: 50 of GSM8K's test split, all of a --file)")
     router.add_argument("--max-tokens", type=int, default=384)
     router.add_argument("--url", help="the appliance (default: the config's host and port)")
     router.add_argument("--key", help="an API key (not needed in open mode)")
