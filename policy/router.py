@@ -94,7 +94,7 @@ def parts(f: Features) -> dict[str, float]:
 
 ALL_FEATURES = ("words", "code", "math", "steps", "structured_output", "word_problem", "turns", "non_ascii")
 # The features the heuristics score with: those that predicted a better tier on the development data
-# (`appliance eval features`; tests/test_router.py checks it on what is measured); a feature that
+# (`appliance eval simulate`; tests/test_router_learned.py checks it on what is measured); a feature that
 # does not is dropped here.
 HEURISTIC_FEATURES = ALL_FEATURES
 
