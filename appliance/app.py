@@ -95,6 +95,7 @@ def create_app(services: Services) -> Litestar:
         # Joining model threads blocks; keep the loop free to finish what is still streaming.
         await services.cache.close()  # its sweeps use the engines: stop them first
         await asyncio.to_thread(services.jobs.close)
+        await asyncio.to_thread(services.router_embedder.close)
         await asyncio.to_thread(services.registry.close)
         await services.gate.close()
         await asyncio.to_thread(services.store.close)  # writes the settlements still queued

@@ -4,6 +4,7 @@ L2-normalised float32 rows. Each embedder's model is owned by one thread."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -19,6 +20,27 @@ class Embedder(Protocol):
     async def embed(self, texts: list[str]) -> np.ndarray: ...
 
     def close(self) -> None: ...
+
+
+class OnDemand:
+    """An embedder loaded on first use by a part of the server that has none of its own (the learned
+    router, when the cache is off or embeds with another model); the server owns it and closes it."""
+
+    def __init__(self, load: Callable[[], Embedder]) -> None:
+        self._load = load
+        self._loaded: Embedder | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> Embedder:
+        async with self._lock:
+            if self._loaded is None:
+                self._loaded = await asyncio.to_thread(self._load)
+            return self._loaded
+
+    def close(self) -> None:
+        if self._loaded is not None:
+            self._loaded.close()
+            self._loaded = None
 
 
 def _normalise(rows: np.ndarray) -> np.ndarray:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from appliance.api.translate import Prepared
 from appliance.gate import Gate
-from appliance.semantic_cache import SemanticCache
+from appliance.embedders import OnDemand
+from appliance.semantic_cache import SemanticCache, bundled_minilm
 from appliance.tracing import Tracing
 from appliance.metrics import Metrics
 from appliance.registry import LoadedModel, Registry
@@ -35,6 +36,8 @@ class Services:
     cache: SemanticCache
     tracing: Tracing
     jobs: JobRunner = field(default_factory=JobRunner)  # quantize and pull, from the admin API
+    # The learned router's embedder when the cache has none of the same name: loaded on first use.
+    router_embedder: OnDemand = field(default_factory=lambda: OnDemand(bundled_minilm))
 
     def end_streams(self) -> None:
         """The server's grace period is running out: every engine ends its requests with a 503

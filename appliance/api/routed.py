@@ -26,7 +26,6 @@ from appliance.api.schemas import ChatCompletionRequest
 from appliance.api.translate import Prepared, chat_messages, prepare_chat
 from appliance.embedders import Embedder
 from appliance.registry import LoadedModel
-from appliance.semantic_cache import bundled_minilm
 from appliance.services import Services, price_of
 from appliance.settings import RouteSettings
 from appliance.tracing import RequestTrace, annotate
@@ -82,10 +81,6 @@ async def classify_with_llm(services: Services, route: RouteSettings, principal:
         return bounded
 
 
-_embedders: dict[str, Embedder] = {}  # the learned router's own, by name, when the cache has none of that name
-_embedder_lock = asyncio.Lock()
-
-
 async def _routing_vector(services: Services, route: RouteSettings, text: str, plan: CachePlan) -> tuple[np.ndarray | None, str]:
     """The embedding of what the router reads, for a route that learned from labelled requests, and
     how it was had: on a miss the cache's lookup has embedded the question with the same embedder, and
@@ -99,7 +94,7 @@ async def _routing_vector(services: Services, route: RouteSettings, text: str, p
     if (cache_embedder is not None and cache_embedder.name == knn.embedder and lookup is not None and lookup.vector is not None
             and item is not None and spelled(item.question, services.cache.lexicon).split() == text.split()):  # spaces are not tokens
         return lookup.vector, "shared with the cache"
-    embedder = cache_embedder if cache_embedder is not None and cache_embedder.name == knn.embedder else await _own_embedder(knn.embedder)
+    embedder = cache_embedder if cache_embedder is not None and cache_embedder.name == knn.embedder else await _own_embedder(services, knn.embedder)
     if embedder is None:
         return None, f"no embedder {knn.embedder!r}"
     vector = (await embedder.embed([text]))[0]
@@ -108,15 +103,10 @@ async def _routing_vector(services: Services, route: RouteSettings, text: str, p
     return vector, "embedded"
 
 
-async def _own_embedder(name: str) -> Embedder | None:
+async def _own_embedder(services: Services, name: str) -> Embedder | None:
     """The bundled MiniLM (what `appliance eval calibrate` embeds with), loaded once on first use."""
-    async with _embedder_lock:
-        if name not in _embedders:
-            loaded = await asyncio.to_thread(bundled_minilm)
-            if loaded.name != name:
-                return None
-            _embedders[name] = loaded
-        return _embedders[name]
+    embedder = await services.router_embedder.get()
+    return embedder if embedder.name == name else None
 
 
 def route_meta(route: RouteSettings) -> dict[str, object]:
