@@ -44,14 +44,30 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
                 return 2
             check = evaluate.load_checker(found)
         url = args.url or f"http://{settings.server.host}:{settings.server.port}"
+        names = ([] if args.tiers_only else [route.alias]) + list(route.tiers)
         answers: list[evaluate.Answer] = []
-        targets = len(route.tiers) + (0 if args.tiers_only else 1)
+        done: frozenset[int] = frozenset()
+        dataset = args.file.name if args.file else "gsm8k"
+        if args.resume is not None:
+            stored = evaluate.resume(db, args.resume, names)
+            if stored is None:
+                print(f"error: --resume {args.resume}: no such eval run (appliance eval router --history)", file=sys.stderr)
+                return 2
+            if stored.dataset != dataset or stored.refs != tuple(q.ref for q in questions[: len(stored.refs)]):
+                print(f"error: --resume {args.resume}: that run asked {len(stored.refs)} questions of {stored.dataset}; "
+                      f"give the same --file and --limit (or a higher --limit to add questions)", file=sys.stderr)
+                return 2
+            evaluate.extend(db, args.resume, questions)
+            run_id, answers, done = args.resume, list(stored.answers), stored.done
+        else:
+            run_id = evaluate.begin(db, dataset, questions, list(route.tiers))
+        print(f"eval run {run_id}: {len(questions)} questions, {len(done)} already answered", file=sys.stderr)
         with Progress() as progress:
-            task = progress.add_task(f"{len(questions)} questions x {targets} targets", total=len(questions))
+            task = progress.add_task(f"{len(questions)} questions x {len(names)} targets", total=len(questions), completed=len(done))
             summary = evaluate.run(url, args.key or "unused", route.alias, list(route.tiers), prices, questions, args.max_tokens,
-                                   lambda done: progress.update(task, completed=done), answers, include_route=not args.tiers_only,
-                                   check=check)
-        run_id = evaluate.store(db, args.file.name if args.file else "gsm8k", len(questions), summary, answers, questions)
+                                   lambda finished: progress.update(task, advance=1), answers, include_route=not args.tiers_only,
+                                   check=check, done=done, answered=lambda _, found: evaluate.record(db, run_id, found))
+        evaluate.finish(db, run_id, summary)
     finally:
         db.close()
     header = ("target", "accuracy", "cost_usd", "p50_latency_s", "answered_by", "errors")
@@ -219,6 +235,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                                                      "(default: check.py beside the file or one folder up)")
     router.add_argument("--history", action="store_true", help="list earlier runs")
     router.add_argument("--tiers-only", action="store_true", help="skip the route: measure the tiers alone (for a calibration)")
+    router.add_argument("--resume", type=int, metavar="RUN",
+                        help="go on with a run cut short, or add questions to one with a higher --limit (same --file and targets): "
+                             "its answered questions are not asked again")
     router.add_argument("--config", type=Path)
     router.set_defaults(func=cmd_eval_router)
     calibration = evaluation.add_parser("calibrate", help="the learned router (and a tier per kind of request), from stored eval runs")

@@ -191,20 +191,6 @@ def same_number(a: str | None, b: str) -> bool:
         return False
 
 
-@dataclass
-class Target:
-    name: str
-    correct: int = 0
-    cost_nanos: int = 0
-    latencies: list[float] = field(default_factory=list)
-    models: dict[str, int] = field(default_factory=dict)
-    errors: int = 0
-
-    def summary(self, n: int) -> dict[str, Any]:
-        return {"accuracy": self.correct / n, "cost_usd": self.cost_nanos / 1e9, "p50_latency_s": statistics.median(self.latencies) if self.latencies else None,
-                "answered_by": self.models, "errors": self.errors}
-
-
 @dataclass(frozen=True)
 class Answer:
     question: int
@@ -214,64 +200,84 @@ class Answer:
     correct: bool
     cost_nanos: int
     latency_s: float
-    answered_by: str | None
+    answered_by: str | None  # None: the request failed
+
+
+def summarize(answers: Sequence[Answer], n: int, route: str, tiers: Sequence[str], include_route: bool) -> dict[str, Any]:
+    """Accuracy, cost, p50 latency, who answered and errors per target, from each question's answers
+    (a resumed run's stored ones included)."""
+    summary: dict[str, Any] = {}
+    for name in ([route] if include_route else []) + list(tiers):
+        mine = [a for a in answers if a.target == name]
+        served: dict[str, int] = {}
+        for a in mine:
+            if a.answered_by is not None:
+                served[a.answered_by] = served.get(a.answered_by, 0) + 1
+        latencies = [a.latency_s for a in mine]
+        summary[name] = {"accuracy": sum(a.correct for a in mine) / n if n else 0.0, "cost_usd": sum(a.cost_nanos for a in mine) / 1e9,
+                         "p50_latency_s": statistics.median(latencies) if latencies else None, "answered_by": served,
+                         "errors": sum(a.answered_by is None for a in mine)}
+    summary["_tiers"] = list(tiers)
+    if include_route:
+        summary["_comparison"] = compare(summary, tiers, route)
+    return summary
 
 
 def run(base_url: str, key: str, route: str, tiers: list[str], prices: dict[str, Price], questions: list[Question],
         max_tokens: int, progress: Any = None, answers: list[Answer] | None = None, include_route: bool = True,
-        check: Checker | None = None) -> dict[str, Any]:
+        check: Checker | None = None, done: frozenset[int] = frozenset(),
+        answered: Callable[[int, list[Answer]], None] | None = None) -> dict[str, Any]:
     """Every question through the route and each tier alone; `answers`, when given, receives each
-    question's result per target. A workload record's answer is judged by `check`; `max_tokens` is
-    for questions that do not name their own."""
-    targets = {name: Target(name) for name in ([route] if include_route else []) + tiers}
+    question's result per target (and may hold a resumed run's, whose questions are in `done` and
+    are not asked again); `answered` is told each question's results as soon as it has them. A
+    workload record's answer is judged by `check`; `max_tokens` is for questions that do not name
+    their own."""
+    names = ([route] if include_route else []) + tiers
+    found: list[Answer] = answers if answers is not None else []
     headers = {"Authorization": f"Bearer {key}", "Cache-Control": "no-cache, no-store"}  # measure models, not the cache
     with httpx.Client(base_url=base_url, headers=headers, timeout=600) as client:
         for i, q in enumerate(questions):
+            if i in done:
+                continue
             if q.gold is None and (check is None or q.record is None):
                 raise ValueError(f"question {q.ref} has neither a gold number nor a checker")
             bucket = buckets(features(list(q.messages), q.structured))[0]  # the same features the router computes
-            for name, target in targets.items():
-                body: dict[str, Any] = {"model": name, "messages": list(q.messages), "max_tokens": q.max_tokens or max_tokens, "temperature": 0}
-                if q.response_format:
-                    body["response_format"] = q.response_format
-                started = time.perf_counter()
-                response = client.post("/v1/chat/completions", json=body)
-                latency = time.perf_counter() - started
-                target.latencies.append(latency)
-                tier = tiers.index(name) if name != route else None
-                if response.status_code != 200:
-                    target.errors += 1
-                    if answers is not None:
-                        answers.append(Answer(i, name, tier, bucket, False, 0, latency, None))
-                    continue
-                data = response.json()
-                served = response.headers.get("x-route-model") or ("default" if response.headers.get("x-route-default") else data["model"])
-                target.models[served] = target.models.get(served, 0) + 1
-                text = data["choices"][0]["message"]["content"] or ""
-                if q.gold is not None:
-                    correct = same_number(extract(text), q.gold)
-                else:
-                    assert check is not None and q.record is not None
-                    correct = bool(check(q.record, text))
-                target.correct += correct
-                # A routed answer also paid for its failed attempts (and its classifier call is settled
-                # apart): x-route-cost-nanousd sums every attempt.
-                usage = data["usage"]
-                price = prices.get(served) or prices.get(data["model"]) or Price(0, 0)
-                routed_cost = response.headers.get("x-route-cost-nanousd")
-                cost = int(routed_cost) if routed_cost is not None else price.cost(usage["prompt_tokens"], usage["completion_tokens"])
-                target.cost_nanos += cost
-                if answers is not None:
-                    answers.append(Answer(i, name, tier, bucket, correct, cost, latency, served))
+            mine = [ask(client, q, name, tiers.index(name) if name != route else None, bucket, i, max_tokens, prices, check)
+                    for name in names]
+            found.extend(mine)
+            if answered is not None:
+                answered(i, mine)
             if progress is not None:
                 progress(i + 1)
-    n = len(questions)
-    summary: dict[str, Any] = {name: t.summary(n) for name, t in targets.items()}
-    summary["_tiers"] = list(tiers)
-    if not include_route:
-        return summary
-    summary["_comparison"] = compare(summary, tiers, route)
-    return summary
+    return summarize(found, len(questions), route, tiers, include_route)
+
+
+def ask(client: httpx.Client, q: Question, name: str, tier: int | None, bucket: str, i: int, max_tokens: int,
+        prices: dict[str, Price], check: Checker | None) -> Answer:
+    """One question to one target, judged."""
+    body: dict[str, Any] = {"model": name, "messages": list(q.messages), "max_tokens": q.max_tokens or max_tokens, "temperature": 0}
+    if q.response_format:
+        body["response_format"] = q.response_format
+    started = time.perf_counter()
+    response = client.post("/v1/chat/completions", json=body)
+    latency = time.perf_counter() - started
+    if response.status_code != 200:
+        return Answer(i, name, tier, bucket, False, 0, latency, None)
+    data = response.json()
+    served = response.headers.get("x-route-model") or ("default" if response.headers.get("x-route-default") else data["model"])
+    text = data["choices"][0]["message"]["content"] or ""
+    if q.gold is not None:
+        correct = same_number(extract(text), q.gold)
+    else:
+        assert check is not None and q.record is not None
+        correct = bool(check(q.record, text))
+    # A routed answer also paid for its failed attempts (and its classifier call is settled
+    # apart): x-route-cost-nanousd sums every attempt.
+    usage = data["usage"]
+    price = prices.get(served) or prices.get(data["model"]) or Price(0, 0)
+    routed_cost = response.headers.get("x-route-cost-nanousd")
+    cost = int(routed_cost) if routed_cost is not None else price.cost(usage["prompt_tokens"], usage["completion_tokens"])
+    return Answer(i, name, tier, bucket, correct, cost, latency, served)
 
 
 def compare(summary: dict[str, Any], tiers: Sequence[str], route: str) -> dict[str, Any]:
@@ -292,19 +298,73 @@ def compare(summary: dict[str, Any], tiers: Sequence[str], route: str) -> dict[s
     }
 
 
-def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, Any], answers: Sequence[Answer] = (),
-          asked: Sequence[Question] = ()) -> int:
+def begin(db: apsw.Connection, dataset: str, asked: Sequence[Question], tiers: Sequence[str]) -> int:
+    """A run's row and its questions, before any is asked: answers are added as they come, so a run
+    cut short keeps what it measured and can be resumed (`resume`)."""
     with db:
         db.execute("INSERT INTO eval_runs(at, kind, dataset, questions, summary) VALUES (?, 'router', ?, ?, ?)",
-                   (time.time(), dataset, questions, json.dumps(summary)))
+                   (time.time(), dataset, len(asked), json.dumps({"_tiers": list(tiers), "_partial": True})))
         run_id = db.last_insert_rowid()
-        db.executemany("INSERT INTO eval_answers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                       [(run_id, a.question, a.target, a.tier, a.bucket, int(a.correct), a.cost_nanos, a.latency_s, a.answered_by)
-                        for a in answers])
+    extend(db, run_id, asked)
+    return run_id
+
+
+def extend(db: apsw.Connection, run_id: int, asked: Sequence[Question]) -> None:
+    """Questions past those a run already holds (a resumed run given a higher --limit)."""
+    with db:
+        held = db.execute("SELECT count(*) FROM eval_questions WHERE run_id = ?", (run_id,)).fetchone()[0]
         db.executemany("INSERT INTO eval_questions VALUES (?, ?, ?, ?, ?, ?, ?)",
                        [(run_id, i, q.ref, q.family, json.dumps(list(q.messages)), json.dumps(q.response_format) if q.response_format else None,
-                         q.adversarial_of) for i, q in enumerate(asked)])
-        return run_id
+                         q.adversarial_of) for i, q in enumerate(asked) if i >= held])
+        db.execute("UPDATE eval_runs SET questions = ? WHERE id = ?", (max(held, len(asked)), run_id))
+
+
+def record(db: apsw.Connection, run_id: int, answers: Sequence[Answer]) -> None:
+    """One question's answers, in one transaction: a question is stored whole or not at all."""
+    with db:
+        db.executemany("INSERT OR REPLACE INTO eval_answers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       [(run_id, a.question, a.target, a.tier, a.bucket, int(a.correct), a.cost_nanos, a.latency_s, a.answered_by)
+                        for a in answers])
+
+
+def finish(db: apsw.Connection, run_id: int, summary: dict[str, Any]) -> None:
+    with db:
+        db.execute("UPDATE eval_runs SET summary = ? WHERE id = ?", (json.dumps(summary), run_id))
+
+
+def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, Any], answers: Sequence[Answer] = (),
+          asked: Sequence[Question] = ()) -> int:
+    """A whole run at once (its questions must be `asked`, or `questions` many unnamed ones)."""
+    run_id = begin(db, dataset, asked, summary.get("_tiers", []))
+    with db:
+        db.execute("UPDATE eval_runs SET questions = ? WHERE id = ?", (max(questions, len(asked)), run_id))
+    record(db, run_id, answers)
+    finish(db, run_id, summary)
+    return run_id
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What a run cut short had measured: its questions' refs in order, and the answers of each
+    question that every target answered."""
+    dataset: str
+    refs: tuple[str, ...]
+    answers: tuple[Answer, ...]
+    done: frozenset[int]
+
+
+def resume(db: apsw.Connection, run_id: int, targets: Sequence[str]) -> Stored | None:
+    row = db.execute("SELECT dataset FROM eval_runs WHERE id = ?", (run_id,)).fetchone()
+    if row is None:
+        return None
+    refs = tuple(r for (r,) in db.execute("SELECT ref FROM eval_questions WHERE run_id = ? ORDER BY question", (run_id,)))
+    by_question: dict[int, list[Answer]] = {}
+    for values in db.execute("SELECT question, target, tier, bucket, correct, cost_nanos, latency_s, answered_by "
+                             "FROM eval_answers WHERE run_id = ?", (run_id,)):
+        a = Answer(values[0], values[1], values[2], values[3], bool(values[4]), values[5], values[6], values[7])
+        by_question.setdefault(a.question, []).append(a)
+    whole = {q: found for q, found in by_question.items() if {a.target for a in found} >= set(targets)}
+    return Stored(row[0], refs, tuple(a for q in sorted(whole) for a in whole[q]), frozenset(whole))
 
 
 def observations(db: apsw.Connection, run_ids: list[int], tiers: tuple[str, ...]) -> list[Observation]:

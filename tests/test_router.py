@@ -620,3 +620,35 @@ def test_workload_records_are_evaluated_stored_and_learned_from(routed: tuple[Se
     assert names[:4] == [f"always {t}" for t in CALIBRATED_TIERS] + ["heuristics"] and "knn keep 0.5" in names and "knn keep 0.95" in names
     always = {r["name"]: r for r in report["routes"]}
     assert [always[f"always {t}"]["accuracy"] for t in CALIBRATED_TIERS] == [round(r / 3, 4) for r in right]
+
+
+def test_an_eval_run_cut_short_is_resumed_without_asking_again(routed: tuple[Server, dict[str, str], Collector], tmp_path: Path) -> None:
+    from tests.test_gate_api import cli
+
+    server, keys, _ = routed
+    records = [{"id": f"r{i}", "family": "factual", "messages": [{"role": "user", "content": question}], "max_tokens": 4,
+                "response_format": None, "check": {"type": "contains", "expect": "a"}}
+               for i, question in enumerate(["Name a colour.", "Name a fruit.", "Name a city."])]
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "check.py").write_text(CHECKER)
+    asked = ["eval", "router", "--route", "learned", "--file", str(data), "--tiers-only", "--url", server.base_url, "--key", keys["dev"]]
+    out = cli(server, *asked, "--limit", "2")
+    run_id = json.loads(out[out.index("\n{") + 1:])["run"]
+    db = apsw.Connection(str(server.home / "appliance.db"))
+    kept = db.execute("SELECT question, target, latency_s FROM eval_answers WHERE run_id = ? ORDER BY 1, 2", (run_id,)).fetchall()
+    with db:  # as if the run had been stopped while asking its second question
+        db.execute("DELETE FROM eval_answers WHERE run_id = ? AND question = 1 AND target = ?", (run_id, CALIBRATED_TIERS[0]))
+    cli(server, *asked, "--resume", str(run_id))  # and with no --limit: the third question is added
+    again = db.execute("SELECT question, target, latency_s FROM eval_answers WHERE run_id = ? ORDER BY 1, 2", (run_id,)).fetchall()
+    summary = json.loads(db.execute("SELECT summary FROM eval_runs WHERE id = ?", (run_id,)).fetchone()[0])
+    db.close()
+    # question 0 was kept as measured; question 1, stored only in part, was asked again, and question 2 added
+    assert len(kept) == 6 and [row for row in again if row[0] == 0] == [row for row in kept if row[0] == 0]
+    assert [row for row in again if row[0] == 1] != [row for row in kept if row[0] == 1]
+    assert len(again) == 9 and {row[0] for row in again} == {0, 1, 2} and "_partial" not in summary
+    assert sum(summary[t]["answered_by"].get(t, 0) for t in CALIBRATED_TIERS) == 9
+    other = tmp_path / "other.jsonl"
+    other.write_text(data.read_text().splitlines()[0] + "\n")
+    with pytest.raises(AssertionError, match="give the same --file and --limit"):
+        cli(server, *[str(other) if a == str(data) else a for a in asked], "--resume", str(run_id))
