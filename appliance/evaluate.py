@@ -346,7 +346,7 @@ def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, 
 @dataclass(frozen=True)
 class Stored:
     """What a run cut short had measured: its questions' refs in order, and the answers of each
-    question that every target answered."""
+    question that every target answered without failing."""
     dataset: str
     refs: tuple[str, ...]
     answers: tuple[Answer, ...]
@@ -363,7 +363,8 @@ def resume(db: apsw.Connection, run_id: int, targets: Sequence[str]) -> Stored |
                              "FROM eval_answers WHERE run_id = ?", (run_id,)):
         a = Answer(values[0], values[1], values[2], values[3], bool(values[4]), values[5], values[6], values[7])
         by_question.setdefault(a.question, []).append(a)
-    whole = {q: found for q, found in by_question.items() if {a.target for a in found} >= set(targets)}
+    # A failed request measured the server, not the target: its question is asked again.
+    whole = {q: found for q, found in by_question.items() if {a.target for a in found if a.answered_by is not None} >= set(targets)}
     return Stored(row[0], refs, tuple(a for q in sorted(whole) for a in whole[q]), frozenset(whole))
 
 

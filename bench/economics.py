@@ -12,16 +12,23 @@ served in keys mode with one key per tenant, so each tenant's cache is its own. 
 answers as a team's validators would: the whole-appliance pass marks each model answer good or bad
 through POST /v1/cache/feedback after checking it, and the cache serves verified answers only.
 With --check the exit status is 1 when a target is missed; the last line states the figures.
+
+A whole split takes hours on a small CPU box. With --workdir DIR the run keeps its server's data
+(keys, ledger, the semantic cache) and every request's outcome there as it comes, so the same command
+run again goes on where it stopped, each pass from its first unanswered request; the report counts
+every outcome kept, and the ledger's charges of each stretch of a pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib.util
 import json
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -74,6 +81,9 @@ def fleet_config(fleet: Path, route: str, calibration: Path | None) -> tuple[str
     for r in doc.get("routes", []):
         if "calibration" in r:
             r["calibration"] = str((fleet.parent / str(r["calibration"])).resolve())
+        # The bench measures answers, not this box's speed: a slow or busy CPU must not turn into
+        # escalations by timeout.
+        r["attempt_timeout_s"] = 900
         if r["alias"] == route:
             tiers = [str(t) for t in r["tiers"]]
             if calibration is not None:
@@ -82,6 +92,62 @@ def fleet_config(fleet: Path, route: str, calibration: Path | None) -> tuple[str
         raise SystemExit(f"error: {fleet}: no [[routes]] alias {route!r}")
     prices = {str(m["alias"]): Price.per_million(float(m["price_input_per_mtok"]), float(m["price_output_per_mtok"])) for m in doc["models"]}
     return tomlkit.dumps(doc), tiers, prices
+
+
+class Kept:
+    """A run's state in its work folder: the split's identity, the tenants' keys, each pass's
+    outcomes (outcomes.jsonl, a line per request as it is answered) and what the ledger charged
+    each pass (state.json). A run started again on the folder goes on from there."""
+
+    def __init__(self, folder: Path, identity: dict[str, Any]) -> None:
+        self.folder, self.lock = folder, threading.Lock()
+        self.state_file, self.outcome_file = folder / "state.json", folder / "outcomes.jsonl"
+        self.state: dict[str, Any] = {"identity": identity, "keys": {}, "charged": {}}
+        self.found: dict[str, dict[str, Outcome]] = {}
+        if self.state_file.exists():
+            self.state = json.loads(self.state_file.read_text())
+            if self.state["identity"] != identity:
+                differs = sorted(k for k in identity if self.state["identity"].get(k) != identity[k])
+                raise SystemExit(f"error: {folder}: a run of another split, fleet or route is kept there (differs: {', '.join(differs)}); "
+                                 "use another --workdir")
+        if self.outcome_file.exists():
+            for line in self.outcome_file.read_text().splitlines():
+                if line.strip():  # a line cut by a kill is not an outcome
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
+                    name = row.pop("pass")
+                    self.found.setdefault(name, {})[row["id"]] = Outcome(**row)
+
+    def keys(self) -> dict[str, str]:
+        return dict(self.state["keys"])
+
+    def save_keys(self, keys: dict[str, str]) -> None:
+        self.state["keys"] = keys
+        self._save()
+
+    def outcomes(self, name: str) -> dict[str, Outcome]:
+        with self.lock:
+            return dict(self.found.get(name, {}))
+
+    def add(self, name: str, outcome: Outcome) -> None:
+        with self.lock:
+            self.found.setdefault(name, {})[outcome.id] = outcome
+            with open(self.outcome_file, "a") as out:
+                out.write(json.dumps({"pass": name, **outcome.__dict__}) + "\n")
+
+    def charge(self, name: str, nanos: int) -> None:
+        self.state["charged"][name] = self.state["charged"].get(name, 0) + nanos
+        self._save()
+
+    def charged(self, name: str) -> int:
+        return int(self.state["charged"].get(name, 0))
+
+    def _save(self) -> None:
+        temporary = self.state_file.with_suffix(".tmp")
+        temporary.write_text(json.dumps(self.state, indent=1))
+        temporary.replace(self.state_file)
 
 
 class Replayer:
@@ -103,24 +169,38 @@ class Replayer:
         finally:
             db.close()
 
-    def run(self, name: str, model: str, records: list[dict[str, Any]], cached: bool, progress: bool,
+    def run(self, name: str, model: str, records: list[dict[str, Any]], cached: bool, progress: bool, kept: "Kept",
             concurrency: int = 1) -> tuple[PassFigures, list[Outcome]]:
-        """A pass over the split. With the cache on, one request at a time in the split's order (a
-        later request may be served what an earlier one stored); without it, order cannot matter,
-        and `concurrency` requests share the model's slots."""
+        """A pass over the split, each request's outcome kept as it comes; requests the pass already
+        answered in an earlier stretch (`kept`) are not sent again. With the cache on, one request at a
+        time in the split's order (a later request may be served what an earlier one stored); without
+        it, order cannot matter, and `concurrency` requests share the model's slots."""
+        done = kept.outcomes(name)
+        todo = [r for r in records if r["id"] not in done]
         before = self.spent()
+
+        def one(record: dict[str, Any]) -> Outcome:
+            outcome = self.one(record, model, cached)
+            kept.add(name, outcome)
+            return outcome
+
         if cached or concurrency <= 1:
-            outcomes = [self.one(r, model, cached) for r in self._progress(name, records, progress)]
+            for r in self._progress(name, todo, progress, len(records) - len(todo)):
+                one(r)
         else:
             with ThreadPoolExecutor(concurrency) as pool:
-                outcomes = list(pool.map(lambda r: self.one(r, model, cached), self._progress(name, records, progress)))
-        return figures(name, outcomes, self.spent() - before), outcomes
+                list(pool.map(one, self._progress(name, todo, progress, len(records) - len(todo))))
+        if todo:
+            kept.charge(name, self.spent() - before)
+        done = kept.outcomes(name)
+        outcomes = [done[r["id"]] for r in records]
+        return figures(name, outcomes, kept.charged(name)), outcomes
 
     @staticmethod
-    def _progress(name: str, records: list[dict[str, Any]], show: bool) -> Any:
+    def _progress(name: str, records: list[dict[str, Any]], show: bool, earlier: int) -> Any:
         for i, record in enumerate(records):
             if show and i % 10 == 0:
-                print(f"  {name}: {i}/{len(records)}", file=sys.stderr, flush=True)
+                print(f"  {name}: {earlier + i}/{earlier + len(records)}", file=sys.stderr, flush=True)
             yield record
 
     def one(self, record: dict[str, Any], model: str, cached: bool) -> Outcome:
@@ -192,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every pass's per-request outcomes here")
     parser.add_argument("--concurrency", type=int, default=1,
                         help="requests at once in the cache-off passes (their latency then includes waiting for a slot)")
+    parser.add_argument("--workdir", type=Path,
+                        help="keep the server's data and every outcome here; the same command again goes on where it stopped")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
@@ -202,19 +284,25 @@ def main(argv: list[str] | None = None) -> int:
     config, tiers, prices = fleet_config(args.fleet, args.route, args.calibration)
     check = load_check()
     with tempfile.TemporaryDirectory(prefix="economics-") as tmp:
-        workdir = Path(tmp)
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        kept = Kept(workdir, {"split": args.split, "sha256": digest, "route": args.route, "config": config})
         write_config(workdir, config)
         proc, base = start(workdir)
         try:
-            keys = {t: cli(workdir, "keys", "create", "--tenant", t, "--app", "bench", "--user", f"{t}-user", "--role", "member").strip().splitlines()[-1]
-                    for t in sorted({r["tenant"] for r in records})}
+            keys = kept.keys()
+            for t in sorted({r["tenant"] for r in records} - set(keys)):
+                keys[t] = cli(workdir, "keys", "create", "--tenant", t, "--app", "bench", "--user", f"{t}-user", "--role", "member").strip().splitlines()[-1]
+            kept.save_keys(keys)
             replay = Replayer(base, workdir / "home" / "appliance.db", keys, tiers, prices, check)
             show = not args.quiet
-            whole, whole_out = replay.run("appliance (cache+route)", args.route, records, True, show)
-            routed, routed_out = replay.run("route alone", args.route, records, False, show, args.concurrency)
-            alone = [replay.run(f"{t} alone", t, records, False, show, args.concurrency) for t in tiers]
+            whole, whole_out = replay.run("whole", args.route, records, True, show, kept)
+            routed, routed_out = replay.run("routed", args.route, records, False, show, kept, args.concurrency)
+            alone = [replay.run(t, t, records, False, show, kept, args.concurrency) for t in tiers]
         finally:
             stop(proc)
+    whole, routed = dataclasses.replace(whole, name="appliance (cache+route)"), dataclasses.replace(routed, name="route alone")
+    alone = [(dataclasses.replace(a[0], name=f"{t} alone"), a[1]) for t, a in zip(tiers, alone)]
     cheapest, frontier = alone[0][0], alone[-1][0]
     result = targets(whole, routed, cheapest, frontier, whole_out, routed_out)
     print_report([whole, routed, *(a[0] for a in alone)], frontier, cheapest, result, whole_out, routed_out)
