@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from appliance.chat_template import ChatTemplate, TemplateError
+from appliance.tool_calls import strings
 
 Tokenize = Callable[[str], list[int]]  # plain text to tokens, control tokens never parsed
 
@@ -50,7 +51,16 @@ def pieces(rendered: str, spans: Sequence[tuple[int, int]], controls: Sequence[s
     return out
 
 
-def render_marked(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[tuple[int, int]]] | None:
+def control_text(value: Any, controls: Iterable[str]) -> str | None:
+    """The first control token written inside a JSON value (tools, tool calls), or None. The
+    template renders such values as they are, outside the marked message text, so they are refused
+    rather than let a caller's text become a control token."""
+    found = [c for c in controls for text in strings(value) if c in text]
+    return found[0] if found else None
+
+
+def render_marked(template: ChatTemplate, messages: Sequence[Mapping[str, Any]],
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]] | None:
     """The prompt text and where each message's text lies in it; None when the template changes a
     message's text (trims it, splits it) so that its place cannot be known."""
     nonce = uuid.uuid4().hex
@@ -64,7 +74,7 @@ def render_marked(template: ChatTemplate, messages: Sequence[Mapping[str, Any]])
             marked.append({**message, "content": mark})
         else:
             marked.append(dict(message))
-    skeleton = template.render(marked)
+    skeleton = template.render(marked, tools=tools)
     found = re.findall(f"\u27e6{nonce}\\.\\d+\u27e7", skeleton)
     if sorted(found) != sorted(marks) or len(found) != len(set(found)):
         return None
@@ -86,12 +96,17 @@ def render_marked(template: ChatTemplate, messages: Sequence[Mapping[str, Any]])
 
 
 def chat_prompt(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], controls: Mapping[str, int],
-                tokenize: Tokenize, bos: Sequence[int]) -> tuple[str, list[int]]:
+                tokenize: Tokenize, bos: Sequence[int], tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[int]]:
     """The rendered prompt and its tokens: `bos` (the tokenizer's start, if it adds one), then the
-    template's control tokens by id and every other piece tokenized as plain text."""
-    marked = render_marked(template, messages)
+    template's control tokens by id and every other piece tokenized as plain text. `tools` go to
+    templates that render them; they and messages' tool calls must hold no control-token text."""
+    structured = [tools or [], [m.get("tool_calls") or [] for m in messages]]
+    inside_tools = control_text(structured, controls)
+    if inside_tools is not None:
+        raise TemplateError(f"a tool or tool call contains the control token {inside_tools!r}")
+    marked = render_marked(template, messages, tools)
     if marked is None:
-        text = template.render(list(messages))
+        text = template.render(list(messages), tools=tools)
         inside = [c for m in messages if isinstance(m.get("content"), str) for c in controls if c in m["content"]]
         if inside:
             raise TemplateError(f"a message contains the control token {inside[0]!r}, and this model's chat template changes "

@@ -6,7 +6,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+import json
+
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Used when a model ships no template of its own.
@@ -24,22 +27,33 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # As Hugging Face renders templates (Jinja's own filter escapes '<' and sorts keys): tools and
+    # tool-call arguments then read as the model saw them in training.
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
         # A sandbox: a template comes from a model file, which a user may have downloaded.
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(source)
+            # Whether the template renders a `tools` list itself (else tools go in a system message).
+            self.uses_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template does not compile: {exc}") from None
         self._special = special_tokens
         self.source = source
 
-    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+               tools: Sequence[dict[str, Any]] | None = None) -> str:
+        extra = {"tools": list(tools)} if tools else {}
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **self._special)
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **self._special, **extra)
         except TemplateError:
             raise
         except jinja2.TemplateError as exc:

@@ -26,7 +26,7 @@ class LoadedModel:
     engine: Engine
     template: ChatTemplate | None
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, tuple[int, ...]]:
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, tuple[int, ...]]:
         """The prompt text and tokens for these messages; callers' text never becomes a control
         token (appliance/chat_prompt.py). Raises TemplateError."""
         if self.template is None:
@@ -34,7 +34,7 @@ class LoadedModel:
         engine = self.engine
         bos = engine.tokenize("", add_special=engine.add_bos(), parse_special=False)
         text, tokens = chat_prompt(self.template, messages, engine.control_tokens(),
-                                   lambda t: engine.tokenize(t, add_special=False, parse_special=False), bos)
+                                   lambda t: engine.tokenize(t, add_special=False, parse_special=False), bos, tools)
         return text, tuple(tokens)
 
 

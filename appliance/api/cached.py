@@ -16,6 +16,7 @@ from litestar.response import Stream
 
 from appliance.api import render
 from appliance.api.schemas import ChatCompletionRequest
+from appliance.api.tool_request import has_tools
 from appliance.api.translate import Prepared, chat_messages
 from appliance.registry import LoadedModel
 from appliance.semantic_cache import Lookup, model_version
@@ -90,9 +91,11 @@ def cache_plan(header: str | None, services: Services, principal: Principal, bod
 
 def _plan(services: Services, directives: set[str], principal: Principal, body: ChatCompletionRequest, model: str,
           version: str, settings: dict[str, Any], temperature: float) -> CachePlan:
+    # Never cached with tools offered or tool turns in the chat: a tool call's answer depends on the
+    # tool set and on results from outside, which the question's text does not capture.
     decision = classify(
         tenant=principal.tenant, role=principal.role, model=model, model_version=version, messages=chat_messages(body),
-        settings=settings, temperature=temperature, n=body.n or 1, wants_logprobs=body.logprobs, has_tools=bool(body.tools),
+        settings=settings, temperature=temperature, n=body.n or 1, wants_logprobs=body.logprobs, has_tools=has_tools(body),
         policy=services.cache.policy,
     )
     if isinstance(decision, NotCacheable):
@@ -162,8 +165,10 @@ async def replay(fmt: render.Formatter, text: str, finish: FinishEvent, include_
     """A known answer as the SSE stream a model would have sent."""
     yield render.sse(fmt.first_chunk(include_usage))
     for piece in _pieces(text):
-        yield render.sse(fmt.delta_chunk(piece, None, include_usage))
-    yield render.sse(fmt.finish_chunk(finish, include_usage))
+        for chunk in fmt.text_chunks(piece, None, include_usage):
+            yield render.sse(chunk)
+    for chunk in fmt.end_chunks(finish, include_usage):
+        yield render.sse(chunk)
     if include_usage:
         yield render.sse(fmt.usage_chunk(finish))
     yield b"data: [DONE]\n\n"

@@ -447,8 +447,8 @@ async def _sse(
             if remember is not None:
                 text.append(event.text)
             if isinstance(event, TokenEvent):
-                if event.text or event.logprob is not None:
-                    yield render.sse(fmt.delta_chunk(event.text, event.logprob, include_usage))
+                for chunk in fmt.text_chunks(event.text, event.logprob, include_usage):
+                    yield render.sse(chunk)
                 continue
             finish = event
             if event.reason == "error":
@@ -457,9 +457,8 @@ async def _sse(
                 if include_usage:
                     yield render.sse(fmt.usage_chunk(event))
                 break
-            if event.text:
-                yield render.sse(fmt.delta_chunk(event.text, None, include_usage))
-            yield render.sse(fmt.finish_chunk(event, include_usage))
+            for chunk in fmt.text_chunks(event.text, None, include_usage) + fmt.end_chunks(event, include_usage):
+                yield render.sse(chunk)
             if include_usage:
                 yield render.sse(fmt.usage_chunk(event))
             if remember is not None:

@@ -10,6 +10,7 @@ import numpy as np
 
 from appliance.api.translate import Prepared
 from appliance.registry import LoadedModel
+from appliance.tool_calls import StreamParser, ToolCall, parse
 from engines.base import FinishEvent, TokenLogprob
 
 FINGERPRINT = "appliance-0.1"
@@ -20,8 +21,13 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + _encoder.encode(payload) + b"\n\n"
 
 
-def _finish_reason(finish: FinishEvent) -> str:
+def _finish_reason(finish: FinishEvent, calls: bool = False) -> str:
+    if calls:
+        return "tool_calls"
     return "length" if finish.reason == "length" else "stop"
+
+
+_ARGUMENT_PIECE = 24  # characters of arguments per streamed delta, as OpenAI sends them in pieces
 
 
 def _usage(finish: FinishEvent) -> dict[str, Any]:
@@ -58,6 +64,8 @@ class Formatter:
         self.id = prepared.request.id
         self._offset = len(prepared.prompt_text) if prepared.echo else 0
         self.wants_logprobs = prepared.request.sampling.logprobs
+        # With tools offered, text that may open a call is held until it is known to be one or not.
+        self.parser = StreamParser(prepared.tools) if kind == "chat" and prepared.tools is not None else None
 
     def _envelope(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -85,9 +93,41 @@ class Formatter:
         self._offset += len(text)
         return self._envelope([choice], include_usage)
 
+    def text_chunks(self, text: str, logprob: TokenLogprob | None, include_usage: bool) -> list[dict[str, Any]]:
+        """The chunks for generated text: content deltas, or, with tools, calls as they complete."""
+        if self.parser is None:
+            return [self.delta_chunk(text, logprob, include_usage)] if text or logprob is not None else []
+        return self._outs(self.parser.feed(text), include_usage)
+
+    def end_chunks(self, finish: FinishEvent, include_usage: bool) -> list[dict[str, Any]]:
+        """What the parser still held, then the finish chunk."""
+        out = self._outs(self.parser.end(), include_usage) if self.parser is not None else []
+        return out + [self.finish_chunk(finish, include_usage)]
+
+    def _outs(self, outs: list[str | ToolCall], include_usage: bool) -> list[dict[str, Any]]:
+        chunks = []
+        for out in outs:
+            if isinstance(out, str):
+                chunks.append(self.delta_chunk(out, None, include_usage))
+            else:
+                chunks += self._call_chunks(out, include_usage)
+        return chunks
+
+    def _call_chunks(self, call: ToolCall, include_usage: bool) -> list[dict[str, Any]]:
+        """A call as OpenAI streams one: its index, id, type and name with empty arguments, then
+        the arguments in pieces (the SDK's stream helpers join them)."""
+        assert self.parser is not None
+        index = len(self.parser.calls) - 1
+        first = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        pieces = [call.arguments[i:i + _ARGUMENT_PIECE] for i in range(0, len(call.arguments), _ARGUMENT_PIECE)]
+        deltas = [first] + [{"index": index, "function": {"arguments": p}} for p in pieces]
+        return [self._envelope([{"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}], include_usage)
+                for d in deltas]
+
     def finish_chunk(self, finish: FinishEvent, include_usage: bool) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(finish)}
+            calls = self.parser is not None and bool(self.parser.calls)
+            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(finish, calls)}
         else:
             choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": _finish_reason(finish)}
         return self._envelope([choice], include_usage)
@@ -100,8 +140,15 @@ class Formatter:
     def full(self, text: str, logprobs: list[TokenLogprob], finish: FinishEvent) -> bytes:
         if self.kind == "chat":
             lp = {"content": [_chat_logprob(x) for x in logprobs]} if self.wants_logprobs else None
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": lp, "finish_reason": _finish_reason(finish)}
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            reason = _finish_reason(finish)
+            if self.prepared.tools is not None:
+                parsed = parse(text, self.prepared.tools)
+                if parsed.calls:
+                    message = {"role": "assistant", "content": parsed.content, "refusal": None,
+                               "tool_calls": [c.wire() for c in parsed.calls]}
+                    reason = _finish_reason(finish, True)
+            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
             obj = "chat.completion"
         else:
             prefix = self.prepared.prompt_text if self.prepared.echo else ""

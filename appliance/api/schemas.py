@@ -23,10 +23,45 @@ class ImagePart(msgspec.Struct, tag_field="type", tag="image_url"):
     image_url: Any
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCallMessage(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    function_call: FunctionCall | None = None  # the legacy form of one assistant call
+
+
+class FunctionSpec(msgspec.Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(msgspec.Struct):
+    function: FunctionSpec
+    type: str = "function"
+
+
+class FunctionName(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    function: FunctionName
+    type: str = "function"
 
 
 class AdapterChoice(msgspec.Struct, kw_only=True):
@@ -73,8 +108,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # The legacy forms, read as tools and tool_choice.
+    functions: list[FunctionSpec] | None = None
+    function_call: str | FunctionName | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

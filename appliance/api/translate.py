@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -12,7 +13,11 @@ from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 from appliance.api.errors import APIError, invalid
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, ResponseFormat
+from appliance.api.tool_request import generic_messages, tool_plan, tool_turns
+from appliance.chat_prompt import control_text
 from appliance.chat_template import TemplateError
+from appliance import tool_calls
+from appliance.tool_calls import ToolPlan
 from appliance.registry import LoadedModel
 from appliance.settings import Defaults
 from engines.base import GenerationRequest, SamplingParams, context_problem
@@ -27,7 +32,8 @@ class Prepared:
     request: GenerationRequest
     prompt_text: str
     echo: bool = False  # completions: the prompt text leads the completion text
-    messages: tuple[dict[str, str], ...] = ()  # a chat request's turns, as the template saw them
+    messages: tuple[dict[str, Any], ...] = ()  # a chat request's turns, as the template saw them
+    tools: ToolPlan | None = None  # tools offered: the answer is read for calls
 
     @property
     def replay(self) -> str:
@@ -112,32 +118,70 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, defaults: Default
     )
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template sees them: roles mapped, text parts joined."""
     return _messages(body)
 
 
-def _messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     if not body.messages:
         raise invalid("'messages' must contain at least one message.", "messages")
     out = []
+    calls_seen: dict[str, str] = {}
     for i, message in enumerate(body.messages):
         content = message.content
         if isinstance(content, list):
             if any(isinstance(part, ImagePart) for part in content):
                 raise invalid("This model does not accept images.", f"messages[{i}].content")
             content = "".join(part.text for part in content)  # type: ignore[union-attr]
-        if message.role == "tool":
-            raise invalid("Tool messages are not supported by this model.", f"messages[{i}].role")
+        if message.role in ("assistant", "tool", "function"):
+            out.append(tool_turns(message, i, content or "", calls_seen))
+            continue
         role = "system" if message.role == "developer" else message.role
         out.append({"role": role, "content": content or ""})
     return out
 
 
+def _tool_grammar(plan: ToolPlan | None, fmt: ResponseFormat | None) -> str | None:
+    """A required or named call is forced by a grammar built from the tools' schemas, so its
+    arguments always parse and validate. With "auto" the output is free and read afterwards: a
+    grammar allowing text or a call would put every free-text token through grammar sampling
+    (slow on these CPUs) for no gain, since a call that does not parse stays text."""
+    if plan is None or plan.mode != "required":
+        return _grammar(fmt)
+    if fmt is not None and fmt.type != "text":
+        raise invalid("response_format cannot be combined with a required tool call.", "response_format")
+    try:
+        return tool_calls.grammar(plan)
+    except Exception as exc:
+        raise invalid(f"The tools' parameter schemas cannot be enforced: {exc}", "tools") from None
+
+
+def _template_chat(body: ChatCompletionRequest, model: LoadedModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, ToolPlan | None]:
+    """The messages and tools the chat template gets, and the plan the answer is read by."""
+    assert model.template is not None
+    native, form = tool_calls.template_form(model.template.uses_tools, model.template.source)
+    plan = tool_plan(body, form)
+    messages = _messages(body)
+    if not native:
+        return generic_messages(messages, plan), None, plan
+    tools = [t.wire() for t in plan.offered] if plan is not None and plan.offered else None
+    controls = model.engine.control_tokens()
+    found = control_text(tools or [], controls)
+    if found is not None:
+        raise invalid(f"A tool contains the control token {found!r}, which this model's template cannot keep as text.", "tools")
+    for i, m in enumerate(messages):
+        found = control_text(m.get("tool_calls") or [], controls)
+        if found is not None:
+            raise invalid(f"A tool call contains the control token {found!r}, which this model's template cannot keep as text.",
+                          f"messages[{i}].tool_calls")
+    return messages, tools, plan
+
+
 def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
     _check_common(body)
-    if body.tools:
-        raise invalid("Tools are not supported by this model.", "tools")
+    if body.logprobs and (body.tools or body.functions):
+        raise invalid("logprobs cannot be combined with tools on this server.", "logprobs")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise invalid("top_logprobs requires logprobs to be true.", "top_logprobs")
@@ -149,17 +193,17 @@ def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defa
         return _prepare_upstream_chat(body, model, defaults, request_id)
     if model.template is None:
         raise invalid(f"The model '{model.settings.alias}' has no chat template; use /v1/completions.", "model")
-    messages = _messages(body)
+    messages, tools, plan = _template_chat(body, model)
     try:
-        prompt_text, tokens = model.chat_prompt(messages)
+        prompt_text, tokens = model.chat_prompt(messages, tools)
     except TemplateError as exc:
         raise invalid(f"The model's chat template rejected these messages: {exc}", "messages") from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = _max_tokens(requested, param, len(tokens), model, defaults)
-    sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, _grammar(body.response_format))
+    sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, _tool_grammar(plan, body.response_format))
     return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), prompt_text,
-                    messages=tuple(messages))
+                    messages=tuple(messages), tools=plan if plan is not None and plan.mode != "none" else None)
 
 
 def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
