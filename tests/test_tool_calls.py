@@ -1,0 +1,151 @@
+"""The pure parts of tool calling: reading calls out of text (whole and streamed), the forcing
+grammar, the template forms, and the request checks' message shapes. No model, no IO."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llama_cpp import LlamaGrammar
+
+from appliance.tool_calls import (
+    StreamParser,
+    Tool,
+    ToolCall,
+    ToolPlan,
+    arguments_problem,
+    call_text,
+    grammar,
+    parse,
+    template_form,
+)
+
+CALC = Tool("calculator", "Evaluates arithmetic.", {"type": "object", "properties": {"expression": {"type": "string"}},
+                                                     "required": ["expression"]})
+LOOKUP = Tool("lookup", "Looks a word up.", {"type": "object", "properties": {"word": {"type": "string"}, "limit": {"type": "integer"}},
+                                              "required": ["word"]})
+PLAN = ToolPlan((CALC, LOOKUP))
+LLAMA = ToolPlan((CALC, LOOKUP), format="llama")
+
+
+def test_hermes_call_is_read_with_its_arguments() -> None:
+    parsed = parse('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>', PLAN)
+    assert parsed.content is None and parsed.problem is None
+    (call,) = parsed.calls
+    assert call.name == "calculator" and json.loads(call.arguments) == {"expression": "2*3"}
+    assert call.id.startswith("call_") and len(call.id) > 10
+
+
+def test_text_around_calls_is_content_and_parallel_calls_are_kept_in_order() -> None:
+    text = ('Let me check.\n<tool_call>{"name": "lookup", "arguments": {"word": "a"}}</tool_call>\n'
+            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>')
+    parsed = parse(text, PLAN)
+    assert parsed.content == "Let me check."
+    assert [c.name for c in parsed.calls] == ["lookup", "calculator"]
+    assert json.loads(parsed.calls[1].arguments) == {"expression": "1+1"}  # arguments given as a JSON string
+    single = parse(text, ToolPlan((CALC, LOOKUP), parallel=False))
+    assert [c.name for c in single.calls] == ["lookup"]
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>', "not JSON"),
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "not one of the tools"),
+    ('<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "not a JSON object"),
+    ('<tool_call>["calculator"]</tool_call>', "string 'name'"),
+])
+def test_malformed_calls_stay_text_with_the_reason(text: str, problem: str) -> None:
+    parsed = parse(text, PLAN)
+    assert parsed.calls == () and parsed.content == text
+    assert parsed.problem is not None and problem in parsed.problem
+
+
+def test_plain_text_is_content() -> None:
+    assert parse("The answer is 4.", PLAN) == parse("The answer is 4.", PLAN)
+    parsed = parse("The answer is 4.", PLAN)
+    assert parsed.content == "The answer is 4." and parsed.calls == () and parsed.problem is None
+
+
+def test_a_call_cut_off_before_its_close_tag_still_counts_when_it_parses() -> None:
+    parsed = parse('<tool_call>\n{"name": "lookup", "arguments": {"word": "x"}}\n', PLAN)
+    assert [c.name for c in parsed.calls] == ["lookup"]
+
+
+def test_llama_form() -> None:
+    parsed = parse('<|python_tag|>{"name": "lookup", "parameters": {"word": "cat"}}', LLAMA)
+    assert [c.name for c in parsed.calls] == ["lookup"] and json.loads(parsed.calls[0].arguments) == {"word": "cat"}
+    assert parse("A cat is an animal.", LLAMA).calls == ()
+    assert parse('{"name": "nope", "parameters": {}}', LLAMA).problem is not None
+
+
+def _stream(plan: ToolPlan, pieces: list[str]) -> tuple[str, list[ToolCall]]:
+    parser = StreamParser(plan)
+    outs: list[str | ToolCall] = []
+    for piece in pieces:
+        outs += parser.feed(piece)
+    outs += parser.end()
+    assert parser.calls == [o for o in outs if isinstance(o, ToolCall)]
+    return "".join(o for o in outs if isinstance(o, str)), [o for o in outs if isinstance(o, ToolCall)]
+
+
+def _chars(text: str) -> list[str]:
+    return list(text)
+
+
+@pytest.mark.parametrize("split", [_chars, lambda t: [t], lambda t: [t[i:i + 5] for i in range(0, len(t), 5)]])
+def test_streamed_calls_match_whole_parsing_however_the_text_is_split(split) -> None:  # type: ignore[no-untyped-def]
+    text = ('Sure.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call>\n'
+            '<tool_call>{"name": "lookup", "arguments": {"word": "<tool"}}</tool_call>')
+    content, calls = _stream(PLAN, split(text))
+    assert content.strip() == "Sure."  # blank text just before a call may be dropped
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("calculator", {"expression": "3*4"}), ("lookup", {"word": "<tool"})]
+
+
+def test_stream_holds_a_possible_tag_but_releases_plain_text() -> None:
+    parser = StreamParser(PLAN)
+    assert parser.feed("a <") == ["a "]
+    assert parser.feed("b") == ["<b"]
+    assert parser.feed(" <tool_ca") == []  # blank text is held too: a call may follow
+    assert parser.feed("ke") == [" <tool_cake"]
+    assert parser.end() == []
+
+
+def test_stream_releases_a_malformed_call_as_text_and_a_cut_off_one_at_the_end() -> None:
+    content, calls = _stream(PLAN, ["<tool_call>{oops}</tool_call>"])
+    assert calls == [] and content == "<tool_call>{oops}</tool_call>"
+    content, calls = _stream(PLAN, ['<tool_call>{"name": "lookup", "arguments": {"word": "z"}}'])
+    assert [c.name for c in calls] == ["lookup"] and content == ""
+
+
+def test_stream_llama_form_holds_a_json_answer_and_streams_text() -> None:
+    content, calls = _stream(LLAMA, ['{"name": "lookup", ', '"parameters": {"word": "q"}}'])
+    assert [c.name for c in calls] == ["lookup"] and content == ""
+    content, calls = _stream(LLAMA, ["Hello", " there"])
+    assert content == "Hello there" and calls == []
+
+
+@pytest.mark.parametrize("plan", [ToolPlan((CALC, LOOKUP), mode="required"), ToolPlan((CALC, LOOKUP), mode="required", forced="lookup"),
+                                  ToolPlan((CALC,), mode="required", format="llama")])
+def test_forcing_grammar_compiles_and_accepts_a_call_that_parses(plan: ToolPlan) -> None:
+    text = grammar(plan)
+    LlamaGrammar.from_string(text, verbose=False)  # llama.cpp's own parser accepts it
+    assert "tool-call-json ::=" in text and text.count("root ::=") == 1
+    if plan.forced == "lookup":
+        assert '"\\"lookup\\""' in text and "calculator" not in text
+
+
+def test_template_forms() -> None:
+    assert template_form(True, "... <tool_call> ...") == (True, "hermes")
+    assert template_form(True, '{"name": ..., "parameters": ...} <|python_tag|>') == (True, "llama")
+    assert template_form(False, "<|im_start|>") == (False, "hermes")
+    assert template_form(True, "tools rendered some other way") == (False, "hermes")
+
+
+def test_call_text_round_trips_through_parse() -> None:
+    assert parse(call_text("lookup", {"word": "w"}), PLAN).calls[0].name == "lookup"
+    assert parse(call_text("lookup", {"word": "w"}, "llama"), LLAMA).calls[0].name == "lookup"
+
+
+def test_arguments_problem_checks_the_schema() -> None:
+    assert arguments_problem(ToolCall("call_1", "lookup", '{"word": "w", "limit": 2}'), PLAN) is None
+    problem = arguments_problem(ToolCall("call_1", "lookup", '{"limit": "two"}'), PLAN)
+    assert problem is not None and "lookup" in problem
