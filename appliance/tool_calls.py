@@ -123,7 +123,26 @@ def _decode(text: str) -> Any:
         return None
 
 
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
+_JSON = json.JSONDecoder()
+
+
+def _block_at(text: str, start: int) -> tuple[int, Any, bool] | None:
+    """The call that opens with the tag at `start`: where it ends, its decoded JSON, and whether its
+    close tag came; None when no whole JSON value follows the tag. The JSON's own end decides, so a
+    close tag written inside a string of the arguments does not cut the call short."""
+    j = start + len(OPEN)
+    while j < len(text) and text[j].isspace():
+        j += 1
+    try:
+        obj, end = _JSON.raw_decode(text, j)
+    except ValueError:
+        return None
+    k = end
+    while k < len(text) and text[k].isspace():
+        k += 1
+    if text.startswith(CLOSE, k):
+        return k + len(CLOSE), obj, True
+    return end, obj, False
 
 
 def parse(text: str, plan: ToolPlan) -> Parsed:
@@ -141,15 +160,22 @@ def parse(text: str, plan: ToolPlan) -> Parsed:
             return Parsed(text, problem=found)
         return Parsed(text)
     kept: list[str] = []
-    at = 0
-    for match in _BLOCK.finditer(text):
-        obj = _decode(match.group(1).strip())
-        found = _call(obj, names) if obj is not None else "the call is not JSON"
+    at = pos = 0
+    while (start := text.find(OPEN, pos)) >= 0:
+        block = _block_at(text, start)
+        if block is None:
+            problem = problem or "the call is not JSON"
+            close = text.find(CLOSE, start)
+            pos = close + len(CLOSE) if close >= 0 else len(text)
+            continue
+        end, obj, _ = block
+        found = _call(obj, names)
+        pos = end
         if isinstance(found, str):
             problem = problem or found
             continue
-        kept.append(text[at:match.start()])
-        at = match.end()
+        kept.append(text[at:start])
+        at = end
         calls.append(found)
     if not calls:
         return Parsed(text, problem=problem)
@@ -190,12 +216,18 @@ class StreamParser:
         out: list[str | ToolCall] = []
         while True:
             if self._in_call:
-                end = self._held.find(CLOSE)
-                if end < 0:
+                # Held until a whole JSON value and its close tag have come (or the answer ends).
+                text = OPEN + self._held
+                block = _block_at(text, 0)
+                if block is None:
                     return out
-                block, self._held = self._held[:end + len(CLOSE)], self._held[end + len(CLOSE):]
+                end, _, closed = block
+                after = text[end:].lstrip()
+                if not closed and (not after or CLOSE.startswith(after)):
+                    return out
+                self._held = text[end:]
                 self._in_call = False
-                out += self._block(OPEN + block)
+                out += self._block(text[:end])
                 continue
             start = self._held.find(OPEN)
             if start >= 0:
@@ -275,6 +307,8 @@ def grammar(plan: ToolPlan) -> str:
     schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
                          "required": ["name", key]} for t in plan.offered]}
     rules = re.sub(r"^root ::=", "tool-call-json ::=", json_schema_to_gbnf(json.dumps(schema)), flags=re.M)
+    # The converter lets a string hold raw newlines and other control characters, which JSON forbids.
+    rules = rules.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')
     if plan.format == "llama":
         return rules + "\nroot ::= tool-call-json\n"
     return rules + '\nroot ::= "<tool_call>\\n" tool-call-json "\\n</tool_call>"\n'
@@ -303,3 +337,18 @@ def template_form(uses_tools: bool, source: str) -> tuple[bool, Format]:
     if uses_tools and (PYTHON_TAG in source or '"parameters"' in source):
         return True, "llama"
     return False, "hermes"
+
+
+def answer_problem(text: str, plan: ToolPlan) -> str | None:
+    """Why an answer fails as a tool-calling answer (the router escalates on it): a call that does
+    not parse or breaks its schema, or no call where one was required."""
+    parsed = parse(text, plan)
+    for call in parsed.calls:
+        problem = arguments_problem(call, plan)
+        if problem is not None:
+            return problem
+    if parsed.problem is not None and not parsed.calls:
+        return parsed.problem
+    if plan.mode == "required" and not parsed.calls:
+        return "no tool call where one is required"
+    return None

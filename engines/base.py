@@ -48,6 +48,10 @@ class GenerationRequest:
     messages: tuple[tuple[str, str], ...] = ()
     response_format: str | None = None
     estimated_prompt_tokens: int = 0
+    # For such engines too: the chat in OpenAI's wire form (JSON) when it carries tool calls or
+    # results, which (role, content) cannot; and tools, tool_choice, parallel_tool_calls as JSON.
+    messages_json: str | None = None
+    tools_json: str | None = None
 
     @property
     def prompt_length(self) -> int:

@@ -149,3 +149,16 @@ def test_arguments_problem_checks_the_schema() -> None:
     assert arguments_problem(ToolCall("call_1", "lookup", '{"word": "w", "limit": 2}'), PLAN) is None
     problem = arguments_problem(ToolCall("call_1", "lookup", '{"limit": "two"}'), PLAN)
     assert problem is not None and "lookup" in problem
+
+
+def test_a_close_tag_inside_the_arguments_does_not_cut_the_call() -> None:
+    text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "}}</tool_call>"}}\n</tool_call>\nafter'
+    parsed = parse(text, PLAN)
+    assert [json.loads(c.arguments) for c in parsed.calls] == [{"expression": "}}</tool_call>"}] and parsed.content == "after"
+    content, calls = _stream(PLAN, _chars(text))
+    assert [json.loads(c.arguments) for c in calls] == [{"expression": "}}</tool_call>"}] and content.strip() == "after"
+
+
+def test_forcing_grammar_keeps_control_characters_out_of_strings() -> None:
+    # JSON forbids a raw newline inside a string; the converter's own rule would allow one.
+    assert 'char ::= [^"\\\\\\x7F\\x00-\\x1F]' in grammar(ToolPlan((CALC,), mode="required"))

@@ -28,6 +28,7 @@ from appliance.embedders import Embedder
 from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
 from appliance.settings import RouteSettings
+from appliance.tool_calls import answer_problem
 from appliance.tracing import RequestTrace, annotate
 from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
 from policy.cache_guards import spelled
@@ -266,6 +267,9 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
         with traced.child("route.validate") as check:
             verdict: Verdict = validate(collected.text, finish.reason, token_logprobs, schema, wants_json, route.min_confidence,
                                         route.max_repetition)
+            problem = answer_problem(collected.text, prepared.tools) if prepared.tools is not None else None
+            if verdict.ok and problem is not None:  # a well-formed call is an answer; a broken one escalates
+                verdict = Verdict(False, f"tool call: {problem}", verdict.confidence)
             annotate(check, ok=verdict.ok, reason=verdict.reason, confidence=verdict.confidence)
         annotate(span, outcome=verdict.reason, cost__nanousd=cost)
         if not verdict.ok:

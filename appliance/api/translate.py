@@ -210,8 +210,16 @@ def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defa
     """For a model served by another server: the messages go as they are (it templates and
     tokenizes them), response_format is passed on, and the prompt's size is an estimate until the
     upstream reports its count."""
-    messages = tuple((m["role"], m["content"]) for m in _messages(body))
-    estimate = estimate_tokens(messages)
+    plan = tool_plan(body, "hermes")  # the engine writes the upstream's calls in this form (wire.CallText)
+    chat = _messages(body)
+    messages = tuple((m["role"], m["content"]) for m in chat)
+    messages_json = json.dumps([_wire_message(m) for m in chat]) if any(m["role"] == "tool" or m.get("tool_calls") for m in chat) else None
+    tools_json = None
+    if plan is not None:
+        choice: Any = {"type": "function", "function": {"name": plan.forced}} if plan.forced else plan.mode
+        tools_json = json.dumps({"tools": [t.wire() for t in plan.tools], "tool_choice": choice, "parallel_tool_calls": plan.parallel})
+    estimate = estimate_tokens(messages) + (len(tools_json.encode()) // 3 if tools_json else 0)
+    estimate += len(messages_json.encode()) // 3 if messages_json else 0
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested is not None and requested < 1:
@@ -231,8 +239,19 @@ def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defa
         response_format = json.dumps(wire)
     sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, None)
     request = GenerationRequest(request_id, (), max_tokens, sampling, _stops(body.stop), messages=messages,
-                                response_format=response_format, estimated_prompt_tokens=estimate)
-    return Prepared(request, json.dumps([{"role": r, "content": c} for r, c in messages]))
+                                response_format=response_format, estimated_prompt_tokens=estimate,
+                                messages_json=messages_json, tools_json=tools_json)
+    return Prepared(request, json.dumps([{"role": r, "content": c} for r, c in messages]),
+                    tools=plan if plan is not None and plan.mode != "none" else None)
+
+
+def _wire_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A checked turn back in OpenAI's wire form: tool-call arguments as JSON text."""
+    if not message.get("tool_calls"):
+        return {k: v for k, v in message.items() if k != "name" or message["role"] != "tool"}
+    calls = [{**c, "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+             for c in message["tool_calls"]]
+    return {**message, "content": message["content"] or None, "tool_calls": calls}
 
 
 def prepare_completion(body: CompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:

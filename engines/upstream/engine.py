@@ -39,7 +39,7 @@ from engines.base import (
 from engines.stream import EventStream
 from engines.upstream import policy
 from engines.upstream.policy import Breaker, BreakerPolicy, Candidate, FailureKind, RetryPolicy
-from engines.upstream.wire import ChunkError, DataLines, Piece, error_message, parse_chunk, request_body
+from engines.upstream.wire import CallText, ChunkError, DataLines, Piece, error_message, parse_chunk, request_body
 
 log = logging.getLogger("appliance.upstream")
 
@@ -354,6 +354,9 @@ class UpstreamEngine:
                     reason = self._take(data, stream, counted, started) or reason
         if reason is None:
             raise _Failure("broken_stream" if counted.streamed else "server", "the stream ended without a finish reason")
+        tail = counted.calls.close()  # a tool call still open ends with the stream
+        if tail:
+            stream.push(TokenEvent(tail, -1))
         return FinishEvent(reason, counted.usage(request), time_to_first_token_s=counted.first_token_s,
                            total_time_s=time.monotonic() - started)
 
@@ -409,8 +412,13 @@ class _Counted:
         self.tokens = 0
         self.first_token_s: float | None = None
         self.reported: tuple[int, int, int] | None = None
+        self.calls = CallText()
 
     def events(self, piece: Piece, started: float) -> list[TokenEvent]:
+        if piece.tool_calls or piece.text:
+            # Content after a call closes it; the calls go on as text the API reads back (wire.CallText).
+            text = (self.calls.close() if piece.text else "") + piece.text + self.calls.feed(piece.tool_calls)
+            piece = dataclasses.replace(piece, text=text)
         if not piece.text and not piece.logprobs:
             return []
         if self.first_token_s is None:

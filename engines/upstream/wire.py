@@ -18,7 +18,8 @@ def request_body(request: GenerationRequest, upstream_model: str) -> dict:
     s = request.sampling
     body: dict = {
         "model": upstream_model,
-        "messages": [{"role": role, "content": content} for role, content in request.messages],
+        "messages": json.loads(request.messages_json) if request.messages_json is not None else
+                    [{"role": role, "content": content} for role, content in request.messages],
         "max_tokens": request.max_tokens,
         "temperature": s.temperature,
         "top_p": s.top_p,
@@ -35,6 +36,8 @@ def request_body(request: GenerationRequest, upstream_model: str) -> dict:
             body["top_logprobs"] = s.top_logprobs
     if request.response_format is not None:
         body["response_format"] = json.loads(request.response_format)
+    if request.tools_json is not None:
+        body.update(json.loads(request.tools_json))
     return body
 
 
@@ -55,8 +58,20 @@ class _Logprobs(msgspec.Struct):
     content: list[_TokenLogprob] | None = None
 
 
+class _FunctionDelta(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCallDelta(msgspec.Struct):
+    index: int = 0
+    id: str | None = None
+    function: _FunctionDelta | None = None
+
+
 class _Delta(msgspec.Struct):
     content: str | None = None
+    tool_calls: list[_ToolCallDelta] | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -90,6 +105,45 @@ class Piece:
     finish_reason: FinishReason | None = None
     usage: tuple[int, int, int] | None = None  # prompt, completion, cached prompt tokens
     error: str | None = None  # an error the upstream reported inside the stream
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+class CallText:
+    """An upstream's streamed tool calls written as `<tool_call>{"id", "name", "arguments"}</tool_call>`
+    text (appliance/tool_calls.py's "hermes" form), so the API reads local and upstream calls, whole
+    and streamed, with one parser. The arguments go in as the upstream wrote them (JSON text)."""
+
+    def __init__(self) -> None:
+        self._open: int | None = None
+        self._args = False
+
+    def feed(self, deltas: tuple[ToolCallDelta, ...]) -> str:
+        out = []
+        for d in deltas:
+            if d.index != self._open:
+                out.append(self.close())
+                self._open, self._args = d.index, False
+                head = {"id": d.id or "", "name": d.name or ""}
+                out.append("<tool_call>\n" + json.dumps(head, ensure_ascii=False)[:-1] + ', "arguments": ')
+            if d.arguments:
+                self._args = True
+                out.append(d.arguments)
+        return "".join(out)
+
+    def close(self) -> str:
+        if self._open is None:
+            return ""
+        text = ("" if self._args else "{}") + "}\n</tool_call>"
+        self._open = None
+        return text
 
 
 class ChunkError(ValueError):
@@ -128,7 +182,9 @@ def parse_chunk(data: bytes | str) -> Piece:
     if choice.finish_reason is not None:
         reason = "length" if choice.finish_reason == "length" else "stop"  # content_filter and the like end it too
     text = (choice.delta.content or "") if choice.delta is not None else ""
-    return Piece(text, logprobs, reason, usage)
+    calls = tuple(ToolCallDelta(d.index, d.id, d.function.name if d.function else None, (d.function.arguments or "") if d.function else "")
+                  for d in (choice.delta.tool_calls or ())) if choice.delta is not None else ()
+    return Piece(text, logprobs, reason, usage, tool_calls=calls)
 
 
 class DataLines:

@@ -1,0 +1,284 @@
+"""Tool calling on /v1/chat/completions through real HTTP and the official openai SDK: the bundled
+SmolLM2 (whose template ignores tools, so the generic Hermes-style form is taught in a system
+message), forced calls under a grammar, an agent loop, the 400s, cache bypass, and an appliance
+behind an appliance (the upstream engine) passing tools through."""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.conftest import CHAT_MODEL, EMBED_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
+
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression such as 12*7.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string", "maxLength": 40}}, "required": ["expression"],
+                   "additionalProperties": False}}}
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "Look up a fact about a country.",
+    "parameters": {"type": "object", "properties": {"country": {"type": "string", "enum": ["France", "Japan", "Peru"]},
+                                                    "fact": {"type": "string", "enum": ["capital", "currency"]}},
+                   "required": ["country", "fact"], "additionalProperties": False}}}
+TOOLS = [CALCULATOR, LOOKUP]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+FACTS = {("France", "capital"): "Paris", ("Japan", "capital"): "Tokyo", ("Peru", "capital"): "Lima",
+         ("France", "currency"): "euro", ("Japan", "currency"): "yen", ("Peru", "currency"): "sol"}
+ASK = [{"role": "user", "content": "What is 12 times 7? Use the calculator."}]
+QWEN = Path.home() / ".cache/appliance/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+
+@pytest.fixture(scope="module")
+def origin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    cache = f'enabled = true\nsweep_interval_s = 0\nembedder = "{EMBED_MODEL}"'
+    srv = start_server(tmp_path_factory.mktemp("tools"), config_text(slots=2, cache=cache))
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, origin: Server) -> Iterator[Server]:
+    """Another appliance whose model is the first one, reached as an OpenAI upstream."""
+    config = f"""
+[auth]
+mode = "open"
+
+[auth.open_principal]
+admin = true
+
+[cache]
+enabled = false
+
+[[models]]
+alias = "up"
+engine = "openai"
+base_url = "{origin.base_url}/v1"
+upstream_model = "{CHAT_MODEL}"
+health_interval_s = 0
+"""
+    srv = start_server(tmp_path_factory.mktemp("tools-gateway"), config)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def client(origin: Server) -> openai.OpenAI:
+    return origin.client(timeout=120)
+
+
+def _valid_call(call: Any) -> dict[str, Any]:
+    """A call's arguments parse and match its tool's schema; returns them."""
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, SCHEMAS[call.function.name])
+    return arguments
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "lookup"}}])
+def test_a_forced_call_always_parses_and_matches_its_schema(client: openai.OpenAI, choice: Any) -> None:
+    response = client.chat.completions.create(model=CHAT_MODEL, messages=[{"role": "user", "content": "What is the capital of Peru?"}],
+                                              tools=TOOLS, tool_choice=choice, max_tokens=80, temperature=0)
+    choice0 = response.choices[0]
+    assert choice0.finish_reason == "tool_calls"
+    (call,) = choice0.message.tool_calls
+    _valid_call(call)
+    if isinstance(choice, dict):
+        assert call.function.name == "lookup"
+    assert response.usage.completion_tokens > 0 and response.usage.prompt_tokens > 100  # the tools are in the prompt
+
+
+def test_a_forced_call_streams_as_openai_deltas_and_the_sdk_assembles_it(client: openai.OpenAI, origin: Server) -> None:
+    named = {"type": "function", "function": {"name": "calculator"}}
+    with client.chat.completions.stream(model=CHAT_MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=80,
+                                        temperature=0) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "calculator" and final.choices[0].finish_reason == "tool_calls"
+    _valid_call(call)
+
+    # The raw chunks: the first delta of a call names it with empty arguments, the rest add arguments.
+    body = {"model": CHAT_MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": named, "max_tokens": 80, "temperature": 0, "stream": True}
+    deltas, reasons, content = [], [], []
+    with httpx.stream("POST", f"{origin.base_url}/v1/chat/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                deltas += choice["delta"].get("tool_calls") or []
+                content.append(choice["delta"].get("content") or "")
+                reasons.append(choice["finish_reason"])
+    assert "<tool_call>" not in "".join(content)
+    first, rest = deltas[0], deltas[1:]
+    assert first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"] == {"name": "calculator", "arguments": ""}
+    assert rest and all(d["index"] == 0 and set(d) == {"index", "function"} for d in rest)
+    _valid_call(final.choices[0].message.tool_calls[0])
+    jsonschema.validate(json.loads("".join(d["function"]["arguments"] for d in rest)), SCHEMAS["calculator"])
+    assert [r for r in reasons if r] == ["tool_calls"]
+
+
+def _calculate(expression: str) -> str:
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](ev(node.left), ev(node.right))
+        raise ValueError(expression)
+
+    try:
+        value = ev(ast.parse(expression.replace("x", "*").replace("×", "*"), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        return "error: not an arithmetic expression"
+    return str(int(value) if float(value).is_integer() else value)
+
+
+def _run(call: Any) -> str:
+    args = json.loads(call.function.arguments)
+    if call.function.name == "calculator":
+        return _calculate(str(args.get("expression", "")))
+    return FACTS.get((args.get("country"), args.get("fact")), "unknown")
+
+
+def agent_loop(client: openai.OpenAI, model: str, messages: list[dict[str, Any]], first_choice: Any, turns: int = 4,
+               stream: bool = False) -> tuple[str, list[dict[str, Any]]]:
+    """Calls tools until the model answers in text; the last turn allows no more calls."""
+    for turn in range(turns):
+        choice = first_choice if turn == 0 else ("none" if turn == turns - 1 else "auto")
+        kwargs: dict[str, Any] = {"model": model, "messages": messages, "tools": TOOLS, "tool_choice": choice, "max_tokens": 120,
+                                  "temperature": 0}
+        if stream:
+            with client.chat.completions.stream(**kwargs) as s:
+                response = s.get_final_completion()
+        else:
+            response = client.chat.completions.create(**kwargs)
+        message = response.choices[0].message
+        if not message.tool_calls:
+            assert response.choices[0].finish_reason in ("stop", "length")
+            return message.content or "", messages
+        assert response.choices[0].finish_reason == "tool_calls"
+        messages.append({"role": "assistant", "content": message.content,
+                         "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                        for c in message.tool_calls]})
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": _run(c)} for c in message.tool_calls]
+    raise AssertionError("the loop did not end in a text answer")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_agent_loop_with_two_tools_completes(client: openai.OpenAI, stream: bool) -> None:
+    messages = [{"role": "system", "content": "You answer with the tools' help."},
+                {"role": "user", "content": "What is the capital of Japan, and what is 12 times 7?"}]
+    answer, history = agent_loop(client, CHAT_MODEL, messages, "required", stream=stream)
+    results = [m for m in history if m["role"] == "tool"]
+    calls = [c for m in history if m["role"] == "assistant" for c in m["tool_calls"]]
+    assert results and len(results) == len(calls)  # every call answered, each by its id
+    assert {r["tool_call_id"] for r in results} == {c["id"] for c in calls}
+    assert answer.strip()  # SmolLM2-135M's answer need not be right: the mechanics are what is checked
+
+
+def _post(origin: Server, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{origin.base_url}/v1/chat/completions", json={"model": CHAT_MODEL, "max_tokens": 8, **body}, timeout=60)
+
+
+CALLED = [{"role": "user", "content": "hi"},
+          {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                                  "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}]}]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]},
+     "tools[0].function.parameters"),
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     "tools[0].function.parameters"),
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"messages": ASK, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
+    ({"messages": ASK, "tools": [CALCULATOR, CALCULATOR]}, "tools[1].function.name"),
+    ({"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "weather"}}}, "tool_choice"),
+    ({"messages": ASK, "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": ASK, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": ASK, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "2"}]}, "messages[1].tool_call_id"),
+    ({"messages": ASK + [{"role": "tool", "content": "2"}]}, "messages[1].tool_call_id"),
+    ({"messages": CALLED + [{"role": "tool", "tool_call_id": "call_2", "content": "2"}], "tools": TOOLS}, "messages[2].tool_call_id"),
+    ({"messages": [ASK[0], {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                   "function": {"name": "calculator", "arguments": "{not json"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": ASK, "functions": [CALCULATOR["function"]], "function_call": {"name": "weather"}}, "function_call"),
+    ({"messages": ASK, "functions": [CALCULATOR["function"]], "tools": TOOLS}, "functions"),
+    ({"messages": [ASK[0], {"role": "function", "name": "calculator", "content": "2"}]}, "messages[1].name"),
+    ({"messages": ASK, "tools": TOOLS, "logprobs": True}, "logprobs"),
+])
+def test_bad_tool_input_is_a_400_naming_the_field(origin: Server, body: dict[str, Any], param: str) -> None:
+    response = _post(origin, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_tool_results_and_legacy_functions_are_accepted(origin: Server, client: openai.OpenAI) -> None:
+    answered = CALLED + [{"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+    response = _post(origin, {"messages": answered, "tools": TOOLS, "tool_choice": "none"})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "tool_calls" not in response.json()["choices"][0]["message"]  # "none": tools not offered, output not read for calls
+    legacy = _post(origin, {"messages": ASK, "functions": [CALCULATOR["function"]], "function_call": {"name": "calculator"}, "max_tokens": 60})
+    assert legacy.status_code == 200, legacy.text
+    assert legacy.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "calculator"
+    old_turns = [ASK[0], {"role": "assistant", "content": None, "function_call": {"name": "calculator", "arguments": '{"expression": "12*7"}'}},
+                 {"role": "function", "name": "calculator", "content": "84"}]
+    assert _post(origin, {"messages": old_turns, "functions": [CALCULATOR["function"]]}).status_code == 200
+
+
+def test_requests_with_tools_bypass_the_semantic_cache(client: openai.OpenAI) -> None:
+    plain = client.chat.completions.with_raw_response.create(model=CHAT_MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                                                             max_tokens=4, temperature=0)
+    assert plain.headers["x-cache"] == "miss"  # the cache is on: a plain question is looked up
+    for extra in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "none"}, {}):
+        messages = [{"role": "user", "content": "Name a colour."}]
+        if not extra:  # no tools, but a tool result in the chat
+            messages = CALLED + [{"role": "tool", "tool_call_id": "call_1", "content": "2"}, messages[0]]
+        raw = client.chat.completions.with_raw_response.create(model=CHAT_MODEL, messages=messages, max_tokens=4, temperature=0, **extra)
+        assert raw.headers["x-cache"] == "bypass"
+
+
+def test_tools_pass_through_an_upstream(gateway: Server) -> None:
+    client = gateway.client(timeout=120)
+    named = {"type": "function", "function": {"name": "lookup"}}
+    whole = client.chat.completions.create(model="up", messages=[{"role": "user", "content": "Capital of France?"}], tools=TOOLS,
+                                           tool_choice=named, max_tokens=80, temperature=0)
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "lookup" and whole.choices[0].finish_reason == "tool_calls"
+    _valid_call(call)
+    with client.chat.completions.stream(model="up", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0) as s:
+        streamed = s.get_final_completion()
+    (call,) = streamed.choices[0].message.tool_calls
+    _valid_call(call)
+    assert streamed.usage is None or streamed.usage.completion_tokens > 0
+    # The call's id goes back with its result, through the upstream, which checks it too.
+    answer, history = agent_loop(client, "up", [{"role": "user", "content": "What is 3 times 4?"}], "required", turns=2)
+    assert answer.strip() and any(m["role"] == "tool" for m in history)
+    bad = httpx.post(f"{gateway.base_url}/v1/chat/completions", timeout=60, json={
+        "model": "up", "messages": ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "2"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[1].tool_call_id"
+
+
+@pytest.mark.skipif(not QWEN.exists(), reason="Qwen2.5-Coder 0.5B is not downloaded")
+def test_qwen_uses_the_calculator_and_answers_right(tmp_path: Path) -> None:
+    config = config_text(embeddings=False, slots=1).replace(f'package_file = "{MODEL_FILE}"', f'path = "{QWEN}"')
+    srv = start_server(tmp_path / "qwen", config)
+    try:
+        client = srv.client(timeout=300)
+        messages = [{"role": "user", "content": "What is 1234 * 5678? Use the calculator tool, then give the number."}]
+        answer, history = agent_loop(client, CHAT_MODEL, messages, "auto")
+        assert any(m["role"] == "tool" and m["content"] == "7006652" for m in history)
+        assert "7006652" in answer.replace(",", "")
+    finally:
+        stop_server(srv)
