@@ -151,13 +151,14 @@ def parse(text: str, plan: ToolPlan) -> Parsed:
     names = plan.names
     calls: list[ToolCall] = []
     problem: str | None = None
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if body.startswith("{") and (plan.format == "llama" or OPEN not in text):
+        # The llama form; and a bare JSON call, which Hermes-form models also write (Qwen2.5-Coder 0.5B does).
+        found = _call(_decode(body), names)
+        if isinstance(found, ToolCall):
+            return Parsed(None, (found,))
+        return Parsed(text, problem=found if plan.format == "llama" or '"name"' in body else None)
     if plan.format == "llama":
-        body = text.strip().removeprefix(PYTHON_TAG).strip()
-        if body.startswith("{"):
-            found = _call(_decode(body), names)
-            if isinstance(found, ToolCall):
-                return Parsed(None, (found,))
-            return Parsed(text, problem=found)
         return Parsed(text)
     kept: list[str] = []
     at = pos = 0
@@ -204,15 +205,27 @@ class StreamParser:
     plan: ToolPlan
     _held: str = ""
     _in_call: bool = False
-    _started: bool = False  # any non-blank text seen (a llama-form call must open the answer)
-    _whole: bool = False  # llama form: the answer is one JSON call, so all of it is held
+    _started: bool = False  # any non-blank text seen (a bare call must open the answer)
+    _whole: bool = False  # the answer opens as a bare JSON call, so all of it is held
     _blank: str = ""  # blank text before a possible call: dropped if a call follows
     calls: list[ToolCall] = field(default_factory=list)
 
     def feed(self, text: str) -> list[str | ToolCall]:
         self._held += text
+        if self._whole:
+            return []
+        if not self._started:
+            # An answer that opens with JSON (or the llama form's tag) may be one bare call: held whole.
+            stripped = self._held.lstrip()
+            if not stripped or PYTHON_TAG.startswith(stripped):
+                return []
+            self._started = True
+            if stripped.startswith(("{", PYTHON_TAG)):
+                self._whole = True
+                return []
         if self.plan.format == "llama":
-            return self._feed_llama()
+            out, self._held = self._held, ""
+            return [out]
         out: list[str | ToolCall] = []
         while True:
             if self._in_call:
@@ -240,19 +253,6 @@ class StreamParser:
             self._held = self._held[len(self._held) - keep:]
             return out
 
-    def _feed_llama(self) -> list[str | ToolCall]:
-        if self._whole:
-            return []
-        stripped = self._held.lstrip()
-        if not stripped or PYTHON_TAG.startswith(stripped):
-            return []
-        if stripped.startswith(("{", PYTHON_TAG)) and not self._started:
-            self._whole = True
-            return []
-        self._started = True
-        out, self._held = self._held, ""
-        return [out]
-
     def _text(self, text: str) -> list[str | ToolCall]:
         # Blank text before or between calls is held: if calls follow, it is dropped.
         if not text:
@@ -277,9 +277,7 @@ class StreamParser:
     def end(self) -> list[str | ToolCall]:
         """What is still held when the answer ends: a cut-off call that still parses is a call."""
         held, self._held = self._held, ""
-        if self.plan.format == "llama":
-            if not self._whole:
-                return self._text(held) if held else []
+        if self._whole:
             parsed = parse(held, self.plan)
             self.calls += parsed.calls
             return list(parsed.calls) or [held]
@@ -327,6 +325,12 @@ def strings(value: Any) -> Iterable[str]:
                 stack.append(v)
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
+
+
+def marker_texts(fmt: Format) -> tuple[str, ...]:
+    """The texts that mark a call in this form: where a model has them as control tokens, their
+    text must reach the parser."""
+    return (PYTHON_TAG,) if fmt == "llama" else (OPEN, CLOSE)
 
 
 def template_form(uses_tools: bool, source: str) -> tuple[bool, Format]:

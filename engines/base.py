@@ -40,6 +40,9 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
+    # Control tokens whose text goes out as text (a template's `<tool_call>`), where other control
+    # tokens are silent: the API reads tool calls from that text.
+    preserved_tokens: frozenset[int] = frozenset()
     # LoRA adapters by name with their scales; requests with different sets never share a step.
     adapters: tuple[tuple[str, float], ...] = ()
     # For engines that take messages (`takes_messages`: an upstream server applies its own template

@@ -162,3 +162,33 @@ def test_a_close_tag_inside_the_arguments_does_not_cut_the_call() -> None:
 def test_forcing_grammar_keeps_control_characters_out_of_strings() -> None:
     # JSON forbids a raw newline inside a string; the converter's own rule would allow one.
     assert 'char ::= [^"\\\\\\x7F\\x00-\\x1F]' in grammar(ToolPlan((CALC,), mode="required"))
+
+
+def test_a_bare_json_call_counts_in_the_hermes_form_too() -> None:
+    text = '{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}'
+    assert [c.name for c in parse(text, PLAN).calls] == ["calculator"]
+    content, calls = _stream(PLAN, _chars(text))
+    assert [c.name for c in calls] == ["calculator"] and content == ""
+    other = '{"colour": "red"}'  # a JSON answer that is no call stays content, with no problem to escalate on
+    assert parse(other, PLAN) == parse(other, PLAN) and parse(other, PLAN).content == other and parse(other, PLAN).problem is None
+    assert _stream(PLAN, _chars(other)) == (other, [])
+
+
+def test_tools_reach_a_template_that_renders_them_and_control_text_in_them_is_refused() -> None:
+    from appliance.chat_prompt import chat_prompt
+    from appliance.chat_template import ChatTemplate, TemplateError
+
+    template = ChatTemplate("{% for t in tools %}{{ t | tojson }}{% endfor %}"
+                            "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}", {})
+    assert template.uses_tools
+    controls = {"<|im_start|>": 1, "<|im_end|>": 2}
+
+    def tokenize(text: str) -> list[int]:
+        return [1000 + ord(c) for c in text]
+
+    text, tokens = chat_prompt(template, [{"role": "user", "content": "<|im_end|>"}], controls, tokenize, [], tools=[LOOKUP.wire()])
+    assert text.startswith('{"type": "function", "function": {"name": "lookup"')  # Hugging Face's tojson: keys in order
+    assert [t for t in tokens if t < 1000] == [1, 2]  # the caller's "<|im_end|>" stayed text
+    with pytest.raises(TemplateError, match="control token"):
+        chat_prompt(template, [{"role": "user", "content": "hi"}], controls, tokenize, [],
+                    tools=[Tool("f", "x<|im_end|>", {"type": "object"}).wire()])

@@ -202,8 +202,11 @@ def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defa
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = _max_tokens(requested, param, len(tokens), model, defaults)
     sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, _tool_grammar(plan, body.response_format))
-    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), prompt_text,
-                    messages=tuple(messages), tools=plan if plan is not None and plan.mode != "none" else None)
+    offered = plan if plan is not None and plan.mode != "none" else None
+    controls = model.engine.control_tokens() if offered is not None else {}
+    preserved = frozenset(controls[t] for t in tool_calls.marker_texts(offered.format) if t in controls) if offered else frozenset()
+    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop), preserved_tokens=preserved),
+                    prompt_text, messages=tuple(messages), tools=offered)
 
 
 def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:

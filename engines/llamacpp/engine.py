@@ -773,7 +773,7 @@ class LlamaCppEngine:
             self._release(job, "stop")
             return None
         logprob = self._logprob(job, row, token) if job.request.sampling.logprobs else None
-        text = job.stops.feed(job.utf8.feed(self.model.piece(token)))
+        text = job.stops.feed(job.utf8.feed(self.model.piece(token, special=token in job.request.preserved_tokens)))
         job.emit(TokenEvent(text, token, logprob))
         if job.stops.stopped:
             self._release(job, "stop")
