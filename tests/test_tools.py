@@ -39,7 +39,8 @@ QWEN = Path.home() / ".cache/appliance/models/qwen2.5-coder-0.5b-instruct-q4_k_m
 @pytest.fixture(scope="module")
 def origin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     cache = f'enabled = true\nsweep_interval_s = 0\nembedder = "{EMBED_MODEL}"'
-    srv = start_server(tmp_path_factory.mktemp("tools"), config_text(slots=2, cache=cache))
+    route = '\n[[routes]]\nalias = "auto"\ntiers = ["smollm2-135m"]\ndefault_response = "No tier answered."\n'
+    srv = start_server(tmp_path_factory.mktemp("tools"), config_text(slots=2, cache=cache) + route)
     yield srv
     stop_server(srv)
 
@@ -247,6 +248,19 @@ def test_requests_with_tools_bypass_the_semantic_cache(client: openai.OpenAI) ->
             messages = CALLED + [{"role": "tool", "tool_call_id": "call_1", "content": "2"}, messages[0]]
         raw = client.chat.completions.with_raw_response.create(model=CHAT_MODEL, messages=messages, max_tokens=4, temperature=0, **extra)
         assert raw.headers["x-cache"] == "bypass"
+
+
+def test_the_router_accepts_a_call_and_escalates_on_a_broken_one(client: openai.OpenAI) -> None:
+    named = {"type": "function", "function": {"name": "lookup"}}
+    ok = client.chat.completions.with_raw_response.create(model="auto", messages=[{"role": "user", "content": "Capital of Japan?"}],
+                                                          tools=TOOLS, tool_choice=named, max_tokens=60, temperature=0)
+    assert [a["outcome"] for a in json.loads(ok.headers["x-route-attempts"])] == ["ok"]
+    _valid_call(ok.parse().choices[0].message.tool_calls[0])
+    # Six tokens cannot hold the call: the tier's answer is a broken call, so the route escalates (here to its default).
+    cut = client.chat.completions.with_raw_response.create(model="auto", messages=[{"role": "user", "content": "Capital of Japan?"}],
+                                                           tools=TOOLS, tool_choice=named, max_tokens=6, temperature=0)
+    (attempt,) = json.loads(cut.headers["x-route-attempts"])
+    assert attempt["outcome"].startswith("tool call:") and cut.headers["x-route-default"] == "true"
 
 
 def test_tools_pass_through_an_upstream(gateway: Server) -> None:
