@@ -266,6 +266,33 @@ def test_the_router_accepts_a_call_and_escalates_on_a_broken_one(client: openai.
     assert attempt["outcome"].startswith("tool call:") and cut.headers["x-route-default"] == "true"
 
 
+def test_langchain_bind_tools_round_trip(origin: Server) -> None:
+    chat_models = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    llm = chat_models.ChatOpenAI(model=CHAT_MODEL, base_url=f"{origin.base_url}/v1", api_key="unused", temperature=0, max_tokens=80,
+                                 max_retries=0)
+    forced = llm.bind_tools([LOOKUP], tool_choice="lookup")
+    question = HumanMessage("What is the capital of Peru?")
+    message = forced.invoke([question])
+    (call,) = message.tool_calls
+    assert call["name"] == "lookup" and call["id"].startswith("call_")
+    jsonschema.validate(call["args"], SCHEMAS["lookup"])
+    chunks = list(forced.stream([question]))  # LangChain adds the streamed call's pieces up
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed += chunk
+    assert [c["name"] for c in streamed.tool_calls] == ["lookup"]
+    jsonschema.validate(streamed.tool_calls[0]["args"], SCHEMAS["lookup"])
+    answer = llm.bind_tools([LOOKUP], tool_choice="none").invoke([question, message, ToolMessage(_run_args("lookup", call["args"]),
+                                                                                                   tool_call_id=call["id"])])
+    assert isinstance(answer, AIMessage) and answer.content and not answer.tool_calls
+
+
+def _run_args(name: str, args: dict[str, Any]) -> str:
+    return FACTS.get((args.get("country"), args.get("fact")), "unknown") if name == "lookup" else _calculate(str(args.get("expression")))
+
+
 def test_tools_pass_through_an_upstream(gateway: Server) -> None:
     client = gateway.client(timeout=120)
     named = {"type": "function", "function": {"name": "lookup"}}
