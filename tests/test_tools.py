@@ -157,7 +157,7 @@ def agent_loop(client: openai.OpenAI, model: str, messages: list[dict[str, Any]]
     """Calls tools until the model answers in text; the last turn allows no more calls."""
     for turn in range(turns):
         choice = first_choice if turn == 0 else ("none" if turn == turns - 1 else "auto")
-        kwargs: dict[str, Any] = {"model": model, "messages": messages, "tools": TOOLS, "tool_choice": choice, "max_tokens": 120,
+        kwargs: dict[str, Any] = {"model": model, "messages": messages, "tools": TOOLS, "tool_choice": choice, "max_tokens": 60,
                                   "temperature": 0}
         if stream:
             with client.chat.completions.stream(**kwargs) as s:
