@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import jsonschema
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 Format = Literal["hermes", "llama"]
@@ -187,8 +188,6 @@ def parse(text: str, plan: ToolPlan) -> Parsed:
 
 def arguments_problem(call: ToolCall, plan: ToolPlan) -> str | None:
     """Whether a call's arguments break its tool's schema (the router escalates on it)."""
-    import jsonschema  # only the router needs it here
-
     tool = next((t for t in plan.tools if t.name == call.name), None)
     if tool is None:
         return f"unknown tool {call.name!r}"
