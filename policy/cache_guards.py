@@ -20,8 +20,9 @@ from itertools import pairwise
 from types import MappingProxyType
 
 from policy.cache_words import (
-    CONNECTORS, DATE_WORDS, KEYBOARD, NEGATING_PREFIXES, NEGATORS, NUMBER_WORDS, OPPOSITES, PERIODIC, QUANTIFIERS,
-    SAME_QUANTIFIER, SCAFFOLD_BEFORE, STOP, TECH, TIME_UNITS, UNITS, UNITS_BESIDE_NUMBERS, VOWELS,
+    CONNECTORS, COURTESY, DATE_WORDS, ENDING_VERBS, KEYBOARD, MEASURES, NEGATING_PREFIXES, NEGATORS, NUMBER_WORDS,
+    OPPOSITES, PERIODIC, QUANTIFIERS, RELATIVE_TIME, SAME_QUANTIFIER, SCAFFOLD_BEFORE, STOP, TECH, TIME_RELATION_WORDS,
+    TIME_RELATIONS, TIME_SPANS, TIME_UNITS, UNITS, UNITS_BESIDE_NUMBERS, VOWELS,
 )
 
 
@@ -75,6 +76,7 @@ NO_LEXICON = Lexicon()
 # -- words ---------------------------------------------------------------------------------------
 
 _TOKEN = re.compile(r"\$?\d+(?:[.,:/]\d+)*(?:st|nd|rd|th|s|%)?|[^\W\d_](?:[\w+#']|\.(?=\w))*[+#]*", re.UNICODE)
+_PERCENT = re.compile(r"(?i)(\d)\s*(?:per ?cent|pct)\b")  # "10 percent" is "10%"
 _CONTRACTION = re.compile(r"(?i)\b(can|won|shan|ai)'?t\b|n't\b|'(re|ve|ll|d|m|s)\b")
 
 
@@ -92,6 +94,7 @@ def _expand(text: str) -> str:
             return {"can": "can not", "won": "will not", "shan": "shall not", "ai": "is not"}[m.group(1).lower()]
         return " not" if m.group(0).lower() == "n't" else " "
     text = unicodedata.normalize("NFKC", text).replace("’", "'").replace("‘", "'")
+    text = _PERCENT.sub(r"\1%", re.sub(COURTESY, " ", text, flags=re.IGNORECASE))
     return _CONTRACTION.sub(repl, text)
 
 
@@ -127,6 +130,8 @@ def words(text: str) -> list[Word]:
             if plain in UNITS and (beside_number or plain not in UNITS_BESIDE_NUMBERS):
                 plain = UNITS[plain]
             plain = NUMBER_WORDS.get(plain, plain)
+            if plain in ("am", "pm", "a.m", "p.m") and beside_number:
+                plain = plain[0] + ".m."  # a time of day, not "I am"
             name = (not start and part[:1].isupper() and plain != "i") or (len(part) > 1 and part.isupper()) \
                 or plain in TECH or any(c in part for c in "+#") or ("." in part and part[:1].isalpha())
             found.append(Word(plain, _stem(plain) if plain.isalpha() else plain, name, found[-1].plain if found else ""))
@@ -290,9 +295,10 @@ def _pure_swap(ca: list[Word], cb: list[Word], unmatched: list[Word], lexicon: L
     swapped = sum(max(i2 - i1, j2 - j1) for _, i1, i2, j1, j2 in ops)
     if swapped > 2 or len(a) - swapped < 1:
         return False
-    words = [w for _, i1, i2, j1, j2 in ops for w in ca[i1:i2] + cb[j1:j2]]
-    if not {id(w) for w in words} <= {id(w) for w in unmatched}:
+    loose = {id(w) for w in unmatched}
+    if not all(any(id(w) in loose for w in ca[i1:i2]) and any(id(w) in loose for w in cb[j1:j2]) for _, i1, i2, j1, j2 in ops):
         return False  # "Wi-Fi" / "wifi": the same words, written apart
+    words = [w for _, i1, i2, j1, j2 in ops for w in ca[i1:i2] + cb[j1:j2]]
     return not all(w.after in _VERB_SLOT for w in words)  # "can I lower" / "can I reduce": a verb said otherwise
 
 
@@ -304,8 +310,7 @@ def _key(w: Word, other: list[Word], lexicon: Lexicon) -> str:
 def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Comparison:
     wa, wb = _unscaffolded(words(cached)), _unscaffolded(words(asked))
     ca, cb = _content(wa), _content(wb)
-    # Negators are counted, not matched: "not" twice is not "not" once.
-    if sum(w.plain in NEGATORS for w in wa) != sum(w.plain in NEGATORS for w in wb):
+    if _negations(wa) != _negations(wb):
         return Comparison("negation")
     stems_a, stems_b = {w.stem for w in wa} | {w.plain for w in wa}, {w.stem for w in wb} | {w.plain for w in wb}
     for x, y in ((stems_a, stems_b), (stems_b, stems_a)):
@@ -322,9 +327,14 @@ def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Compariso
                     return Comparison("opposite")
     if {_canonical(w.plain) for w in wa if _is_number(w.plain)} != {_canonical(w.plain) for w in wb if _is_number(w.plain)}:
         return Comparison("number")
+    if _measures_differ(wa, wb):
+        return Comparison("number")
     unmatched_a, unmatched_b = _unmatched(ca, cb, lexicon), _unmatched(cb, ca, lexicon)
-    if any(w.plain in DATE_WORDS for w in unmatched_a + unmatched_b):
+    if any(w.plain in DATE_WORDS for w in unmatched_a + unmatched_b) or _times(wa) != _times(wb):
         return Comparison("date")
+    for ws, added, other in ((wa, unmatched_a, wb), (wb, unmatched_b, wa)):
+        if _time_relation(ws, added) and not any(w.plain in TIME_RELATION_WORDS for w in other):
+            return Comparison("date")  # "on Thanksgiving" / "the day after Thanksgiving"
     quant_a = {_canonical(w.plain) for w in wa if w.plain in QUANTIFIERS}
     quant_b = {_canonical(w.plain) for w in wb if w.plain in QUANTIFIERS}
     if quant_a != quant_b or sum(_superlative(w.plain, lexicon) for w in wa) != sum(_superlative(w.plain, lexicon) for w in wb):
@@ -345,6 +355,51 @@ def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Compariso
     if (not unmatched_a and _narrowed(wb, unmatched_b)) or (not unmatched_b and _narrowed(wa, unmatched_a)):
         return Comparison("scope")  # the same question for a narrower group or place: "... in cats", "... as a freelancer"
     return Comparison(None, tuple(sorted({w.plain for w in unmatched_a + unmatched_b})))
+
+
+def _negations(ws: list[Word]) -> int:
+    """Negators are counted, not matched: "not" twice is not "not" once."""
+    return sum(w.plain in NEGATORS for w in ws) + sum(w.plain in ENDING_VERBS and v.plain.endswith("ing") for w, v in pairwise(ws))
+
+
+def _measures_differ(wa: list[Word], wb: list[Word]) -> bool:
+    """Other units when both sides name some (miles / kilometers), or a number's unit changed
+    ("72 degrees Fahrenheit in Celsius" / "72 degrees Celsius in Fahrenheit")."""
+    ma, mb = Counter(filter(None, map(_measure, wa))), Counter(filter(None, map(_measure, wb)))
+    if ma and mb and ma != mb:
+        return True
+
+    def units(ws: list[Word]) -> dict[str, str]:
+        return {w.plain: next((m for v in ws[i + 1: i + 4] if (m := _measure(v))), "") for i, w in enumerate(ws) if _is_number(w.plain)}
+
+    ua, ub = units(wa), units(wb)
+    return any(ua[n] and ub.get(n) and ua[n] != ub[n] for n in ua)
+
+
+def _measure(w: Word) -> str:
+    """The unit a word names, typed right or one slip off ("centmieters")."""
+    forms = (w.plain, w.plain[:-1], w.plain[:-2])
+    found = next((m for m in forms if m in MEASURES), "")
+    if found or len(w.plain) < 6 or not w.plain.isalpha():
+        return found
+    return next((m for m in MEASURES for f in forms[:2] if len(m) >= 5 and _typo(f, m)), "")
+
+
+def _time_relation(ws: list[Word], added: list[Word]) -> bool:
+    """An added before / after / until tied to a time, a date, a number or a name ("the day after
+    Thanksgiving", "after 30 days"); "after opening" says when as the other side does."""
+    new = {id(w) for w in added}
+    for i, w in enumerate(ws):
+        if w.plain in TIME_RELATIONS and id(w) in new:
+            near = [v for v in ws[max(0, i - 2): i] + ws[i + 1: i + 3] if v.plain not in STOP]
+            if any(v.stem in TIME_SPANS or v.plain in TIME_SPANS or v.plain in DATE_WORDS or _is_number(v.plain) or v.name for v in near):
+                return True
+    return False
+
+
+def _times(ws: list[Word]) -> set[tuple[str, str]]:
+    """Relative times: ("last", "year") for "last year"."""
+    return {(w.plain, v.stem) for w, v in pairwise(ws) if w.plain in RELATIVE_TIME and (v.stem in TIME_SPANS or v.plain in TIME_SPANS)}
 
 
 _PREPOSITIONS = {"for", "in", "on", "at", "as", "among", "during", "with", "within", "near", "across", "inside", "outside",

@@ -21,13 +21,21 @@ DATE_WORDS = {
     "today", "tomorrow", "yesterday", "tonight", "morning", "afternoon", "evening", "night", "noon", "midnight",
     "summer", "autumn", "winter",
     "century", "decade", "ago", "previous", "upcoming",
+    "a.m.", "p.m.",  # beside a number (words() spells "8 pm" so): "8 am" is not "8 pm"
 }  # not "may", "fall", "spring", "second": common words first
 NEGATORS = {
     "not", "no", "never", "without", "none", "nobody", "nothing", "neither", "nor", "nowhere", "cannot", "non",
     "lack", "lacking", "except", "excluding", "unable", "fail", "fails", "failed", "instead", "avoid", "prevent",
     "dont", "doesnt", "didnt", "isnt", "arent", "wasnt", "werent", "wont", "wouldnt", "shouldnt", "couldnt", "cant",
     "hasnt", "havent", "hadnt", "mustnt",
+    "unless",  # if not
 }
+# Verbs that negate the -ing verb after them: "show hidden files" / "stop showing hidden files" (alone,
+# "stop hiccups" is "get rid of hiccups").
+ENDING_VERBS = {"stop", "quit", "cease"}
+# A time relation one side adds ("on the day" / "the day after") unless the other says it its way ("once").
+TIME_RELATIONS = {"before", "after", "since", "until", "till"}
+TIME_RELATION_WORDS = TIME_RELATIONS | {"once", "when", "past", "passed", "prior", "later", "earlier", "following", "within"}
 NEGATING_PREFIXES = ("non", "un", "in", "im", "ir", "il", "dis", "anti", "de", "mis")
 # Who or how much a question is about: one side having one the other lacks asks about another scope.
 QUANTIFIERS = {
@@ -117,3 +125,16 @@ UNITS = {
 UNITS_BESIDE_NUMBERS = {"in", "us", "min", "sec", "second", "m", "g", "l", "mi", "db", "ts", "py"}  # common words elsewhere
 VOWELS = set("aeiouy")
 KEYBOARD = ["qwertyuiop", "asdfghjkl", "zxcvbnm"]
+
+# Which time a question means: "this year" is not "last year" ("last" alone is as often "the latest").
+RELATIVE_TIME = {"this", "last", "next", "past", "coming", "current", "previous", "following"}
+TIME_SPANS = {"second", "minute", "hour", "day", "night", "week", "weekend", "month", "quarter", "semester", "term",
+              "season", "year", "decade", "century", "morning", "afternoon", "evening", "spring", "summer", "fall",
+              "autumn", "winter", "monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"}
+# Measures: one side's miles are not the other's kilometers, and "F in C" is not "C in F".
+MEASURES = {"centimeter", "millimeter", "kilometer", "meter", "kilogram", "gram", "milligram", "pound", "ounce", "foot",
+            "inch", "mile", "yard", "liter", "milliliter", "gallon", "quart", "pint", "tablespoon", "teaspoon",
+            "gigabyte", "megabyte", "kilobyte", "terabyte", "celsius", "fahrenheit", "kelvin", "acre", "hectare",
+            "calorie", "kilocalorie", "watt", "kilowatt", "volt", "amp", "hertz"}
+# Courtesy that asks nothing: "Thanks in advance, how do I ..." is "How do I ...".
+COURTESY = r"\b(?:thanks|thank you|many thanks)(?: so much| a lot| in advance)?\b|\bquick question\b"
