@@ -123,21 +123,30 @@ def client_request_id(headers: Mapping[str, str]) -> str | None:
     return None
 
 
+# A span records the body before it is checked: what a caller wrote is cut to a sane size there.
+_MAX_TEXT, _MAX_ITEMS = 256, 8
+
+
+def requested_model(body: Any) -> str:
+    return str(body.model)[:_MAX_TEXT]
+
+
 def request_attributes(body: Any) -> dict[str, Any]:
     """`gen_ai.request.*` from an OpenAI request body (chat, completion or embeddings): what the
-    caller asked for, read as it was sent."""
+    caller asked for, read as it was sent (not yet checked, so long text is cut)."""
     stop = getattr(body, "stop", None)
+    stop = [stop] if isinstance(stop, str) else stop
     response_format = getattr(body, "response_format", None)
     n = getattr(body, "n", 1)
     return {
-        "gen_ai__request__model": body.model,
+        "gen_ai__request__model": requested_model(body),
         "gen_ai__request__max_tokens": getattr(body, "max_completion_tokens", None) or getattr(body, "max_tokens", None),
         "gen_ai__request__temperature": getattr(body, "temperature", None),
         "gen_ai__request__top_p": getattr(body, "top_p", None),
         "gen_ai__request__seed": getattr(body, "seed", None),
         "gen_ai__request__frequency_penalty": getattr(body, "frequency_penalty", None),
         "gen_ai__request__presence_penalty": getattr(body, "presence_penalty", None),
-        "gen_ai__request__stop_sequences": [stop] if isinstance(stop, str) else stop,
+        "gen_ai__request__stop_sequences": [str(x)[:_MAX_TEXT] for x in stop[:_MAX_ITEMS]] if stop else None,
         "gen_ai__request__choice__count": n if n != 1 else None,
         "gen_ai__output__type": None if response_format is None else ("text" if response_format.type == "text" else "json"),
     }
@@ -167,7 +176,7 @@ class RequestTrace:
 
     def requested(self, body: Any) -> None:
         """The body is read: the span takes the model's name (`chat smollm2`) and what was asked."""
-        self.root.update_name(f"{self.operation} {body.model}")
+        self.root.update_name(f"{self.operation} {requested_model(body)}")
         self.annotate(**request_attributes(body))
 
     def answered(self, response_id: str, model: str, finish_reasons: list[str] | None, input_tokens: int | None = None,

@@ -9,9 +9,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
+from appliance.tracing import attribute_name, request_attributes
 from tests.conftest import CHAT_MODEL, config_text, free_port, start_server, stop_server
 
 SERVER = 2  # OTLP's SPAN_KIND_SERVER: a request's span
@@ -132,3 +135,22 @@ def test_traces_are_kept_in_the_database_and_read_back(tmp_path: Path) -> None:
         assert httpx.get(f"{server.base_url}/admin/traces/{'0' * 32}", timeout=10).status_code == 404
     finally:
         stop_server(server)
+
+
+def test_one_mapping_names_every_attribute() -> None:
+    assert attribute_name("gen_ai__usage__input_tokens") == "gen_ai.usage.input_tokens"
+    assert attribute_name("cache__result") == "appliance.cache.result" and attribute_name("tenant") == "appliance.tenant"
+    assert attribute_name("http__status_code") == "http.response.status_code" and attribute_name("error__type") == "error.type"
+
+
+def test_the_request_attributes_are_what_the_caller_sent() -> None:
+    body = msgspec.json.decode(msgspec.json.encode({
+        "model": "m" * 1000, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7, "max_tokens": 99,
+        "temperature": 1, "stop": "END", "n": 2, "seed": 3, "response_format": {"type": "json_object"}}), type=ChatCompletionRequest)
+    got = {attribute_name(k): v for k, v in request_attributes(body).items() if v is not None}
+    assert got == {"gen_ai.request.model": "m" * 256, "gen_ai.request.max_tokens": 7, "gen_ai.request.temperature": 1.0,
+                   "gen_ai.request.seed": 3, "gen_ai.request.stop_sequences": ["END"], "gen_ai.request.choice.count": 2,
+                   "gen_ai.output.type": "json"}
+    plain = msgspec.json.decode(b'{"model": "m", "prompt": "x", "stop": ["a", "b"]}', type=CompletionRequest)
+    assert request_attributes(plain)["gen_ai__request__stop_sequences"] == ["a", "b"]
+    assert request_attributes(plain)["gen_ai__request__choice__count"] is None  # n = 1 is left out
