@@ -18,6 +18,7 @@ from appliance import __version__
 from appliance.api import admin_routes, cache_routes, model_routes, openai_routes
 from appliance.api.common import authenticate
 from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
+from appliance.api.headers import response_headers
 from appliance.metrics import Metrics
 from appliance.registry import Registry
 from appliance.gate import Gate
@@ -111,7 +112,7 @@ def create_app(services: Services) -> Litestar:
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},
         request_max_body_size=services.settings.server.max_body_bytes,
-        before_send=[count_responses(services.metrics)],
+        before_send=[response_headers(services.gate), count_responses(services.metrics)],
         on_startup=[startup],
         on_shutdown=[shutdown],
         openapi_config=OpenAPIConfig(title="appliance", version=__version__),

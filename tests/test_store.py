@@ -25,14 +25,14 @@ def test_migrations_apply_once_and_give_the_exact_schema():
     assert [row[1] for row in db.execute("PRAGMA table_info(eval_questions)")] == [
         "run_id", "question", "ref", "family", "messages", "response_format", "adversarial_of"]
     assert [row[0] for row in db.execute("SELECT name FROM migrations")] == [
-        "0001_request_log", "0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions"]
+        "0001_request_log", "0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent"]
 
 
 def test_a_database_from_before_the_ledger_migrates_forward(tmp_path: Path):
     db = connect(tmp_path / "old.db")
     assert migrate(db, MIGRATIONS[:1]) == ["0001_request_log"]
     db.execute("INSERT INTO request_log(id, created_at, endpoint, model, status, total_ms) VALUES ('r1', 1, 'chat', 'm', 'ok', 5)")
-    assert migrate(db) == ["0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions"]
+    assert migrate(db) == ["0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent"]
     assert db.execute("SELECT id, tenant, cost_nanos FROM request_log").fetchall() == [("r1", None, None)]
 
 

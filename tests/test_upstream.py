@@ -193,13 +193,13 @@ def test_the_upstreams_usage_is_what_the_caller_pays_and_the_trace_names_the_ups
     while True:
         found = httpx.get(f"{gateway.base_url}/admin/traces/{trace_id}", timeout=10)
         engine = [c for c in found.json()["spans"][0]["children"] if c["name"] == "engine.generate"] if found.status_code == 200 else []
-        if engine and "upstream.name" in engine[0]["attributes"]:
+        if engine and "appliance.upstream.name" in engine[0]["attributes"]:
             break
         assert time.monotonic() < deadline, found.text
         time.sleep(0.1)
     attributes = engine[0]["attributes"]
-    assert attributes["upstream.name"] == server.base_url.split("://")[1] and attributes["upstream.attempts"] == 1
-    assert attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert attributes["appliance.upstream.name"] == server.base_url.split("://")[1] and attributes["appliance.upstream.attempts"] == 1
+    assert attributes["appliance.completion_tokens"] == usage["completion_tokens"]
 
 
 def test_logprobs_and_json_schema_pass_through(gateway: Server) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -19,6 +18,7 @@ from appliance.api import render
 from appliance.api.cached import CachePlan, cache_plan, serve_hit
 from appliance.api.common import authenticate, decode_body
 from appliance.api.errors import APIError, invalid
+from appliance.api.headers import new_request_id, request_id_of
 from appliance.api.routed import route_meta, routed_chat
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from appliance.api.translate import Prepared, chat_messages, check_token_ids, prepare_chat, prepare_completion
@@ -191,22 +191,23 @@ async def retrieve_model(request: Request[Any, Any, Any], services: Services, mo
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    traced = RequestTrace(services.tracing, "chat.completions", request__id=request_id)
+    request_id = new_request_id(request, "chatcmpl")
+    traced = RequestTrace(services.tracing, "chat", request.headers, request__id=request_id)
     try:
         with traced.child("auth"):
             principal = await authenticate(request, services)
         _annotate_principal(traced, principal)
         body = decode_body(await request.body(), ChatCompletionRequest)
+        traced.requested(body)
         await guard(services, traced, [m.get("content", "") for m in chat_messages(body) if m.get("role") == "user"], principal, request_id)
         route = services.settings.route(body.model)
         if route is not None:
-            traced.annotate(model=route.alias, stream=body.stream, gen_ai__request__model=route.alias, end_user=body.user)
+            traced.annotate(model=route.alias, stream=body.stream, end_user=body.user)
             routed = await routed_chat(request, services, principal, body, route, request_id, traced)
             traced.end(http__status_code=200)
             return traced.stamp(routed)
         model, adapters = _model_with_adapters(services, body.model, body.adapters, "chat")
-        traced.annotate(model=model.settings.alias, stream=body.stream, gen_ai__request__model=body.model, end_user=body.user)
+        traced.annotate(model=model.settings.alias, stream=body.stream, end_user=body.user)
         prepared = _with_adapters(prepare_chat(body, model, services.settings.defaults, request_id), adapters)
         plan = cache_plan(request.headers.get("cache-control"), services, principal, body, model, prepared)
         if plan.read and plan.item is not None:
@@ -216,6 +217,7 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
                          cache__reason=found.reason, cache__judged=found.judged)
             if found.entry is not None:
                 response = await serve_hit(services, principal, model, prepared, found, body.stream, body.stream_options)
+                traced.answered(request_id, model.settings.alias, [found.entry.finish_reason])
                 traced.end(cache__result="hit", cache__entry_state=found.entry.state, http__status_code=200)
                 return traced.stamp(response)
             plan = dataclasses.replace(plan, lookup=found)
@@ -265,7 +267,7 @@ async def _judge_injection(services: Services, traced: RequestTrace, texts: list
     price = price_of(model)
     assert model.template is not None
     estimate = len(model.chat_prompt(messages)[1])
-    with traced.child("guard.judge", model=model.settings.alias, gen_ai__request__model=model.settings.alias) as span:
+    with traced.child("guard.judge", model=model.settings.alias) as span:
         admission = await services.gate.admit(principal, f"{request_id}.guard", model.settings.alias, price, estimate, 1)
         tokens = (0, 0)
         try:
@@ -274,8 +276,7 @@ async def _judge_injection(services: Services, traced: RequestTrace, texts: list
             services.gate.settle(admission, tokens[0], tokens[1], "guard_judge")
         flagged = probability >= settings.guard_judge_threshold
         cost = price.cost(*tokens)
-        annotate(span, probability=probability, flagged=flagged, gen_ai__usage__input_tokens=tokens[0],
-                 gen_ai__usage__output_tokens=tokens[1], cost__nanousd=cost)
+        annotate(span, probability=probability, flagged=flagged, prompt_tokens=tokens[0], completion_tokens=tokens[1], cost__nanousd=cost)
     services.metrics.guard_judge_calls.labels("injection" if flagged else "clean").inc()
     services.metrics.guard_judge_cost_nanos.inc(cost)
     traced.annotate(guard__judged=True, guard__judge_probability=probability)
@@ -292,12 +293,13 @@ def _annotate_principal(traced: RequestTrace, principal: Principal) -> None:
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    traced = RequestTrace(services.tracing, "completions", request__id=request_id)
+    request_id = new_request_id(request, "cmpl")
+    traced = RequestTrace(services.tracing, "text_completion", request.headers, request__id=request_id)
     try:
         principal = await authenticate(request, services)
         _annotate_principal(traced, principal)
         body = decode_body(await request.body(), CompletionRequest)
+        traced.requested(body)
         await guard(services, traced, [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)],
                     principal, request_id)
         model, adapters = _model_with_adapters(services, body.model, body.adapters, "completion")
@@ -378,7 +380,7 @@ async def _admit_and_start(
     except BaseException:
         gate.abandon(pending)
         raise
-    traced.start_engine(attempt, gen_ai__request__model=model.settings.alias, prompt_tokens=prepared.request.prompt_length,
+    traced.start_engine(attempt, model=model.settings.alias, prompt_tokens=prepared.request.prompt_length,
                         max_tokens=prepared.request.max_tokens,
                         adapters=",".join(f"{name}:{scale:g}" for name, scale in prepared.request.adapters) or None)
     try:
@@ -417,7 +419,7 @@ def account(
     with traced.child("budget.settle", outcome=outcome, prompt_tokens=prompt, completion_tokens=completion, reserved=admission.reserved):
         pass  # the write itself is queued to the store thread; this marks what was settled, and when
     if traced.engine is not None:
-        annotate(traced.engine, gen_ai__usage__input_tokens=prompt, gen_ai__usage__output_tokens=completion, finish_reason=outcome,
+        annotate(traced.engine, prompt_tokens=prompt, completion_tokens=completion, finish_reason=outcome,
                  cached_prompt_tokens=finish.usage.cached_prompt_tokens if finish else None,
                  time_to_first_token_s=finish.time_to_first_token_s if finish else None)
         if finish is not None and finish.upstream is not None:
@@ -431,8 +433,8 @@ def _finish(
 ) -> None:
     """Account for the generation and end its call's trace."""
     prompt, completion, outcome = account(services, admission, fmt.prepared, fmt.kind, model, started, finish, traced)
-    traced.end(prompt_tokens=prompt, completion_tokens=completion, finish_reason=outcome,
-               cost__nanousd=price_of(model).cost(prompt, completion) if admission.reserved else None)
+    traced.answered(fmt.prepared.request.id, model.settings.alias, [outcome], prompt, completion)
+    traced.end(cost__nanousd=price_of(model).cost(prompt, completion) if admission.reserved else None)
 
 
 async def _sse(
@@ -472,7 +474,7 @@ async def _sse(
 
 @post("/v1/embeddings", status_code=200)
 async def embeddings(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    traced = RequestTrace(services.tracing, "embeddings")
+    traced = RequestTrace(services.tracing, "embeddings", request.headers, request__id=new_request_id(request, "emb"))
     try:
         response = await _embeddings(request, services, traced)
     except BaseException as exc:
@@ -480,13 +482,14 @@ async def embeddings(request: Request[Any, Any, Any], services: Services) -> Res
         raise
     finally:
         traced.end()
-    return response
+    return traced.stamp(response)
 
 
 async def _embeddings(request: Request[Any, Any, Any], services: Services, traced: RequestTrace) -> Response[Any]:
     principal = await authenticate(request, services)
     _annotate_principal(traced, principal)
     body = decode_body(await request.body(), EmbeddingRequest)
+    traced.requested(body)
     model = _model(services, body.model, "embedding", "embeddings")
     if body.dimensions is not None:
         raise invalid("This model does not support choosing dimensions.", "dimensions")
@@ -506,8 +509,8 @@ async def _embeddings(request: Request[Any, Any, Any], services: Services, trace
     for tokens in token_lists:
         check_token_ids(tokens, engine.vocab_size(), "input")
     prompt_tokens = sum(len(t) for t in token_lists)
-    request_id = f"emb-{uuid.uuid4().hex}"
-    traced.annotate(request__id=request_id, model=model.settings.alias, prompt_tokens=prompt_tokens, inputs=len(texts))
+    request_id = request_id_of(request.scope)
+    traced.annotate(model=model.settings.alias, inputs=len(texts))
     admission = await services.gate.admit(principal, request_id, model.settings.alias, price_of(model), prompt_tokens, 0)
     outcome = "refused"
     try:
@@ -518,5 +521,6 @@ async def _embeddings(request: Request[Any, Any, Any], services: Services, trace
     finally:
         services.gate.settle(admission, prompt_tokens if outcome == "stop" else 0, 0, outcome)
     services.metrics.prompt_tokens.labels(model.settings.alias).inc(prompt_tokens)
+    traced.answered(request_id, model.settings.alias, None, prompt_tokens)
     services.metrics.requests.labels(model.settings.alias, "embeddings", "ok").inc()
     return Response(render.embedding_list(vectors, model.settings.alias, prompt_tokens, body.encoding_format), media_type="application/json")

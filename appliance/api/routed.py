@@ -59,7 +59,7 @@ async def classify_with_llm(services: Services, route: RouteSettings, principal:
     # spell an answer in more tokens than its tokenizer would (a fixed 8 cut '{"tier": "f' off), but
     # never in more tokens than the answer has characters.
     room = max(len(f'{{"tier": "{n}"}}') for n in names) + 1
-    with traced.child("route.classifier", model=model.settings.alias, gen_ai__request__model=model.settings.alias) as span:
+    with traced.child("route.classifier", model=model.settings.alias) as span:
         admission = await services.gate.admit(principal, f"{request_id}.route", model.settings.alias, price_of(model), len(tokens), room)
         text, completion = "", 0
         try:
@@ -77,7 +77,7 @@ async def classify_with_llm(services: Services, route: RouteSettings, principal:
             return None
         bounded = max(heuristic - 1, min(heuristic + 1, chosen))
         annotate(span, chosen=names[chosen], bounded=names[bounded] if bounded < len(names) else str(bounded),
-                 gen_ai__usage__input_tokens=len(tokens), gen_ai__usage__output_tokens=completion)
+                 prompt_tokens=len(tokens), completion_tokens=completion)
         return bounded
 
 
@@ -136,6 +136,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
             prepared = prepare_chat(body, first, services.settings.defaults, request_id)
             traced.annotate(cache__result="hit", route__model="cache")
             response = await serve_hit(services, principal, first, prepared, found, body.stream, body.stream_options)
+            traced.answered(request_id, first.settings.alias, [found.entry.finish_reason])
             response.headers["x-route"] = route.alias
             return response
         plan = dataclasses.replace(plan, lookup=found)
@@ -188,8 +189,8 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
         if outcome[0] == "ok":
             _, prepared, text, logprobs, finish = outcome
             services.metrics.route_answers.labels(route.alias, alias).inc()
-            traced.annotate(route__model=alias, route__tier=index, route__attempts=len(attempts),
-                            gen_ai__response__model=alias, gen_ai__usage__output_tokens=finish.usage.completion_tokens)
+            traced.annotate(route__model=alias, route__tier=index, route__attempts=len(attempts))
+            traced.answered(request_id, alias, [finish.reason], finish.usage.prompt_tokens, finish.usage.completion_tokens)
             as_answered = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, id=request_id))
             remember = plan.remember(services, model, as_answered, traced)
             if remember is not None:
@@ -207,6 +208,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     assert model is not None
     prepared = prepare_chat(body, model, services.settings.defaults, request_id)
     finish = FinishEvent("stop", Usage(prepared.request.prompt_length, 0))
+    traced.answered(request_id, route.alias, ["stop"], prepared.request.prompt_length, 0)
     return _respond(prepared, route.alias, route.default_response, [], finish, body, request_id, started,
                     {"x-route": route.alias, "x-route-default": "true", "x-route-attempts": json.dumps(attempts),
                      "x-route-cost-nanousd": str(sum(spent))})
@@ -229,7 +231,7 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
     if route.min_confidence > 0 and not prepared.request.sampling.logprobs:
         sampling = dataclasses.replace(prepared.request.sampling, logprobs=True)
         engine_view = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, sampling=sampling))
-    with traced.child("route.attempt", gen_ai__request__model=model.settings.alias, route__tier=index, attempt__id=attempt_id) as span:
+    with traced.child("route.attempt", model=model.settings.alias, route__tier=index, attempt__id=attempt_id) as span:
         try:
             admission, events, engine_view = await _admit_and_start(services, principal, model, engine_view, traced, span)
             prompt_len = engine_view.request.prompt_length

@@ -88,6 +88,12 @@ def _create_spans(db: apsw.Connection) -> None:
     create_tables(db)
 
 
+def _spans_remote_parent(db: apsw.Connection) -> None:
+    from appliance.store.traces import add_remote_parent
+
+    add_remote_parent(db)
+
+
 def _create_eval_runs(db: apsw.Connection) -> None:
     from appliance.evaluate import create_tables
 
@@ -116,6 +122,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0007_eval_runs", _create_eval_runs),
     ("0008_eval_answers", _create_eval_answers),
     ("0009_eval_questions", _create_eval_questions),
+    ("0010_spans_remote_parent", _spans_remote_parent),
 )
 
 
