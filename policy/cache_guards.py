@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 from policy.cache_words import (
     CONNECTORS, COURTESY, DATE_WORDS, ENDING_VERBS, KEYBOARD, MEASURES, NEGATING_PREFIXES, NEGATORS, NUMBER_WORDS,
-    OPPOSITES, PERIODIC, QUANTIFIERS, RELATIVE_TIME, SAME_QUANTIFIER, SCAFFOLD_BEFORE, STOP, TECH, TIME_RELATION_WORDS,
+    OPPOSITE_PREFIXES, OPPOSITES, PERIODIC, QUANTIFIERS, RELATIVE_TIME, SAME_QUANTIFIER, SCAFFOLD_BEFORE, STOP, TECH, TIME_RELATION_WORDS,
     TIME_RELATIONS, TIME_SPANS, TIME_UNITS, UNITS, UNITS_BESIDE_NUMBERS, VOWELS,
 )
 
@@ -319,6 +319,9 @@ def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Compariso
                 rest = word[len(prefix):].lstrip("-")
                 if word.startswith(prefix) and len(rest) >= 4 and rest in y and rest not in x:
                     return Comparison("negation")  # safe / unsafe, magnetic / non-magnetic
+            for prefix, other in OPPOSITE_PREFIXES:
+                if word.startswith(prefix) and len(word) - len(prefix) >= 3 and other + word[len(prefix):] in y:
+                    return Comparison("opposite")  # underpay / overpay
     for count_a, count_b in ((Counter(w.plain for w in wa), Counter(w.plain for w in wb)),
                              (Counter(w.stem for w in wa), Counter(w.stem for w in wb))):
         for word in count_a.keys() | count_b.keys():
@@ -354,7 +357,24 @@ def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Compariso
         return Comparison("swap")
     if (not unmatched_a and _narrowed(wb, unmatched_b)) or (not unmatched_b and _narrowed(wa, unmatched_a)):
         return Comparison("scope")  # the same question for a narrower group or place: "... in cats", "... as a freelancer"
+    if (not unmatched_a and _qualified(wb, unmatched_b, ca, lexicon)) or (not unmatched_b and _qualified(wa, unmatched_a, cb, lexicon)):
+        return Comparison("scope")  # a kind of the same thing: "patients" / "diabetic patients", "a" / "the admin password"
     return Comparison(None, tuple(sorted({w.plain for w in unmatched_a + unmatched_b})))
+
+
+def _qualified(ws: list[Word], added: list[Word], other: list[Word], lexicon: Lexicon) -> bool:
+    """A word the other side lacks, written right before a content word both sides have: a modifier
+    that narrows the thing asked about ("patients" / "diabetic patients"). Not an adverb (-ly: how,
+    not what) nor a word the lexicon does not know (a slip)."""
+    new = {id(w) for w in added}
+    return any(id(w) in new and id(v) not in new and v.plain not in STOP and _matches(v, other, lexicon)
+               and lexicon.knows(w.plain) and not w.plain.endswith(_NOT_MODIFIERS) and w.stem not in _QUESTION_NOUNS
+               for w, v in pairwise(ws))
+
+
+_NOT_MODIFIERS = ("ly", "s", "ed")  # an adverb, or a verb's form: "the symbol represents iron", "an order placed online"
+_QUESTION_NOUNS = {"reason", "caus", "way", "step", "process", "procedur", "method", "mean", "purpos", "syntax", "command",
+                   "formula", "differenc", "vs", "versus", "using", "via"}  # how a question asks, not what about
 
 
 def _negations(ws: list[Word]) -> int:

@@ -29,6 +29,7 @@ NEGATORS = {
     "dont", "doesnt", "didnt", "isnt", "arent", "wasnt", "werent", "wont", "wouldnt", "shouldnt", "couldnt", "cant",
     "hasnt", "havent", "hadnt", "mustnt",
     "unless",  # if not
+    "hardly", "barely", "scarcely",
 }
 # Verbs that negate the -ing verb after them: "show hidden files" / "stop showing hidden files" (alone,
 # "stop hiccups" is "get rid of hiccups").
@@ -89,7 +90,10 @@ freeze/thaw melt/freeze inhale/exhale maximize/minimize overestimate/underestima
 upstream/downstream upgrade/downgrade uppercase/lowercase major/minor majority/minority rural/urban
 domestic/international domestic/foreign superior/inferior optimistic/pessimistic mature/immature
 vacant/occupied busy/free valuable/worthless build/destroy create/destroy break/fix
+grant/deny grant/revoke approve/reject approve/deny exempt/subject overdue/paid
 """
+# Prefixes that make opposites of the same stem: underpay / overpay, inflow / outflow.
+OPPOSITE_PREFIXES = (("under", "over"), ("over", "under"), ("in", "out"), ("out", "in"))
 STOP = set("""
 a an the is are was were be been being am do does did doing done have has had having i me my mine myself you your
 yours yourself we us our ours they them their theirs it its itself he him his she her hers this that these those

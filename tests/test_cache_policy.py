@@ -123,6 +123,12 @@ def test_normalising_ignores_case_space_and_final_punctuation() -> None:
     ("Can my manager read my messages if I use private channels?", "Can my manager read my messages unless I use private channels?",
      "negation"),
     ("What leave is offered to birth mothers?", "What leave is offered to adoptive parents?", "swap"),
+    # a modifier on one side narrows the thing (tests/data/cache_pairs_tune3.jsonl), and opposites by prefix
+    ("How much water should a pregnant woman drink daily?", "How much water should a woman drink daily?", "scope"),
+    ("How do I export data from Salesforce?", "How do I export contact data from Salesforce?", "scope"),
+    ("What happens if I underpay my quarterly taxes?", "What happens if I overpay my quarterly taxes?", "opposite"),
+    ("How do I deny an access request?", "How do I grant an access request?", "opposite"),
+    ("What should I do if my dog hardly eats?", "What should I do if my dog eats?", "negation"),
 ])
 def test_near_misses_are_caught(a: str, b: str, reason: str) -> None:
     assert compare(a, b, LEXICON).guard == reason
@@ -228,16 +234,18 @@ def test_the_labelled_set_at_the_default_threshold() -> None:
     assert cache_quality.rates(report, threshold=CacheSettings().similarity_threshold, guards=False)[1] > 0.3
 
 
-def test_the_second_tuning_set_at_the_defaults() -> None:
-    """tests/data/cache_pairs_tune2.jsonl (300 pairs written apart from the guards, then tuned on):
-    measured 0/150 traps and 66% of rewordings served; asserted with margins."""
+@pytest.mark.parametrize(("name", "most_traps"), [("tune2", 0.02), ("tune3", 0.06)])
+def test_the_later_tuning_sets_at_the_defaults(name: str, most_traps: float) -> None:
+    """tests/data/cache_pairs_{tune2,tune3}.jsonl (300 and 240 pairs written apart from the guards,
+    then tuned on): measured traps served 0/150 and 5/120 (4.2%), rewordings 64% and 67%; asserted
+    with margins."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import cache_quality
 
-    pairs = cache_quality.load_pairs(Path(__file__).resolve().parent / "data" / "cache_pairs_tune2.jsonl")
+    pairs = cache_quality.load_pairs(Path(__file__).resolve().parent / "data" / f"cache_pairs_{name}.jsonl")
     cache_quality.embed_pairs(pairs, augment=False)
     policy = CachePolicy()
     rule = {"threshold": policy.similarity_threshold, "guards": True, "relief": policy.same_words_relief}
     recall, false_hits = cache_quality.rates(pairs, **rule)
-    assert false_hits <= 0.02, false_hits
+    assert false_hits <= most_traps, false_hits
     assert recall >= 0.62, recall
