@@ -16,9 +16,19 @@ from tests.test_gate_api import PRICE, client, db, gate_config, new_key, wait_se
 GREETING = "Say hello to the world."
 
 
+ROUTE = """
+[[routes]]
+alias = "auto"
+tiers = ["smollm2-135m"]
+"""
+NO_CACHE = {"Cache-Control": "no-cache"}
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, openai.OpenAI, openai.OpenAI]]:
-    srv = start_server(tmp_path_factory.mktemp("responses"), gate_config())
+    config = gate_config().replace("[cache]\nenabled = false", "[cache]\nenabled = true\nsweep_interval_s = 0") + ROUTE
+    assert "enabled = true" in config
+    srv = start_server(tmp_path_factory.mktemp("responses"), config)
     yield srv, client(srv, new_key(srv, "acme")), client(srv, new_key(srv, "globex"))
     stop_server(srv)
 
@@ -117,7 +127,7 @@ def test_streamed_events_come_in_order_and_assemble_the_same_text(served: tuple[
     asked = {"model": CHAT_MODEL, "input": "What is 2+2?", "max_output_tokens": 32, "temperature": 0}
     whole = acme.responses.create(**asked, store=False)  # type: ignore[call-overload]
     assert whole.status == "completed"  # this question ends well inside its max_output_tokens
-    with acme.responses.stream(**asked) as stream:  # type: ignore[arg-type]
+    with acme.responses.stream(**asked, extra_headers=NO_CACHE) as stream:  # type: ignore[arg-type]  # the model, not a replay
         events = list(stream)
         final = stream.get_final_response()
     types = [e.type for e in events]
@@ -129,12 +139,30 @@ def test_streamed_events_come_in_order_and_assemble_the_same_text(served: tuple[
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert final.output_text == whole.output_text and final.id.startswith("resp_") and final.id != whole.id
     assert acme.responses.retrieve(final.id).output_text == whole.output_text  # a streamed response is stored too
-    raw = list(acme.responses.create(**asked, stream=True, store=False))  # type: ignore[call-overload]
+    raw = list(acme.responses.create(**asked, stream=True, store=False, extra_headers=NO_CACHE))  # type: ignore[call-overload]
     assert "".join(e.delta for e in raw if e.type == "response.output_text.delta") == whole.output_text
     usage, whole_usage = raw[-1].response.usage, whole.usage  # type: ignore[union-attr]
     assert raw[-1].type == "response.completed" and usage is not None and whole_usage is not None
     assert (usage.input_tokens, usage.output_tokens) == (whole_usage.input_tokens, whole_usage.output_tokens)
     server.wait_idle()
+
+
+def test_the_cache_and_the_router_serve_responses_too(served: tuple[Server, openai.OpenAI, openai.OpenAI]) -> None:
+    _, acme, _ = served
+    asked = {"input": "Which planet is known as the red planet?", "max_output_tokens": 24, "temperature": 0}
+    first = acme.responses.with_raw_response.create(model=CHAT_MODEL, **asked)  # type: ignore[call-overload]
+    again = acme.responses.with_raw_response.create(model=CHAT_MODEL, **asked)  # type: ignore[call-overload]
+    assert first.headers["x-cache"] == "miss" and again.headers["x-cache"] == "hit"
+    hit = again.parse()
+    assert hit.output_text == first.parse().output_text and hit.id != first.parse().id
+    assert acme.responses.retrieve(hit.id).output_text == hit.output_text  # a hit is stored like any answer
+    routed = acme.responses.with_raw_response.create(model="auto", **asked, extra_headers=NO_CACHE)  # type: ignore[call-overload]
+    assert routed.headers["x-route"] == "auto" and routed.headers["x-route-model"] == CHAT_MODEL
+    answer = routed.parse()
+    assert answer.model == CHAT_MODEL and answer.output_text == hit.output_text
+    with acme.responses.stream(model="auto", **asked, extra_headers=NO_CACHE) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_response()
+    assert final.output_text == answer.output_text and final.status == answer.status
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
+import msgspec
 import pytest
 
 from appliance.api.errors import APIError
@@ -18,7 +20,6 @@ from appliance.api.responses_translate import (
     to_chat,
 )
 from appliance.api.schemas import ResponsesRequest
-import msgspec
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
 
@@ -130,3 +131,55 @@ def test_chat_parameter_names_read_as_the_responses_fields() -> None:
     assert responses_param("max_tokens") == "max_output_tokens"
     assert responses_param("response_format.json_schema.schema") == "text.format.schema"
     assert responses_param("temperature") == "temperature" and responses_param(None) is None
+
+
+def _wire(saved: list) -> Any:
+    from appliance.api.responses_render import Echo, ResponsesWire
+    from appliance.api.translate import Prepared
+    from engines.base import GenerationRequest
+
+    echo = Echo.of(request(instructions="Be brief."), 0.0, 1.0)
+    return ResponsesWire(Prepared(GenerationRequest("resp_1", (1, 2), 8), "p"), "m", 100, echo,
+                         [{"role": "user", "content": "hi"}], lambda body, turns: saved.append((body, turns)))
+
+
+def _events(frames: list[bytes]) -> list[dict]:
+    out = []
+    for frame in frames:
+        name, data = frame.decode().split("\n")[:2]
+        payload = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {payload['type']}"
+        out.append(payload)
+    return out
+
+
+def test_the_wire_streams_numbered_events_and_stores_the_finished_response() -> None:
+    from engines.base import FinishEvent, Usage
+
+    saved: list = []
+    wire = _wire(saved)
+    events = _events([*wire.opening(), *wire.delta("Hel", None), *wire.delta("lo", None), *wire.closing(FinishEvent("length", Usage(2, 8)))])
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["instructions"] == "Be brief."
+    final = events[-1]
+    assert final["type"] == "response.incomplete" and final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["response"]["output"][0]["content"][0]["text"] == "Hello" and final["response"]["usage"]["total_tokens"] == 10
+    body, turns = saved[0]
+    assert body == final["response"] and turns == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def test_an_error_mid_stream_ends_with_error_and_failed_events_and_is_not_stored() -> None:
+    from engines.base import FinishEvent, Usage
+
+    saved: list = []
+    wire = _wire(saved)
+    wire.opening()
+    wire.delta("Hel", None)
+    error = APIError(503, "The upstream went away.", type="server_error", code="upstream_unavailable")
+    events = _events(wire.failed(error, FinishEvent("error", Usage(2, 1), error="gone")))
+    assert [e["type"] for e in events] == ["error", "response.failed"]
+    assert events[0]["code"] == "upstream_unavailable" and events[0]["message"] == "The upstream went away."
+    failed = events[1]["response"]
+    assert failed["status"] == "failed" and failed["error"] == {"code": "server_error", "message": "The upstream went away."}
+    assert failed["output"][0]["status"] == "incomplete" and failed["output"][0]["content"][0]["text"] == "Hel"
+    assert saved == []
