@@ -173,6 +173,8 @@ def test_the_cache_and_the_router_serve_responses_too(served: tuple[Server, open
     ({"temperature": 3}, 400, "temperature"),
     ({"text": {"format": {"type": "xml"}}}, 400, "text.format.type"),
     ({"model": "nope"}, 404, "model"),
+    ({"frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"background": True}, 400, "background"),
 ])
 def test_bad_input_is_refused_naming_the_field(served: tuple[Server, openai.OpenAI, openai.OpenAI], body: dict, status: int,
                                                param: str) -> None:
@@ -181,3 +183,10 @@ def test_bad_input_is_refused_naming_the_field(served: tuple[Server, openai.Open
     r = httpx.post(f"{server.base_url}/v1/responses", json=payload, headers={"Authorization": f"Bearer {acme.api_key}"}, timeout=30)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_compaction_is_not_served_and_says_so(served: tuple[Server, openai.OpenAI, openai.OpenAI]) -> None:
+    server, acme, _ = served
+    r = httpx.post(f"{server.base_url}/v1/responses/compact", json={"model": CHAT_MODEL, "input": "hi"},
+                   headers={"Authorization": f"Bearer {acme.api_key}"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

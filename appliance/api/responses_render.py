@@ -54,13 +54,17 @@ class Echo:
     truncation: str
     store: bool
     user: str | None
+    service_tier: str
+    safety_identifier: str | None
+    prompt_cache_key: str | None
 
     @classmethod
     def of(cls, body: ResponsesRequest, temperature: float, top_p: float) -> Echo:
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
         return cls(body.instructions, body.metadata or {}, temperature, top_p, body.max_output_tokens, body.previous_response_id,
                    {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}}, body.tools or [],
-                   body.tool_choice or "auto", body.parallel_tool_calls, body.truncation or "disabled", body.store, body.user)
+                   body.tool_choice or "auto", body.parallel_tool_calls, body.truncation or "disabled", body.store, body.user,
+                   body.service_tier or "default", body.safety_identifier, body.prompt_cache_key)
 
 
 class ResponsesWire:
@@ -91,6 +95,9 @@ class ResponsesWire:
             "reasoning": {"effort": None, "summary": None}, "store": e.store, "temperature": e.temperature, "text": e.text,
             "tool_choice": e.tool_choice, "tools": e.tools, "top_p": e.top_p, "truncation": e.truncation,
             "usage": usage(finish) if finish is not None else None, "user": e.user, "metadata": e.metadata,
+            # What this server does not do, said as the Open Responses schema requires it said.
+            "background": False, "frequency_penalty": 0.0, "presence_penalty": 0.0, "top_logprobs": 0, "max_tool_calls": None,
+            "service_tier": e.service_tier, "safety_identifier": e.safety_identifier, "prompt_cache_key": e.prompt_cache_key,
         }
 
     def _finished(self, text: str, finish: FinishEvent) -> dict[str, Any]:

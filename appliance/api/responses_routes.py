@@ -98,4 +98,11 @@ async def delete_response(request: Request[Any, Any, Any], services: Services, r
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-ROUTES = [create_response, retrieve_response, delete_response]
+@post("/v1/responses/compact")
+async def compact_response(request: Request[Any, Any, Any], services: Services) -> None:
+    # Said plainly: without this route the path reads as a response id and answers 405.
+    await authenticate(request, services)
+    raise APIError(404, "Compaction (POST /v1/responses/compact) is not served by this server.", code="not_found")
+
+
+ROUTES = [create_response, compact_response, retrieve_response, delete_response]

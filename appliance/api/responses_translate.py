@@ -217,7 +217,8 @@ def to_chat(body: ResponsesRequest, history: list[Message]) -> tuple[ChatComplet
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + turns
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
                             "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "user": body.user,
-                            "response_format": _response_format(body)}
+                            "response_format": _response_format(body), "frequency_penalty": body.frequency_penalty,
+                            "presence_penalty": body.presence_penalty}
     tools = chat_tools(body.tools)
     if tools is not None:
         chat["tools"] = tools

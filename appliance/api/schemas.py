@@ -129,6 +129,12 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     truncation: Literal["auto", "disabled"] | None = None
+    # Echoed, and without effect on the answer here.
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    frequency_penalty: float | None = None  # refused unless 0, as for chat
+    presence_penalty: float | None = None
     # Refused when set (responses_translate._check): each would change the answer.
     background: bool | None = None
     conversation: Any = None
