@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from appliance.api.errors import APIError
 from appliance.api.translate import Prepared
 from appliance.registry import LoadedModel
 from engines.base import FinishEvent, TokenLogprob
@@ -159,7 +160,7 @@ class ChatWire:
             frames.append(sse(self.fmt.usage_chunk(finish)))
         return [*frames, DONE]
 
-    def failed(self, error: Any, finish: FinishEvent) -> list[bytes]:
+    def failed(self, error: APIError, finish: FinishEvent) -> list[bytes]:
         # The error in the envelope, the usage it was charged, [DONE].
         frames = [sse(error.body())]
         if self.include_usage:
