@@ -31,9 +31,9 @@ def _state(scope: Any) -> dict[str, Any]:
     return scope.setdefault("state", {})
 
 
-def new_request_id(request: Any, prefix: str) -> str:
-    """The id of the call this request makes (`chatcmpl-…`), named once and sent back as `x-request-id`."""
-    request_id = f"{prefix}-{uuid.uuid4().hex}"
+def new_request_id(request: Any, prefix: str, separator: str = "-") -> str:
+    """The id of the call this request makes (`chatcmpl-…`, `resp_…`), named once and sent back as `x-request-id`."""
+    request_id = f"{prefix}{separator}{uuid.uuid4().hex}"
     _state(request.scope)[_REQUEST_ID] = request_id
     return request_id
 

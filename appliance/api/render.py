@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from appliance.api.errors import APIError
 from appliance.api.translate import Prepared
 from appliance.registry import LoadedModel
 from engines.base import FinishEvent, TokenLogprob
 
 FINGERPRINT = "appliance-0.1"
 _encoder = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -134,3 +137,38 @@ def embedding_list(vectors: list[list[float]], model: str, prompt_tokens: int, e
     data = [{"object": "embedding", "index": i, "embedding": _encode_vector(v, encoding)} for i, v in enumerate(vectors)]
     return _encoder.encode({"object": "list", "data": data, "model": model,
                             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
+
+
+class ChatWire:
+    """The call's Wire for chat and legacy completions: chunks, then `[DONE]`."""
+
+    def __init__(self, fmt: Formatter, include_usage: bool) -> None:
+        self.fmt, self.include_usage = fmt, include_usage
+
+    def full(self, text: str, logprobs: list[TokenLogprob], finish: FinishEvent) -> bytes:
+        return self.fmt.full(text, logprobs, finish)
+
+    def opening(self) -> list[bytes]:
+        return [sse(self.fmt.first_chunk(self.include_usage))]
+
+    def delta(self, text: str, logprob: TokenLogprob | None) -> list[bytes]:
+        return [sse(self.fmt.delta_chunk(text, logprob, self.include_usage))]
+
+    def closing(self, finish: FinishEvent) -> list[bytes]:
+        frames = [sse(self.fmt.finish_chunk(finish, self.include_usage))]
+        if self.include_usage:
+            frames.append(sse(self.fmt.usage_chunk(finish)))
+        return [*frames, DONE]
+
+    def failed(self, error: APIError, finish: FinishEvent) -> list[bytes]:
+        # The error in the envelope, the usage it was charged, [DONE].
+        frames = [sse(error.body())]
+        if self.include_usage:
+            frames.append(sse(self.fmt.usage_chunk(finish)))
+        return [*frames, DONE]
+
+
+def chat_wire(kind: str, stream_options: Any = None) -> Callable[[Prepared, str, int], ChatWire]:
+    """The wire factory for a chat (or completion) request with these stream options."""
+    include_usage = bool(stream_options and stream_options.include_usage)
+    return lambda prepared, model, created: ChatWire(Formatter(kind, prepared, model, created), include_usage)

@@ -106,6 +106,12 @@ def _create_eval_answers(db: apsw.Connection) -> None:
     create_answer_table(db)
 
 
+def _create_responses(db: apsw.Connection) -> None:
+    from appliance.store.responses import create_tables
+
+    create_tables(db)
+
+
 def _create_eval_questions(db: apsw.Connection) -> None:
     from appliance.evaluate import create_question_table
 
@@ -123,6 +129,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0008_eval_answers", _create_eval_answers),
     ("0009_eval_questions", _create_eval_questions),
     ("0010_spans_remote_parent", _spans_remote_parent),
+    ("0011_responses", _create_responses),
 )
 
 
