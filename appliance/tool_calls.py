@@ -79,6 +79,14 @@ class Parsed:
     problem: str | None = None  # why text that looks like a call is not one (the router escalates on it)
 
 
+ARGUMENT_PIECE = 24  # characters of arguments per streamed delta, as OpenAI sends them in pieces
+
+
+def argument_pieces(arguments: str) -> list[str]:
+    """A call's arguments in the pieces a stream sends them in (clients join them)."""
+    return [arguments[i:i + ARGUMENT_PIECE] for i in range(0, len(arguments), ARGUMENT_PIECE)]
+
+
 def new_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from appliance.api.errors import APIError
 from appliance.api.translate import Prepared
 from appliance.registry import LoadedModel
-from appliance.tool_calls import StreamParser, ToolCall, parse
+from appliance.tool_calls import ToolCall, argument_pieces, parse
 from engines.base import FinishEvent, TokenLogprob
 
 FINGERPRINT = "appliance-0.1"
 _encoder = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -25,9 +28,6 @@ def _finish_reason(finish: FinishEvent, calls: bool = False) -> str:
     if calls:
         return "tool_calls"
     return "length" if finish.reason == "length" else "stop"
-
-
-_ARGUMENT_PIECE = 24  # characters of arguments per streamed delta, as OpenAI sends them in pieces
 
 
 def _usage(finish: FinishEvent) -> dict[str, Any]:
@@ -64,8 +64,6 @@ class Formatter:
         self.id = prepared.request.id
         self._offset = len(prepared.prompt_text) if prepared.echo else 0
         self.wants_logprobs = prepared.request.sampling.logprobs
-        # With tools offered, text that may open a call is held until it is known to be one or not.
-        self.parser = StreamParser(prepared.tools) if kind == "chat" and prepared.tools is not None else None
 
     def _envelope(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -93,40 +91,16 @@ class Formatter:
         self._offset += len(text)
         return self._envelope([choice], include_usage)
 
-    def text_chunks(self, text: str, logprob: TokenLogprob | None, include_usage: bool) -> list[dict[str, Any]]:
-        """The chunks for generated text: content deltas, or, with tools, calls as they complete."""
-        if self.parser is None:
-            return [self.delta_chunk(text, logprob, include_usage)] if text or logprob is not None else []
-        return self._outs(self.parser.feed(text), include_usage)
-
-    def end_chunks(self, finish: FinishEvent, include_usage: bool) -> list[dict[str, Any]]:
-        """What the parser still held, then the finish chunk."""
-        out = self._outs(self.parser.end(), include_usage) if self.parser is not None else []
-        return out + [self.finish_chunk(finish, include_usage)]
-
-    def _outs(self, outs: list[str | ToolCall], include_usage: bool) -> list[dict[str, Any]]:
-        chunks = []
-        for out in outs:
-            if isinstance(out, str):
-                chunks.append(self.delta_chunk(out, None, include_usage))
-            else:
-                chunks += self._call_chunks(out, include_usage)
-        return chunks
-
-    def _call_chunks(self, call: ToolCall, include_usage: bool) -> list[dict[str, Any]]:
+    def call_chunks(self, call: ToolCall, index: int, include_usage: bool) -> list[dict[str, Any]]:
         """A call as OpenAI streams one: its index, id, type and name with empty arguments, then
         the arguments in pieces (the SDK's stream helpers join them)."""
-        assert self.parser is not None
-        index = len(self.parser.calls) - 1
         first = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        pieces = [call.arguments[i:i + _ARGUMENT_PIECE] for i in range(0, len(call.arguments), _ARGUMENT_PIECE)]
-        deltas = [first] + [{"index": index, "function": {"arguments": p}} for p in pieces]
+        deltas = [first] + [{"index": index, "function": {"arguments": p}} for p in argument_pieces(call.arguments)]
         return [self._envelope([{"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}], include_usage)
                 for d in deltas]
 
-    def finish_chunk(self, finish: FinishEvent, include_usage: bool) -> dict[str, Any]:
+    def finish_chunk(self, finish: FinishEvent, include_usage: bool, calls: bool = False) -> dict[str, Any]:
         if self.kind == "chat":
-            calls = self.parser is not None and bool(self.parser.calls)
             choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(finish, calls)}
         else:
             choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": _finish_reason(finish)}
@@ -181,3 +155,43 @@ def embedding_list(vectors: list[list[float]], model: str, prompt_tokens: int, e
     data = [{"object": "embedding", "index": i, "embedding": _encode_vector(v, encoding)} for i, v in enumerate(vectors)]
     return _encoder.encode({"object": "list", "data": data, "model": model,
                             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
+
+
+class ChatWire:
+    """The call's Wire for chat and legacy completions: chunks, then `[DONE]`."""
+
+    def __init__(self, fmt: Formatter, include_usage: bool) -> None:
+        self.fmt, self.include_usage = fmt, include_usage
+        self.calls = False  # any tool call streamed: the finish reason is tool_calls
+
+    def full(self, text: str, logprobs: list[TokenLogprob], finish: FinishEvent) -> bytes:
+        return self.fmt.full(text, logprobs, finish)
+
+    def opening(self) -> list[bytes]:
+        return [sse(self.fmt.first_chunk(self.include_usage))]
+
+    def delta(self, text: str, logprob: TokenLogprob | None) -> list[bytes]:
+        return [sse(self.fmt.delta_chunk(text, logprob, self.include_usage))]
+
+    def tool_call(self, call: ToolCall, index: int) -> list[bytes]:
+        self.calls = True
+        return [sse(chunk) for chunk in self.fmt.call_chunks(call, index, self.include_usage)]
+
+    def closing(self, finish: FinishEvent) -> list[bytes]:
+        frames = [sse(self.fmt.finish_chunk(finish, self.include_usage, self.calls))]
+        if self.include_usage:
+            frames.append(sse(self.fmt.usage_chunk(finish)))
+        return [*frames, DONE]
+
+    def failed(self, error: APIError, finish: FinishEvent) -> list[bytes]:
+        # The error in the envelope, the usage it was charged, [DONE].
+        frames = [sse(error.body())]
+        if self.include_usage:
+            frames.append(sse(self.fmt.usage_chunk(finish)))
+        return [*frames, DONE]
+
+
+def chat_wire(kind: str, stream_options: Any = None) -> Callable[[Prepared, str, int], ChatWire]:
+    """The wire factory for a chat (or completion) request with these stream options."""
+    include_usage = bool(stream_options and stream_options.include_usage)
+    return lambda prepared, model, created: ChatWire(Formatter(kind, prepared, model, created), include_usage)

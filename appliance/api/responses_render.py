@@ -1,0 +1,197 @@
+"""The Responses API's wire format: the response object, and the typed SSE events the official
+SDK parses (each with its sequence number), for the call module's `Wire`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from appliance.api.errors import APIError
+from appliance.api.responses_translate import (
+    Message,
+    conversation_turn,
+    function_call_events,
+    function_call_item,
+    message_item,
+    new_id,
+    output_items,
+    output_text_part,
+)
+from appliance.api.schemas import ResponsesRequest
+from appliance.api.translate import Prepared
+from appliance.tool_calls import ToolCall, argument_pieces, parse
+from engines.base import FinishEvent, TokenLogprob
+
+_encoder = msgspec.json.Encoder()
+
+# (the response object, the conversation it ends) once an answer is complete: where it is stored.
+Save = Callable[[dict[str, Any], list[Message]], None]
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"event: " + payload["type"].encode() + b"\ndata: " + _encoder.encode(payload) + b"\n\n"
+
+
+def usage(finish: FinishEvent) -> dict[str, Any]:
+    u = finish.usage
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u.total_tokens}
+
+
+def _error_code(error: APIError) -> str:
+    # ResponseError.code is an enumeration; the nearest of its values.
+    return "rate_limit_exceeded" if error.status == 429 else "server_error" if error.status >= 500 else "invalid_prompt"
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What a response object repeats of its request."""
+
+    instructions: str | None
+    metadata: dict[str, str]
+    temperature: float
+    top_p: float
+    max_output_tokens: int | None
+    previous_response_id: str | None
+    text: dict[str, Any]
+    tools: list[Any]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    truncation: str
+    store: bool
+    user: str | None
+    service_tier: str
+    safety_identifier: str | None
+    prompt_cache_key: str | None
+
+    @classmethod
+    def of(cls, body: ResponsesRequest, temperature: float, top_p: float) -> Echo:
+        fmt = body.text.format if body.text is not None and body.text.format is not None else None
+        return cls(body.instructions, body.metadata or {}, temperature, top_p, body.max_output_tokens, body.previous_response_id,
+                   {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}}, body.tools or [],
+                   body.tool_choice or "auto", body.parallel_tool_calls, body.truncation or "disabled", body.store, body.user,
+                   body.service_tier or "default", body.safety_identifier, body.prompt_cache_key)
+
+
+class ResponsesWire:
+    """One response, whole or as its events. `save` is called once with the finished object.
+
+    Streamed, the output items open in the order the answer brings them: the message at its
+    first text (or at the end, when nothing else came), each function call whole as it completes."""
+
+    def __init__(self, prepared: Prepared, model: str, created: int, echo: Echo, turns: list[Message], save: Save | None) -> None:
+        self.id, self.model, self.created, self.echo = prepared.request.id, model, created, echo
+        self.turns, self.save, self.tools = turns, save, prepared.tools
+        self.message_id = new_id("msg")
+        self._sequence = 0
+        self._text: list[str] = []
+        self._order: list[dict[str, Any] | None] = []  # streamed items: a chat tool call, or None for the message
+        self._calls: list[dict[str, Any]] = []
+
+    def _event(self, payload: dict[str, Any]) -> bytes:
+        payload["sequence_number"] = self._sequence
+        self._sequence += 1
+        return event(payload)
+
+    def response(self, status: str, output: list[dict[str, Any]], finish: FinishEvent | None = None,
+                 error: APIError | None = None) -> dict[str, Any]:
+        e = self.echo
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": {"code": _error_code(error), "message": error.message} if error is not None else None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": e.instructions, "max_output_tokens": e.max_output_tokens, "model": self.model, "output": output,
+            "parallel_tool_calls": e.parallel_tool_calls, "previous_response_id": e.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": e.store, "temperature": e.temperature, "text": e.text,
+            "tool_choice": e.tool_choice, "tools": e.tools, "top_p": e.top_p, "truncation": e.truncation,
+            "usage": usage(finish) if finish is not None else None, "user": e.user, "metadata": e.metadata,
+            # What this server does not do, said as the Open Responses schema requires it said.
+            "background": False, "frequency_penalty": 0.0, "presence_penalty": 0.0, "top_logprobs": 0, "max_tool_calls": None,
+            "service_tier": e.service_tier, "safety_identifier": e.safety_identifier, "prompt_cache_key": e.prompt_cache_key,
+        }
+
+    def _finished(self, text: str, calls: list[dict[str, Any]], finish: FinishEvent,
+                  items: Callable[[str], list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+        status = "incomplete" if finish.reason == "length" else "completed"
+        output = items(status) if items is not None else output_items(text, calls, status, self.message_id)
+        body = self.response(status, output, finish)
+        if self.save is not None:
+            self.save(body, [*self.turns, conversation_turn(text, calls)])
+        return body
+
+    def full(self, text: str, logprobs: list[TokenLogprob], finish: FinishEvent) -> bytes:
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            parsed = parse(text, self.tools)
+            if parsed.calls:
+                text, calls = parsed.content or "", [c.wire() for c in parsed.calls]
+        return _encoder.encode(self._finished(text, calls, finish))
+
+    def opening(self) -> list[bytes]:
+        created = self.response("in_progress", [])
+        return [
+            self._event({"type": "response.created", "response": created}),
+            self._event({"type": "response.in_progress", "response": created}),
+        ]
+
+    def _open_message(self) -> list[bytes]:
+        if None in self._order:
+            return []
+        self._order.append(None)
+        index = self._order.index(None)
+        return [
+            self._event({"type": "response.output_item.added", "output_index": index, "item": message_item(self.message_id, None, "in_progress")}),
+            self._event({"type": "response.content_part.added", "output_index": index, "content_index": 0, "item_id": self.message_id,
+                         "part": output_text_part("")}),
+        ]
+
+    def delta(self, text: str, logprob: TokenLogprob | None) -> list[bytes]:
+        if not text:
+            return []
+        frames = self._open_message()
+        self._text.append(text)
+        return [*frames, self._event({"type": "response.output_text.delta", "output_index": self._order.index(None), "content_index": 0,
+                                      "item_id": self.message_id, "delta": text, "logprobs": []})]
+
+    def tool_call(self, call: ToolCall, index: int) -> list[bytes]:
+        wired = call.wire()
+        self._calls.append(wired)
+        self._order.append(wired)
+        return [self._event(e) for e in function_call_events(len(self._order) - 1, wired, argument_pieces(call.arguments))]
+
+    def _items(self, text: str) -> Callable[[str], list[dict[str, Any]]]:
+        """The streamed items, in their stream's order, as the finished response lists them."""
+        return lambda status: [message_item(self.message_id, text, status) if item is None else function_call_item(item, status)
+                               for item in self._order]
+
+    def closing(self, finish: FinishEvent) -> list[bytes]:
+        text = "".join(self._text)
+        frames = self._open_message() if not self._order else []  # an empty answer is still a message
+        body = self._finished(text, self._calls, finish, self._items(text))
+        if None not in self._order:
+            return [*frames, self._event({"type": f"response.{body['status']}", "response": body})]
+        index = self._order.index(None)
+        item = body["output"][index]
+        return [
+            *frames,
+            self._event({"type": "response.output_text.done", "output_index": index, "content_index": 0, "item_id": self.message_id,
+                         "text": text, "logprobs": []}),
+            self._event({"type": "response.content_part.done", "output_index": index, "content_index": 0, "item_id": self.message_id,
+                         "part": item["content"][0]}),
+            self._event({"type": "response.output_item.done", "output_index": index, "item": item}),
+            self._event({"type": f"response.{body['status']}", "response": body}),
+        ]
+
+    def failed(self, error: APIError, finish: FinishEvent) -> list[bytes]:
+        partial = "".join(self._text)
+        output = [message_item(self.message_id, partial, "incomplete") if item is None else function_call_item(item, "completed")
+                  for item in self._order if item is not None or partial]
+        return [
+            self._event({"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param}),
+            self._event({"type": "response.failed", "response": self.response("failed", output, finish, error)}),
+        ]
