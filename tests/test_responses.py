@@ -3,9 +3,11 @@ keys mode with prices, so tenants, budgets and the shared call path are exercise
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
@@ -165,10 +167,73 @@ def test_the_cache_and_the_router_serve_responses_too(served: tuple[Server, open
     assert final.output_text == answer.output_text and final.status == answer.status
 
 
+LOOKUP = {"type": "function", "name": "lookup", "description": "Look up a fact about a country.",
+          "parameters": {"type": "object", "properties": {"country": {"type": "string", "enum": ["France", "Japan", "Peru"]},
+                                                          "fact": {"type": "string", "enum": ["capital", "currency"]}},
+                         "required": ["country", "fact"], "additionalProperties": False}}
+ASK_CAPITAL = "What is the capital of Peru? Use the lookup tool."
+
+
+def _valid_call(item: object) -> dict:
+    assert getattr(item, "type") == "function_call" and getattr(item, "name") == "lookup"
+    assert getattr(item, "call_id").startswith("call_") and getattr(item, "id").startswith("fc_")
+    arguments = json.loads(getattr(item, "arguments"))
+    jsonschema.validate(arguments, LOOKUP["parameters"])
+    return arguments
+
+
+def test_a_forced_function_call_and_its_output_fed_back(served: tuple[Server, openai.OpenAI, openai.OpenAI]) -> None:
+    _, acme, _ = served
+    r = ask(acme, input=ASK_CAPITAL, tools=[LOOKUP], tool_choice="required", max_output_tokens=60)
+    assert r.status == "completed" and [i.type for i in r.output] == ["function_call"] and r.output_text == ""
+    (call,) = r.output
+    _valid_call(call)
+    assert r.tools[0].name == "lookup" and r.tool_choice == "required"  # the request echoed
+    assert acme.responses.retrieve(r.id).output[0].arguments == call.arguments  # type: ignore[union-attr]
+    # The tool's result, continuing from the stored response: a plain answer this time.
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Lima"}  # type: ignore[union-attr]
+    follow = ask(acme, input=[result], previous_response_id=r.id, tools=[LOOKUP], tool_choice="none", max_output_tokens=16)
+    assert [i.type for i in follow.output] == ["message"] and follow.output_text.strip()
+    # The same conversation given whole in `input` (the SDK's items sent back) is the same prompt.
+    whole = ask(acme, input=[{"role": "user", "content": ASK_CAPITAL}, *r.output, result], tools=[LOOKUP], tool_choice="none",
+                max_output_tokens=16, store=False)
+    alone = ask(acme, input=ASK_CAPITAL, tools=[LOOKUP], tool_choice="none", max_output_tokens=1, store=False)
+    assert follow.usage is not None and whole.usage is not None and alone.usage is not None
+    assert whole.usage.input_tokens == follow.usage.input_tokens >= alone.usage.input_tokens + 10  # the call and its result
+    assert whole.output_text == follow.output_text
+    with pytest.raises(openai.BadRequestError) as caught:  # an output for a call never made
+        ask(acme, input=[{"type": "function_call_output", "call_id": "call_nope", "output": "x"}], previous_response_id=r.id,
+            tools=[LOOKUP])
+    assert caught.value.body["param"] == "input"  # type: ignore[index]
+
+
+def test_a_streamed_function_call_assembles_through_the_sdk(served: tuple[Server, openai.OpenAI, openai.OpenAI]) -> None:
+    _, acme, _ = served
+    named = {"type": "function", "name": "lookup"}
+    with acme.responses.stream(model=CHAT_MODEL, input=ASK_CAPITAL, tools=[LOOKUP], tool_choice=named,  # type: ignore[arg-type]
+                               max_output_tokens=60, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    deltas = types.count("response.function_call_arguments.delta")
+    assert deltas >= 2 and types == [  # the arguments come in pieces
+        "response.created", "response.in_progress", "response.output_item.added",
+        *["response.function_call_arguments.delta"] * deltas, "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    (call,) = final.output
+    arguments = _valid_call(call)
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert json.loads(done.arguments) == arguments  # type: ignore[union-attr]
+    assert acme.responses.retrieve(final.id).output[0].call_id == call.call_id  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, 400, "input[0].content[0]"),
     ({"input": [{"type": "file_search_call", "id": "x"}]}, 400, "input[0].type"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}]}, 400, "tools[0].parameters"),
+    ({"tools": [LOOKUP], "tool_choice": {"type": "function", "name": "other"}}, 400, "tool_choice"),
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"temperature": 3}, 400, "temperature"),
     ({"text": {"format": {"type": "xml"}}}, 400, "text.format.type"),

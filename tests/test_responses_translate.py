@@ -183,3 +183,34 @@ def test_an_error_mid_stream_ends_with_error_and_failed_events_and_is_not_stored
     assert failed["status"] == "failed" and failed["error"] == {"code": "server_error", "message": "The upstream went away."}
     assert failed["output"][0]["status"] == "incomplete" and failed["output"][0]["content"][0]["text"] == "Hel"
     assert saved == []
+
+
+def test_the_wire_streams_calls_as_function_call_items_in_their_order() -> None:
+    from appliance.tool_calls import ToolCall
+    from engines.base import FinishEvent, Usage
+
+    saved: list = []
+    wire = _wire(saved)
+    call = ToolCall("call_9", "add", '{"a": 1, "b": 2, "note": "a long enough note to be cut"}')
+    frames = [*wire.opening(), *wire.tool_call(call, 0), *wire.delta("Done.", None), *wire.closing(FinishEvent("stop", Usage(2, 8)))]
+    events = _events(frames)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    types = [e["type"] for e in events]
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == call.arguments  # the arguments come in pieces
+    # The call is item 0 (it came first), the text after it item 1, and the final object lists them so.
+    assert {e["output_index"] for e in events if "function_call" in e["type"]} == {0}
+    assert {e["output_index"] for e in events if e["type"].startswith("response.output_text")} == {1}
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["function_call", "message"] and final["status"] == "completed"
+    assert final["output"][0] == {"type": "function_call", "id": "fc_call_9", "call_id": "call_9", "name": "add",
+                                  "arguments": call.arguments, "status": "completed"}
+    body, turns = saved[0]
+    assert body == final and turns[-1] == {"role": "assistant", "content": "Done.", "tool_calls": [call.wire()]}
+
+
+def test_a_tool_parameter_reads_as_the_flat_responses_tool() -> None:
+    assert responses_param("tools[2].function.parameters") == "tools[2].parameters"
+    assert responses_param("tools[0].function") == "tools[0]"
+    assert responses_param("tools[1].type") == "tools[1].type"

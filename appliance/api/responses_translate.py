@@ -5,6 +5,7 @@ items. Pure functions; every refusal names the Responses field at fault."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
@@ -236,12 +237,12 @@ def to_chat(body: ResponsesRequest, history: list[Message]) -> tuple[ChatComplet
 
 def _no_field_dropped(messages: list[Message]) -> None:
     """Every field a message carries must be one chat messages know, or it would be lost on the way
-    (function calls in the input before chat completions take tool calls)."""
+    (an input item's field that chat messages have no place for)."""
     known = set(ChatMessage.__struct_fields__)
     for message in messages:
         extra = set(message) - known
         if extra:
-            raise invalid(f"Input items carrying {', '.join(sorted(extra))} (function calls) are not supported by this server yet.",
+            raise invalid(f"Input items carrying {', '.join(sorted(extra))} are not supported by this server.",
                           "input")
 
 
@@ -253,6 +254,9 @@ def responses_param(param: str | None) -> str | None:
     """A chat request's parameter name as the Responses request spells it."""
     if param is None:
         return None
+    tool = re.fullmatch(r"(tools\[\d+\])\.function(\..+)?", param)
+    if tool is not None:  # a Responses function tool is flat: tools[i].name, not tools[i].function.name
+        return tool.group(1) + (tool.group(2) or "")
     for chat, ours in _PARAMS:
         if param == chat or param.startswith(chat + "[") or param.startswith(chat + "."):
             return ours if chat == "messages" else ours + param[len(chat):]
