@@ -63,6 +63,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     n: int = 1
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    # token id (as a string, as JSON keys are) -> bias in [-100, 100]; checked against the vocabulary in translate.py
+    logit_bias: dict[str, float] | None = None
     # LoRA adapters on the model (an extension; `model: "<alias>:<adapter>"` also picks one)
     adapters: list[AdapterChoice] | None = None
 
