@@ -17,6 +17,7 @@ from opentelemetry.trace import Span
 
 from appliance.api import render
 from appliance.api.cached import CachePlan, cache_plan, serve_hit
+from appliance.api.choices import ChoiceStreams, choice_request, total_finish
 from appliance.api.common import authenticate, decode_body
 from appliance.api.errors import APIError, invalid
 from appliance.api.routed import route_meta, routed_chat
@@ -201,6 +202,9 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
         await guard(services, traced, [m.get("content", "") for m in chat_messages(body) if m.get("role") == "user"], principal, request_id)
         route = services.settings.route(body.model)
         if route is not None:
+            if body.n != 1:
+                # A route validates and escalates one answer; n answers would each take their own path.
+                raise invalid(f"The route '{route.alias}' answers with one choice: send n=1, or name a model for n > 1.", "n")
             traced.annotate(model=route.alias, stream=body.stream, gen_ai__request__model=route.alias, end_user=body.user)
             routed = await routed_chat(request, services, principal, body, route, request_id, traced)
             traced.end(http__status_code=200)
@@ -220,7 +224,8 @@ async def chat_completions(request: Request[Any, Any, Any], services: Services) 
                 return traced.stamp(response)
             plan = dataclasses.replace(plan, lookup=found)
         traced.annotate(cache__result="miss" if plan.read and plan.item is not None else "bypass")
-        return traced.stamp(await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "chat", plan, traced))
+        return traced.stamp(await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "chat", plan, traced,
+                                           body.n))
     except BaseException as exc:
         traced.fail(exc)
         traced.end()
@@ -303,7 +308,8 @@ async def completions(request: Request[Any, Any, Any], services: Services) -> Re
         model, adapters = _model_with_adapters(services, body.model, body.adapters, "completion")
         traced.annotate(model=model.settings.alias, stream=body.stream, end_user=body.user)
         prepared = _with_adapters(prepare_completion(body, model, services.settings.defaults, request_id), adapters)
-        return traced.stamp(await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "completion", None, traced))
+        return traced.stamp(await _respond(request, services, principal, model, prepared, body.stream, body.stream_options, "completion", None,
+                                           traced, body.n))
     except BaseException as exc:
         traced.fail(exc)
         traced.end()
@@ -312,12 +318,12 @@ async def completions(request: Request[Any, Any, Any], services: Services) -> Re
 
 async def _respond(
     request: Request[Any, Any, Any], services: Services, principal: Principal, model: LoadedModel, prepared: Prepared,
-    stream: bool, stream_options: Any, kind: str, plan: CachePlan | None, traced: RequestTrace,
+    stream: bool, stream_options: Any, kind: str, plan: CachePlan | None, traced: RequestTrace, n: int = 1,
 ) -> Response[Any]:
     created = int(time.time())
     started = time.time()
     body_max_tokens = prepared.request.max_tokens
-    admission, events, prepared = await _admit_and_start(services, principal, model, prepared, traced)
+    admission, events, prepared = await _admit_and_start(services, principal, model, prepared, traced, choices=n)
     headers: dict[str, str] = plan.headers() if plan is not None else {}
     if admission.max_tokens != body_max_tokens:
         # The budget could not cover the asked max_tokens; the response says what it allowed.
@@ -325,6 +331,8 @@ async def _respond(
     prompt_len = prepared.request.prompt_length
     admission.progress = lambda: (prompt_len, events.tokens_pushed)
     fmt = render.Formatter(kind, prepared, model.settings.alias, created)
+    if isinstance(events, ChoiceStreams):
+        return await _respond_choices(request, services, model, events, fmt, stream, stream_options, started, admission, traced, headers)
     remember = plan.remember(services, model, prepared, traced) if plan is not None else None
     if stream:
         if model.engine.takes_messages:
@@ -347,8 +355,68 @@ async def _respond(
     return Response(fmt.full(collected.text, collected.logprobs, collected.finish), media_type="application/json", headers=headers)
 
 
+async def _respond_choices(
+    request: Request[Any, Any, Any], services: Services, model: LoadedModel, choices: ChoiceStreams, fmt: render.Formatter,
+    stream: bool, stream_options: Any, started: float, admission: Admission, traced: RequestTrace, headers: dict[str, str],
+) -> Response[Any]:
+    """n > 1 (appliance/api/choices.py): the choices run side by side; one settlement and one usage for them all."""
+    if stream:
+        if model.engine.takes_messages:
+            await _first_event_or_error(request, services, admission, fmt, model, started, choices, traced)
+        include_usage = bool(stream_options and stream_options.include_usage)
+        return Stream(_sse_choices(choices, fmt, include_usage, services, model, started, admission, traced),
+                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+    total: FinishEvent | None = None
+    try:
+        collected = await _until_disconnect(request, asyncio.gather(*(_collect(s) for s in choices.streams)))
+        total = total_finish([c.finish for c in collected])
+    finally:
+        choices.close()
+        _finish(services, admission, fmt, model, started, total, traced)
+    assert total is not None
+    _raise_for_failure(total)
+    return Response(fmt.full_choices([(c.text, c.logprobs, c.finish) for c in collected], total), media_type="application/json",
+                    headers=headers)
+
+
+async def _sse_choices(
+    choices: ChoiceStreams, fmt: render.Formatter, include_usage: bool, services: Services, model: LoadedModel, started: float,
+    admission: Admission, traced: RequestTrace,
+) -> AsyncIterator[bytes]:
+    """As `_sse`, each chunk naming its choice's index; the usage chunk (asked for) comes once, after every choice has ended."""
+    finishes: dict[int, FinishEvent] = {}
+    total: FinishEvent | None = None
+    try:
+        for index in range(len(choices)):
+            yield render.sse(fmt.first_chunk(include_usage, index))
+        async for index, event in choices.events():
+            if isinstance(event, TokenEvent):
+                if event.text or event.logprob is not None:
+                    yield render.sse(fmt.delta_chunk(event.text, event.logprob, include_usage, index))
+                continue
+            finishes[index] = event
+            if event.reason == "error":
+                choices.close()  # the response has failed: the other choices stop too, charged for what they made
+                total = total_finish([event, *finishes.values()], choices.tokens_pushed)
+                yield render.sse(failure_error(event).body())
+                if include_usage:
+                    yield render.sse(fmt.usage_chunk(total))
+                break
+            if event.text:
+                yield render.sse(fmt.delta_chunk(event.text, None, include_usage, index))
+            yield render.sse(fmt.finish_chunk(event, include_usage, index))
+        else:
+            total = total_finish([finishes[i] for i in range(len(choices))])
+            if include_usage:
+                yield render.sse(fmt.usage_chunk(total))
+        yield b"data: [DONE]\n\n"
+    finally:
+        choices.close()
+        _finish(services, admission, fmt, model, started, total, traced)
+
+
 async def _first_event_or_error(request: Request[Any, Any, Any], services: Services, admission: Admission, fmt: render.Formatter,
-                                model: LoadedModel, started: float, events: EventStream, traced: RequestTrace) -> None:
+                                model: LoadedModel, started: float, events: EventStream | ChoiceStreams, traced: RequestTrace) -> None:
     """For an upstream, the stream's headers wait for its first event: a refusal or an outage
     before any token is then an HTTP error with the upstream's status, not a 200 with an error
     inside (retries happen in that wait too)."""
@@ -366,15 +434,17 @@ async def _first_event_or_error(request: Request[Any, Any, Any], services: Servi
 
 async def _admit_and_start(
     services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, traced: RequestTrace, attempt: Span | None = None,
-) -> tuple[Admission, EventStream, Prepared]:
+    choices: int = 1,
+) -> tuple[Admission, Any, Prepared]:
     """Rate limits, then the engine and the budget reservation together: the prompt's prefill
     overlaps the ledger's write, and no token is read before the reservation stands. A refusal
-    cancels the queued generation; a lowered max_tokens restarts it (the slot keeps the prompt's KV)."""
+    cancels the queued generation; a lowered max_tokens restarts it (the slot keeps the prompt's KV).
+    The events: an EventStream, or with `choices` > 1 a ChoiceStreams of that many."""
     gate = services.gate
     pending = gate.begin(principal, prepared.request.id, model.settings.alias, price_of(model),
-                         prepared.request.prompt_length, prepared.request.max_tokens)
+                         prepared.request.prompt_length, prepared.request.max_tokens, choices)
     try:
-        events = _start(model, prepared)
+        events = _start_choices(model, prepared, choices)
     except BaseException:
         gate.abandon(pending)
         raise
@@ -392,11 +462,25 @@ async def _admit_and_start(
         events.close()
         prepared = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, max_tokens=admission.max_tokens))
         try:
-            events = _start(model, prepared)
+            events = _start_choices(model, prepared, choices)
         except BaseException:
             gate.settle(admission, 0, 0, "refused")
             raise
     return admission, events, prepared
+
+
+def _start_choices(model: LoadedModel, prepared: Prepared, choices: int) -> EventStream | ChoiceStreams:
+    if choices == 1:
+        return _start(model, prepared)
+    streams: list[EventStream] = []
+    try:
+        for index in range(choices):
+            streams.append(_start(model, dataclasses.replace(prepared, request=choice_request(prepared.request, index))))
+    except BaseException:
+        for stream in streams:
+            stream.close()  # all or none: the queued choices are cancelled
+        raise
+    return ChoiceStreams(streams)
 
 
 def account(

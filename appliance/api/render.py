@@ -56,7 +56,9 @@ class Formatter:
     def __init__(self, kind: str, prepared: Prepared, model: str, created: int) -> None:
         self.kind, self.prepared, self.model, self.created = kind, prepared, model, created
         self.id = prepared.request.id
-        self._offset = len(prepared.prompt_text) if prepared.echo else 0
+        # Per choice (n > 1): where the next completion logprob's text_offset counts from.
+        self._offsets: dict[int, int] = {}
+        self._start = len(prepared.prompt_text) if prepared.echo else 0
         self.wants_logprobs = prepared.request.sampling.logprobs
 
     def _envelope(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
@@ -67,29 +69,30 @@ class Formatter:
             out["usage"] = None
         return out
 
-    def first_chunk(self, include_usage: bool) -> dict[str, Any]:
+    def first_chunk(self, include_usage: bool, index: int = 0) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         else:
             text = self.prepared.prompt_text if self.prepared.echo else ""
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
         return self._envelope([choice], include_usage)
 
-    def delta_chunk(self, text: str, logprob: TokenLogprob | None, include_usage: bool) -> dict[str, Any]:
+    def delta_chunk(self, text: str, logprob: TokenLogprob | None, include_usage: bool, index: int = 0) -> dict[str, Any]:
+        offset = self._offsets.get(index, self._start)
         if self.kind == "chat":
             lp = {"content": [_chat_logprob(logprob)]} if logprob is not None else None
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
+            choice = {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         else:
-            lp = _completion_logprobs([logprob], self._offset) if logprob is not None else None
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": None}
-        self._offset += len(text)
+            lp = _completion_logprobs([logprob], offset) if logprob is not None else None
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
+        self._offsets[index] = offset + len(text)
         return self._envelope([choice], include_usage)
 
-    def finish_chunk(self, finish: FinishEvent, include_usage: bool) -> dict[str, Any]:
+    def finish_chunk(self, finish: FinishEvent, include_usage: bool, index: int = 0) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(finish)}
+            choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(finish)}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": _finish_reason(finish)}
+            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": _finish_reason(finish)}
         return self._envelope([choice], include_usage)
 
     def usage_chunk(self, finish: FinishEvent) -> dict[str, Any]:
@@ -98,18 +101,23 @@ class Formatter:
         return out
 
     def full(self, text: str, logprobs: list[TokenLogprob], finish: FinishEvent) -> bytes:
-        if self.kind == "chat":
-            lp = {"content": [_chat_logprob(x) for x in logprobs]} if self.wants_logprobs else None
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": lp, "finish_reason": _finish_reason(finish)}
-            obj = "chat.completion"
-        else:
-            prefix = self.prepared.prompt_text if self.prepared.echo else ""
-            lp = _completion_logprobs(logprobs, len(prefix)) if self.wants_logprobs else None
-            choice = {"index": 0, "text": prefix + text, "logprobs": lp, "finish_reason": _finish_reason(finish)}
-            obj = "text_completion"
+        return self.full_choices([(text, logprobs, finish)], finish)
+
+    def full_choices(self, choices: list[tuple[str, list[TokenLogprob], FinishEvent]], total: FinishEvent) -> bytes:
+        """The whole response: choice i from choices[i]; usage from `total` (all choices together)."""
+        out = []
+        for index, (text, logprobs, finish) in enumerate(choices):
+            if self.kind == "chat":
+                lp = {"content": [_chat_logprob(x) for x in logprobs]} if self.wants_logprobs else None
+                out.append({"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+                            "logprobs": lp, "finish_reason": _finish_reason(finish)})
+            else:
+                prefix = self.prepared.prompt_text if self.prepared.echo else ""
+                lp = _completion_logprobs(logprobs, len(prefix)) if self.wants_logprobs else None
+                out.append({"index": index, "text": prefix + text, "logprobs": lp, "finish_reason": _finish_reason(finish)})
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return _encoder.encode({"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                                "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": _usage(finish)})
+                                "system_fingerprint": FINGERPRINT, "choices": out, "usage": _usage(total)})
 
 
 def model_entry(model: LoadedModel, created: int) -> dict[str, Any]:
