@@ -19,7 +19,8 @@ STORY = "Tell me a short story."
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("sampling"), config_text(embeddings=False, slots=4))
+    route = f'\n[[routes]]\nalias = "auto"\ntiers = ["{CHAT_MODEL}"]\n'
+    server = start_server(tmp_path_factory.mktemp("sampling"), config_text(embeddings=False, slots=4) + route)
     yield server
     stop_server(server)
 
@@ -41,7 +42,8 @@ def vocab() -> Iterator[object]:
 
 def chat(client: openai.OpenAI, content: str, **kwargs: object) -> openai.types.chat.ChatCompletion:
     kwargs.setdefault("max_tokens", 30)
-    return client.chat.completions.create(model=CHAT_MODEL, messages=[{"role": "user", "content": content}], **kwargs)  # type: ignore[call-overload]
+    kwargs.setdefault("model", CHAT_MODEL)
+    return client.chat.completions.create(messages=[{"role": "user", "content": content}], **kwargs)  # type: ignore[call-overload]
 
 
 def text(response: openai.types.chat.ChatCompletion, index: int = 0) -> str:
@@ -158,3 +160,12 @@ def test_bad_sampling_fields_are_400s_naming_them(srv: Server, body: dict, param
         response = httpx.post(f"{srv.base_url}/v1/{path}", json={"model": CHAT_MODEL, "max_tokens": 2, **base, **body}, timeout=30)
         assert response.status_code == 400, response.text
         assert (response.json()["error"]["param"] or "").split(".")[0].split("[")[0] == param, response.text
+
+
+def test_a_route_answers_one_choice_in_its_own_vocabulary(srv: Server, client: openai.OpenAI) -> None:
+    for body, param in (({"n": 2}, "n"), ({"logit_bias": {"5": 1}}, "logit_bias")):
+        response = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=30,
+                              json={"model": "auto", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    routed = chat(client, REPETITIVE, model="auto", temperature=0, frequency_penalty=2.0)
+    assert text(routed) == text(chat(client, REPETITIVE, temperature=0, frequency_penalty=2.0))

@@ -58,7 +58,7 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, f
     `vocab` 0 (an upstream, whose vocabulary is not known here) checks the ids' form only."""
     out = []
     for key, value in (bias or {}).items():
-        token = int(key) if key.isascii() and key.isdigit() else -1
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else -1  # int() of 5000 digits raises
         if token < 0 or (vocab and token >= vocab):
             where = f"between 0 and {vocab - 1}" if vocab else "a non-negative integer"
             raise invalid(f"logit_bias keys must be token ids {where}; got {key!r}.", "logit_bias")
