@@ -15,9 +15,10 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from appliance import __version__
-from appliance.api import admin_routes, cache_routes, model_routes, openai_routes
+from appliance.api import admin_routes, cache_routes, model_routes, openai_routes, responses_routes
 from appliance.api.common import authenticate
 from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
+from appliance.api.headers import response_headers
 from appliance.metrics import Metrics
 from appliance.registry import Registry
 from appliance.gate import Gate
@@ -106,12 +107,12 @@ def create_app(services: Services) -> Litestar:
         route_handlers=[
             health, metrics,
             openai_routes.list_models, openai_routes.retrieve_model, openai_routes.chat_completions,
-            openai_routes.completions, openai_routes.embeddings, *admin_routes.ROUTES, *cache_routes.ROUTES, *model_routes.ROUTES,
+            openai_routes.completions, openai_routes.embeddings, *responses_routes.ROUTES, *admin_routes.ROUTES, *cache_routes.ROUTES, *model_routes.ROUTES,
         ],
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},
         request_max_body_size=services.settings.server.max_body_bytes,
-        before_send=[count_responses(services.metrics)],
+        before_send=[response_headers(services.gate), count_responses(services.metrics)],
         on_startup=[startup],
         on_shutdown=[shutdown],
         openapi_config=OpenAPIConfig(title="appliance", version=__version__),

@@ -2,6 +2,12 @@
 config names: one span for the request, children for the cache lookup, the judge, the budget
 reservation and settlement, and the model call.
 
+The request's span follows OpenTelemetry's GenAI conventions: named `{operation} {model}` (`chat
+smollm2`, `text_completion …`, `embeddings …`), kind SERVER, a child of the caller's span when
+the request carries a W3C `traceparent`, with the `gen_ai.*` attributes of the call. It is the
+one span of a request that carries `gen_ai.*`: the spans under it (the engine's, a judge's) use
+our own names, so a backend that adds up `gen_ai.usage.*` counts each answer once.
+
 Each app gets its own TracerProvider (tests build several apps in one process); with tracing off
 the tracer is OpenTelemetry's no-op one, so call sites never branch.
 """
@@ -9,18 +15,26 @@ the tracer is OpenTelemetry's no-op one, so call sites never branch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from appliance import __version__
 from appliance.settings import TracingSettings
 
 log = logging.getLogger("appliance.tracing")
+
+PROVIDER = "appliance"  # gen_ai.provider.name: the caller talks to this server, whatever engine answers
+# The W3C trace context only: what a caller sends in `traceparent`/`tracestate`, whatever else is installed.
+_PROPAGATOR = TraceContextTextMapPropagator()
+# What OpenAI accepts as a caller's own request id: printable ASCII, at most 512 characters.
+_CLIENT_REQUEST_ID = re.compile(r"[\x20-\x7e]{1,512}")
 
 
 class Tracing:
@@ -38,7 +52,10 @@ class Tracing:
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
         resource = Resource.create({"service.name": settings.service_name, "service.version": __version__})
-        self._provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)))
+        ratio = TraceIdRatioBased(settings.sample_ratio)
+        # A caller that samples its trace gets ours joined to it; one that does not cannot switch
+        # ours off: the server's own ratio decides then.
+        self._provider = TracerProvider(resource=resource, sampler=ParentBased(ratio, remote_parent_not_sampled=ratio))
         # Spans leave in batches from each processor's own thread: the request path never waits on export.
         if store:
             from appliance.store.traces import SqliteSpanExporter
@@ -55,6 +72,11 @@ class Tracing:
         """A span that the caller ends (it may outlive the handler, as a stream does)."""
         context = trace.set_span_in_context(parent) if parent is not None else None
         return self.tracer.start_span(name, context=context, attributes=_clean(attributes))
+
+    def start_server(self, name: str, headers: Mapping[str, str] | None, **attributes: Any) -> Span:
+        """A request's span: under the caller's span when its headers carry a trace context."""
+        context = _PROPAGATOR.extract(headers) if headers is not None else None
+        return self.tracer.start_span(name, context=context, kind=SpanKind.SERVER, attributes=_clean(attributes))
 
     @contextmanager
     def span(self, name: str, parent: Span | None, **attributes: Any) -> Iterator[Span]:
@@ -74,8 +96,60 @@ class Tracing:
             self._provider.shutdown()
 
 
-def _clean(attributes: dict[str, Any]) -> dict[str, Any]:
-    return {k.replace("__", "."): v for k, v in attributes.items() if v is not None}
+# Names of the standard conventions other than GenAI's that spans here use.
+_STANDARD = {"http__status_code": "http.response.status_code", "error__type": "error.type"}
+
+
+def attribute_name(keyword: str) -> str:
+    """The one mapping from the keyword names call sites use to attribute names: `__` is a dot;
+    `gen_ai__…` and the few standard names are OpenTelemetry's; everything else is ours, under
+    `appliance.` (`cache__result` is `appliance.cache.result`)."""
+    if keyword in _STANDARD:
+        return _STANDARD[keyword]
+    name = keyword.replace("__", ".")
+    return name if keyword.startswith("gen_ai__") else f"appliance.{name}"
+
+
+def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    return {attribute_name(k): v for k, v in attributes.items() if v is not None}
+
+
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The caller's own id for its request (`X-Client-Request-Id`, or `X-Request-Id`), if well formed."""
+    for name in ("x-client-request-id", "x-request-id"):
+        value = headers.get(name)
+        if value is not None and _CLIENT_REQUEST_ID.fullmatch(value):
+            return value
+    return None
+
+
+# A span records the body before it is checked: what a caller wrote is cut to a sane size there.
+_MAX_TEXT, _MAX_ITEMS = 256, 8
+
+
+def requested_model(body: Any) -> str:
+    return str(body.model)[:_MAX_TEXT]
+
+
+def request_attributes(body: Any) -> dict[str, Any]:
+    """`gen_ai.request.*` from an OpenAI request body (chat, completion or embeddings): what the
+    caller asked for, read as it was sent (not yet checked, so long text is cut)."""
+    stop = getattr(body, "stop", None)
+    stop = [stop] if isinstance(stop, str) else stop
+    response_format = getattr(body, "response_format", None)
+    n = getattr(body, "n", 1)
+    return {
+        "gen_ai__request__model": requested_model(body),
+        "gen_ai__request__max_tokens": getattr(body, "max_completion_tokens", None) or getattr(body, "max_tokens", None),
+        "gen_ai__request__temperature": getattr(body, "temperature", None),
+        "gen_ai__request__top_p": getattr(body, "top_p", None),
+        "gen_ai__request__seed": getattr(body, "seed", None),
+        "gen_ai__request__frequency_penalty": getattr(body, "frequency_penalty", None),
+        "gen_ai__request__presence_penalty": getattr(body, "presence_penalty", None),
+        "gen_ai__request__stop_sequences": [str(x)[:_MAX_TEXT] for x in stop[:_MAX_ITEMS]] if stop else None,
+        "gen_ai__request__choice__count": n if n != 1 else None,
+        "gen_ai__output__type": None if response_format is None else ("text" if response_format.type == "text" else "json"),
+    }
 
 
 def annotate(span: Span, **attributes: Any) -> None:
@@ -86,14 +160,30 @@ class RequestTrace:
     """One API call's span and its children. Ended exactly once, by whoever finishes the call:
     the handler, or the stream that outlives it."""
 
-    def __init__(self, tracing: Tracing, name: str, **attributes: Any) -> None:
+    def __init__(self, tracing: Tracing, operation: str, headers: Mapping[str, str] | None = None, **attributes: Any) -> None:
+        """`operation` is GenAI's name for the call (`chat`, `text_completion`, `embeddings`);
+        `headers`, the request's: a `traceparent` there makes this trace part of the caller's."""
         self.tracing = tracing
-        self.root = tracing.start(name, None, **attributes)
+        self.operation = operation
+        client_id = client_request_id(headers) if headers is not None else None
+        self.root = tracing.start_server(operation, headers, gen_ai__operation__name=operation, gen_ai__provider__name=PROVIDER,
+                                         client_request_id=client_id, **attributes)
         self.engine: Span | None = None
         self._ended = False
 
     def annotate(self, **attributes: Any) -> None:
         annotate(self.root, **attributes)
+
+    def requested(self, body: Any) -> None:
+        """The body is read: the span takes the model's name (`chat smollm2`) and what was asked."""
+        self.root.update_name(f"{self.operation} {requested_model(body)}")
+        self.annotate(**request_attributes(body))
+
+    def answered(self, response_id: str, model: str, finish_reasons: list[str] | None, input_tokens: int | None = None,
+                 output_tokens: int | None = None) -> None:
+        """What the caller got back: the response's id, the model that answered, why each choice ended, the usage."""
+        self.annotate(gen_ai__response__id=response_id, gen_ai__response__model=model, gen_ai__response__finish_reasons=finish_reasons,
+                      gen_ai__usage__input_tokens=input_tokens, gen_ai__usage__output_tokens=output_tokens)
 
     def child(self, name: str, **attributes: Any):  # type: ignore[no-untyped-def]
         return self.tracing.span(name, self.root, **attributes)
@@ -122,7 +212,9 @@ class RequestTrace:
             exc.trace_id = self.trace_id  # type: ignore[attr-defined]  # an APIError's response carries it
         self.root.record_exception(exc)
         self.root.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
-        self.annotate(http__status_code=status)
+        # error.type: the API error's code (or type), else the exception's class; low-cardinality either way.
+        kind = getattr(exc, "code", None) or getattr(exc, "type", None)
+        self.annotate(http__status_code=status, error__type=kind if isinstance(kind, str) else type(exc).__name__)
 
     def end(self, **attributes: Any) -> None:
         if self._ended:

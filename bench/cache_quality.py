@@ -188,9 +188,13 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--heldout", action="store_true",
                         help=f"only the cache's defaults on {HELDOUT.name}, pairs written apart from the guards and never tuned on")
+    parser.add_argument("--pairs", type=Path, help="only the cache's defaults on these pairs (a file like tests/data/cache_pairs_tune2.jsonl)")
+    parser.add_argument("--show", action="store_true", help="with --pairs: print each pair the defaults get wrong")
     args = parser.parse_args()
     if args.heldout:
-        return heldout()
+        return defaults_on(HELDOUT)
+    if args.pairs:
+        return defaults_on(args.pairs, args.show)
     pairs = load_pairs()
     embed_ms = embed_pairs(pairs)
     tune = [p for p in pairs if p.split == "tune"]
@@ -229,9 +233,9 @@ def main() -> int:
     return 0
 
 
-def heldout() -> int:
-    """The cache's defaults, as shipped, on the held-out pairs: nothing here is tuned."""
-    pairs = load_pairs(HELDOUT)
+def defaults_on(path: Path, show: bool = False) -> int:
+    """The cache's defaults, as shipped, on one file of pairs (the held-out ones: nothing here is tuned)."""
+    pairs = load_pairs(path)
     embed_pairs(pairs, augment=False)
     policy = CachePolicy()
     default = {"threshold": policy.similarity_threshold, "guards": True, "relief": policy.same_words_relief}
@@ -241,9 +245,13 @@ def heldout() -> int:
               for k in sorted({p.kind for p in pairs})}
     reword_rate = sum(accepted(p, **default) for p in rewordings) / len(rewordings)  # type: ignore[arg-type]
     trap_rate = sum(accepted(p, **default) for p in traps) / len(traps)  # type: ignore[arg-type]
-    print(f"held-out pairs ({HELDOUT.name}, sha256 {hashlib.sha256(HELDOUT.read_bytes()).hexdigest()[:16]}): {len(pairs)}")
+    print(f"pairs ({path.name}, sha256 {hashlib.sha256(path.read_bytes()).hexdigest()[:16]}): {len(pairs)}")
     print("served by kind: " + ", ".join(f"{k} {n}/{total} ({n / total:.0%})" for k, (n, total) in served.items()))
     print(f"rewordings served {reword_rate:.1%} (target >= 60%), traps served {trap_rate:.1%} (target <= 2%)")
+    if show:
+        for p in pairs:
+            if accepted(p, **default) != p.hit:  # type: ignore[arg-type]
+                print(f"  {'missed' if p.hit else 'SERVED'} {p.kind:<10} {p.cosine:.3f} guard={p.guard}  {p.a!r} / {p.b!r}")
     return 0
 
 

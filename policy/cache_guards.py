@@ -19,129 +19,19 @@ from difflib import SequenceMatcher
 from itertools import pairwise
 from types import MappingProxyType
 
-# -- word classes: closed classes of English, not words fitted to any labelled pair -------------
-
-_NUMBER_WORDS = {
-    "zero": "0", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7", "eight": "8", "nine": "9",
-    "ten": "10", "eleven": "11", "twelve": "12", "thirteen": "13", "fourteen": "14", "fifteen": "15", "sixteen": "16",
-    "seventeen": "17", "eighteen": "18", "nineteen": "19", "twenty": "20", "thirty": "30", "forty": "40", "fifty": "50",
-    "sixty": "60", "seventy": "70", "eighty": "80", "ninety": "90", "hundred": "100", "thousand": "1000",
-    "million": "1000000", "billion": "1000000000", "trillion": "1000000000000", "dozen": "12", "half": "1/2",
-    "quarter": "1/4", "double": "x2", "twice": "x2", "triple": "x3", "thrice": "x3",
-    "second": "2nd", "third": "3rd", "fourth": "4th", "fifth": "5th", "sixth": "6th", "seventh": "7th", "eighth": "8th",
-    "ninth": "9th", "tenth": "10th",
-}  # not "one", "first", "last": as often "a", a pronoun or an adverb as a number
-_DATE_WORDS = {
-    "january", "february", "march", "april", "june", "july", "august", "september", "october", "november", "december",
-    "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec",
-    "monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday", "weekend", "weekday",
-    "today", "tomorrow", "yesterday", "tonight", "morning", "afternoon", "evening", "night", "noon", "midnight",
-    "summer", "autumn", "winter",
-    "century", "decade", "ago", "previous", "upcoming",
-}  # not "may", "fall", "spring", "second": common words first
-_NEGATORS = {
-    "not", "no", "never", "without", "none", "nobody", "nothing", "neither", "nor", "nowhere", "cannot", "non",
-    "lack", "lacking", "except", "excluding", "unable", "fail", "fails", "failed", "instead", "avoid", "prevent",
-    "dont", "doesnt", "didnt", "isnt", "arent", "wasnt", "werent", "wont", "wouldnt", "shouldnt", "couldnt", "cant",
-    "hasnt", "havent", "hadnt", "mustnt",
-}
-_NEGATING_PREFIXES = ("non", "un", "in", "im", "ir", "il", "dis", "anti", "de", "mis")
-# Who or how much a question is about: one side having one the other lacks asks about another scope.
-_QUANTIFIERS = {
-    "all", "every", "each", "some", "most", "least", "only", "both", "either", "few", "fewer", "more", "less",
-    "several", "always", "entire", "whole", "partial", "partly", "best", "worst", "better", "worse", "max", "min",
-    "maximum", "minimum",
-}
-_SAME_QUANTIFIER = {"every": "all", "each": "all", "entire": "whole"}
-# Opposites in everyday questions. A pair is flagged when one side has one word and the other its
-# opposite, wherever they stand (a reworded question keeps its side of each pair).
-_OPPOSITES = """
-good/bad good/evil better/worse best/worst right/wrong correct/wrong correct/incorrect true/false real/fake
-positive/negative pros/cons advantages/disadvantages benefits/risks benefits/drawbacks benefits/dangers
-strengths/weaknesses safe/dangerous safe/unsafe safe/risky healthy/unhealthy healthy/sick healthy/harmful well/ill
-legal/illegal valid/invalid possible/impossible likely/unlikely able/unable known/unknown visible/invisible
-hot/cold warm/cool warm/cold wet/dry damp/dry moist/dry light/dark bright/dark bright/dim light/heavy
-hard/soft hard/easy difficult/easy simple/complicated simple/complex rough/smooth sharp/blunt sharp/dull
-big/small large/small little/big long/short tall/short high/low wide/narrow broad/narrow thick/thin deep/shallow
-fat/thin fat/lean full/empty full/hungry dense/sparse loose/tight tighten/loosen fast/slow quick/slow rapid/slow
-early/late new/old young/old modern/ancient fresh/stale fresh/old ripe/unripe raw/cooked fresh/frozen
-rich/poor wealthy/poor expensive/cheap costly/cheap free/paid strong/weak powerful/weak loud/quiet noisy/quiet
-clean/dirty neat/messy open/closed open/close open/shut start/stop start/finish start/end begin/end beginning/end
-first/last before/after past/future above/below over/under up/down upstairs/downstairs in/out inside/outside
-internal/external interior/exterior inner/outer on/off front/back top/bottom upper/lower left/right forward/backward
-ahead/behind near/far close/far north/south east/west horizontal/vertical even/odd singular/plural
-increase/decrease increase/reduce raise/lower rise/fall rise/drop grow/shrink expand/shrink expand/contract
-gain/lose gain/loss win/lose victory/defeat profit/loss more/less more/fewer most/least max/min maximum/minimum
-many/few plus/minus add/remove add/subtract multiply/divide add/delete include/exclude include/omit combine/separate
-join/separate join/leave attach/detach connect/disconnect buy/sell buying/selling import/export send/receive
-give/take lend/borrow spend/save save/waste save/delete deposit/withdraw credit/debit asset/liability
-upload/download push/pull install/uninstall enable/disable lock/unlock encrypt/decrypt encode/decode
-compress/decompress compress/extract zip/unzip mount/unmount follow/unfollow subscribe/unsubscribe login/logout
-accept/reject accept/decline accept/refuse allow/deny allow/block allow/forbid allowed/forbidden permit/forbid
-show/hide reveal/conceal remember/forget find/lose found/lost keep/lose keep/discard obey/disobey
-lead/follow teach/learn hire/fire employ/fire punish/reward praise/blame praise/criticize help/hurt heal/hurt
-attack/defend offense/defense war/peace friend/enemy hero/villain love/hate like/hate like/dislike agree/disagree
-happy/sad glad/sorry laugh/cry joy/sorrow hope/fear calm/anxious confident/nervous polite/rude kind/cruel
-generous/selfish honest/dishonest patient/impatient brave/cowardly wise/foolish smart/stupid clever/stupid
-guilty/innocent success/failure succeed/fail pass/fail hit/miss always/never often/rarely often/seldom
-frequent/rare common/rare usual/unusual normal/unusual normal/abnormal typical/unusual same/different
-similar/different equal/unequal all/none all/some some/none everyone/nobody everything/nothing
-arrive/depart arrive/leave arrival/departure enter/exit entrance/exit come/go stay/leave float/sink
-input/output inbound/outbound incoming/outgoing ascending/descending asc/desc male/female men/women man/woman
-boys/girls boy/girl kid/adult kids/adults husband/wife father/mother son/daughter brother/sister king/queen adult/child
-adults/children parent/child senior/junior single/married day/night sunrise/sunset morning/evening morning/night
-summer/winter spring/autumn birth/death born/died live/die alive/dead asleep/awake sleep/wake sunny/cloudy
-public/private local/remote online/offline client/server frontend/backend read/write reading/writing
-problem/solution cause/effect causes/effects present/absent wild/tame wild/domestic
-permanent/temporary natural/artificial organic/synthetic sweet/sour sweet/salty sweet/bitter acidic/alkaline
-freeze/thaw melt/freeze inhale/exhale maximize/minimize overestimate/underestimate overweight/underweight
-upstream/downstream upgrade/downgrade uppercase/lowercase major/minor majority/minority rural/urban
-domestic/international domestic/foreign superior/inferior optimistic/pessimistic mature/immature
-vacant/occupied busy/free valuable/worthless build/destroy create/destroy break/fix
-"""
-_STOP = set("""
-a an the is are was were be been being am do does did doing done have has had having i me my mine myself you your
-yours yourself we us our ours they them their theirs it its itself he him his she her hers this that these those
-there here what whats which who whom whose how why when where whether if so as at by of in on to for from with about
-into onto than then too also very just really actually exactly simply basically please can could would should will
-shall may might must tell explain describe define show give let know want need like get gets got getting go goes
-make makes making made take takes took way ways method methods thing things something anything anyone someone
-somebody one ones any kind sort tips tip idea ideas and or but between im ive id youre theyre weve thats theres whos
-s d ll re ve m t
-""".split())
-_TIME_UNITS = {"second", "minute", "hour", "day", "night", "week", "month", "year"}
-_PERIODIC = {"hourly": "hour", "daily": "day", "nightly": "night", "weekly": "week", "monthly": "month", "yearly": "year",
-             "annual": "year", "annually": "year"}
-_SCAFFOLD_BEFORE = {"way", "ways", "method", "methods", "approach", "option", "options", "practice", "practices"}
-_TECH = {
-    "python", "java", "javascript", "typescript", "rust", "go", "golang", "ruby", "php", "perl", "swift", "kotlin",
-    "scala", "haskell", "elixir", "erlang", "clojure", "lua", "julia", "matlab", "r", "c", "sql", "bash", "zsh",
-    "powershell", "html", "css", "react", "vue", "angular", "svelte", "django", "flask", "fastapi", "rails", "spring",
-    "node", "deno", "linux", "windows", "macos", "mac", "ios", "android", "ubuntu", "debian", "docker", "kubernetes",
-    "postgres", "postgresql", "mysql", "sqlite", "mongodb", "redis", "git", "aws", "azure", "gcp", "excel", "numpy",
-    "pandas", "pytorch", "tensorflow", "chrome", "firefox", "safari", "iphone", "ipad",
-}
-# Words that give a direction: "dollars to euros" is not "euros to dollars" ("and", "or", "vs" do not).
-_CONNECTORS = {"to", "from", "into", "over", "than", "before", "after", "against"}
-_UNITS = {
-    "cm": "centimeter", "mm": "millimeter", "km": "kilometer", "m": "meter", "kg": "kilogram", "g": "gram",
-    "mg": "milligram", "lb": "pound", "lbs": "pound", "oz": "ounce", "ft": "foot", "feet": "foot", "in": "inch",
-    "mi": "mile", "l": "liter", "ml": "milliliter", "litre": "liter", "metre": "meter", "kph": "kilometer",
-    "mph": "mile", "hr": "hour", "hrs": "hour", "min": "minute", "mins": "minute", "sec": "second", "secs": "second",
-    "gb": "gigabyte", "mb": "megabyte", "kb": "kilobyte", "tb": "terabyte", "js": "javascript", "ts": "typescript",
-    "py": "python", "db": "database", "us": "usa", "uk": "britain", "pc": "computer", "tv": "television",
-}
-_UNITS_BESIDE_NUMBERS = {"in", "us", "min", "sec", "second", "m", "g", "l", "mi", "db", "ts", "py"}  # common words elsewhere
-_VOWELS = set("aeiouy")
-_KEYBOARD = ["qwertyuiop", "asdfghjkl", "zxcvbnm"]
+from policy.cache_words import (
+    CONNECTORS, COURTESY, DATE_WORDS, ENDING_VERBS, KEYBOARD, MEASURES, NEGATING_PREFIXES, NEGATORS, NUMBER_WORDS,
+    OPPOSITE_PREFIXES, OPPOSITES, PERIODIC, QUANTIFIERS, RELATIVE_TIME, SAME_QUANTIFIER, SCAFFOLD_BEFORE, STOP, TECH, TIME_RELATION_WORDS,
+    TIME_RELATIONS, TIME_SPANS, TIME_UNITS, UNITS, UNITS_BESIDE_NUMBERS, VOWELS,
+)
 
 
 def _keyboard_neighbours() -> dict[str, set[str]]:
     near: dict[str, set[str]] = {}
-    for r, row in enumerate(_KEYBOARD):
+    for r, row in enumerate(KEYBOARD):
         for c, ch in enumerate(row):
             cells = [(r, c - 1), (r, c + 1), (r - 1, c), (r - 1, c + 1), (r + 1, c - 1), (r + 1, c)]
-            near[ch] = {_KEYBOARD[i][j] for i, j in cells if 0 <= i < 3 and 0 <= j < len(_KEYBOARD[i])}
+            near[ch] = {KEYBOARD[i][j] for i, j in cells if 0 <= i < 3 and 0 <= j < len(KEYBOARD[i])}
     return near
 
 
@@ -186,6 +76,7 @@ NO_LEXICON = Lexicon()
 # -- words ---------------------------------------------------------------------------------------
 
 _TOKEN = re.compile(r"\$?\d+(?:[.,:/]\d+)*(?:st|nd|rd|th|s|%)?|[^\W\d_](?:[\w+#']|\.(?=\w))*[+#]*", re.UNICODE)
+_PERCENT = re.compile(r"(?i)(\d)\s*(?:per ?cent|pct)\b")  # "10 percent" is "10%"
 _CONTRACTION = re.compile(r"(?i)\b(can|won|shan|ai)'?t\b|n't\b|'(re|ve|ll|d|m|s)\b")
 
 
@@ -203,6 +94,7 @@ def _expand(text: str) -> str:
             return {"can": "can not", "won": "will not", "shan": "shall not", "ai": "is not"}[m.group(1).lower()]
         return " not" if m.group(0).lower() == "n't" else " "
     text = unicodedata.normalize("NFKC", text).replace("’", "'").replace("‘", "'")
+    text = _PERCENT.sub(r"\1%", re.sub(COURTESY, " ", text, flags=re.IGNORECASE))
     return _CONTRACTION.sub(repl, text)
 
 
@@ -218,7 +110,7 @@ def _stem(word: str) -> str:
     return word.rstrip("e") if len(word) > 3 else word
 
 
-_OPPOSITE = {**{_stem(w): {_stem(o) for o in os} for w, os in _pairs(_OPPOSITES).items()}, **_pairs(_OPPOSITES)}
+_OPPOSITE = {**{_stem(w): {_stem(o) for o in os} for w, os in _pairs(OPPOSITES).items()}, **_pairs(OPPOSITES)}
 
 
 def words(text: str) -> list[Word]:
@@ -235,18 +127,20 @@ def words(text: str) -> list[Word]:
             if not plain:
                 continue
             beside_number = i > 0 and tokens[i - 1][:1].isdigit()
-            if plain in _UNITS and (beside_number or plain not in _UNITS_BESIDE_NUMBERS):
-                plain = _UNITS[plain]
-            plain = _NUMBER_WORDS.get(plain, plain)
+            if plain in UNITS and (beside_number or plain not in UNITS_BESIDE_NUMBERS):
+                plain = UNITS[plain]
+            plain = NUMBER_WORDS.get(plain, plain)
+            if plain in ("am", "pm", "a.m", "p.m") and beside_number:
+                plain = plain[0] + ".m."  # a time of day, not "I am"
             name = (not start and part[:1].isupper() and plain != "i") or (len(part) > 1 and part.isupper()) \
-                or plain in _TECH or any(c in part for c in "+#") or ("." in part and part[:1].isalpha())
+                or plain in TECH or any(c in part for c in "+#") or ("." in part and part[:1].isalpha())
             found.append(Word(plain, _stem(plain) if plain.isalpha() else plain, name, found[-1].plain if found else ""))
             start = False
     return found
 
 
 def _is_number(word: str) -> bool:
-    return word[:1].isdigit() or word in set(_NUMBER_WORDS.values())
+    return word[:1].isdigit() or word in set(NUMBER_WORDS.values())
 
 
 def _typo(a: str, b: str) -> bool:
@@ -260,7 +154,7 @@ def _typo(a: str, b: str) -> bool:
             return True
         if len(diff) == 1:
             x, y = a[diff[0]], b[diff[0]]
-            return (x in _VOWELS and y in _VOWELS) or y in _NEAR_KEYS.get(x, set())
+            return (x in VOWELS and y in VOWELS) or y in _NEAR_KEYS.get(x, set())
         return False
     short, long_ = (a, b) if len(a) < len(b) else (b, a)
     if len(long_) != len(short) + 1:
@@ -268,7 +162,7 @@ def _typo(a: str, b: str) -> bool:
     for i, ch in enumerate(long_):
         if long_[:i] + long_[i + 1:] == short:
             beside = {long_[i - 1] if i > 0 else "", long_[i + 1] if i + 1 < len(long_) else ""}
-            return ch in _VOWELS or ch in beside or bool(_NEAR_KEYS.get(ch, set()) & beside)
+            return ch in VOWELS or ch in beside or bool(_NEAR_KEYS.get(ch, set()) & beside)
     return False
 
 
@@ -314,16 +208,16 @@ def _unscaffolded(ws: list[Word]) -> list[Word]:
     out = []
     for i, w in enumerate(ws):
         after = ws[i + 1].plain if i + 1 < len(ws) else ""
-        if w.plain in ("best", "better") and after in _SCAFFOLD_BEFORE:
+        if w.plain in ("best", "better") and after in SCAFFOLD_BEFORE:
             continue
-        if w.plain in ("each", "every", "per", "a") and after in _TIME_UNITS:
+        if w.plain in ("each", "every", "per", "a") and after in TIME_UNITS:
             continue
-        out.append(Word(_PERIODIC[w.plain], _PERIODIC[w.plain], False) if w.plain in _PERIODIC else w)
+        out.append(Word(PERIODIC[w.plain], PERIODIC[w.plain], False) if w.plain in PERIODIC else w)
     return out
 
 
 def _content(ws: list[Word]) -> list[Word]:
-    return [w for w in ws if not (w.plain in _STOP or (len(w.plain) == 1 and w.plain.isalpha() and not w.name))]
+    return [w for w in ws if not (w.plain in STOP or (len(w.plain) == 1 and w.plain.isalpha() and not w.name))]
 
 
 _IRREGULAR = _pairs("man/men woman/women child/children person/people foot/feet tooth/teeth mouse/mice goose/geese "
@@ -375,16 +269,16 @@ def _unmatched(ws: list[Word], other: list[Word], lexicon: Lexicon) -> list[Word
 
 
 def _canonical(word: str) -> str:
-    return _SAME_QUANTIFIER.get(word, word)
+    return SAME_QUANTIFIER.get(word, word)
 
 
 def _ordered(ws: list[Word]) -> set[tuple[str, str, str]]:
     """(word, connector, word) around each connector: "dollars to euros" is not "euros to dollars"."""
     out = set()
     for i, w in enumerate(ws):
-        if w.plain in _CONNECTORS:
-            before = next((v.stem for v in reversed(ws[:i]) if v.plain not in _STOP), None)
-            after = next((v.stem for v in ws[i + 1:] if v.plain not in _STOP), None)
+        if w.plain in CONNECTORS:
+            before = next((v.stem for v in reversed(ws[:i]) if v.plain not in STOP), None)
+            after = next((v.stem for v in ws[i + 1:] if v.plain not in STOP), None)
             if before and after:
                 out.add((before, w.plain, after))
     return out
@@ -401,9 +295,10 @@ def _pure_swap(ca: list[Word], cb: list[Word], unmatched: list[Word], lexicon: L
     swapped = sum(max(i2 - i1, j2 - j1) for _, i1, i2, j1, j2 in ops)
     if swapped > 2 or len(a) - swapped < 1:
         return False
-    words = [w for _, i1, i2, j1, j2 in ops for w in ca[i1:i2] + cb[j1:j2]]
-    if not {id(w) for w in words} <= {id(w) for w in unmatched}:
+    loose = {id(w) for w in unmatched}
+    if not all(any(id(w) in loose for w in ca[i1:i2]) and any(id(w) in loose for w in cb[j1:j2]) for _, i1, i2, j1, j2 in ops):
         return False  # "Wi-Fi" / "wifi": the same words, written apart
+    words = [w for _, i1, i2, j1, j2 in ops for w in ca[i1:i2] + cb[j1:j2]]
     return not all(w.after in _VERB_SLOT for w in words)  # "can I lower" / "can I reduce": a verb said otherwise
 
 
@@ -415,16 +310,18 @@ def _key(w: Word, other: list[Word], lexicon: Lexicon) -> str:
 def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Comparison:
     wa, wb = _unscaffolded(words(cached)), _unscaffolded(words(asked))
     ca, cb = _content(wa), _content(wb)
-    # Negators are counted, not matched: "not" twice is not "not" once.
-    if sum(w.plain in _NEGATORS for w in wa) != sum(w.plain in _NEGATORS for w in wb):
+    if _negations(wa) != _negations(wb):
         return Comparison("negation")
     stems_a, stems_b = {w.stem for w in wa} | {w.plain for w in wa}, {w.stem for w in wb} | {w.plain for w in wb}
     for x, y in ((stems_a, stems_b), (stems_b, stems_a)):
         for word in x - y:
-            for prefix in _NEGATING_PREFIXES:
+            for prefix in NEGATING_PREFIXES:
                 rest = word[len(prefix):].lstrip("-")
                 if word.startswith(prefix) and len(rest) >= 4 and rest in y and rest not in x:
                     return Comparison("negation")  # safe / unsafe, magnetic / non-magnetic
+            for prefix, other in OPPOSITE_PREFIXES:
+                if word.startswith(prefix) and len(word) - len(prefix) >= 3 and other + word[len(prefix):] in y:
+                    return Comparison("opposite")  # underpay / overpay
     for count_a, count_b in ((Counter(w.plain for w in wa), Counter(w.plain for w in wb)),
                              (Counter(w.stem for w in wa), Counter(w.stem for w in wb))):
         for word in count_a.keys() | count_b.keys():
@@ -433,11 +330,16 @@ def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Compariso
                     return Comparison("opposite")
     if {_canonical(w.plain) for w in wa if _is_number(w.plain)} != {_canonical(w.plain) for w in wb if _is_number(w.plain)}:
         return Comparison("number")
+    if _measures_differ(wa, wb):
+        return Comparison("number")
     unmatched_a, unmatched_b = _unmatched(ca, cb, lexicon), _unmatched(cb, ca, lexicon)
-    if any(w.plain in _DATE_WORDS for w in unmatched_a + unmatched_b):
+    if any(w.plain in DATE_WORDS for w in unmatched_a + unmatched_b) or _times(wa) != _times(wb):
         return Comparison("date")
-    quant_a = {_canonical(w.plain) for w in wa if w.plain in _QUANTIFIERS}
-    quant_b = {_canonical(w.plain) for w in wb if w.plain in _QUANTIFIERS}
+    for ws, added, other in ((wa, unmatched_a, wb), (wb, unmatched_b, wa)):
+        if _time_relation(ws, added) and not any(w.plain in TIME_RELATION_WORDS for w in other):
+            return Comparison("date")  # "on Thanksgiving" / "the day after Thanksgiving"
+    quant_a = {_canonical(w.plain) for w in wa if w.plain in QUANTIFIERS}
+    quant_b = {_canonical(w.plain) for w in wb if w.plain in QUANTIFIERS}
     if quant_a != quant_b or sum(_superlative(w.plain, lexicon) for w in wa) != sum(_superlative(w.plain, lexicon) for w in wb):
         return Comparison("scope")
     if any(w.name for w in unmatched_a + unmatched_b):
@@ -455,7 +357,69 @@ def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Compariso
         return Comparison("swap")
     if (not unmatched_a and _narrowed(wb, unmatched_b)) or (not unmatched_b and _narrowed(wa, unmatched_a)):
         return Comparison("scope")  # the same question for a narrower group or place: "... in cats", "... as a freelancer"
+    if (not unmatched_a and _qualified(wb, unmatched_b, ca, lexicon)) or (not unmatched_b and _qualified(wa, unmatched_a, cb, lexicon)):
+        return Comparison("scope")  # a kind of the same thing: "patients" / "diabetic patients", "a" / "the admin password"
     return Comparison(None, tuple(sorted({w.plain for w in unmatched_a + unmatched_b})))
+
+
+def _qualified(ws: list[Word], added: list[Word], other: list[Word], lexicon: Lexicon) -> bool:
+    """A word the other side lacks, written right before a content word both sides have: a modifier
+    that narrows the thing asked about ("patients" / "diabetic patients"). Not an adverb (-ly: how,
+    not what) nor a word the lexicon does not know (a slip)."""
+    new = {id(w) for w in added}
+    return any(id(w) in new and id(v) not in new and v.plain not in STOP and _matches(v, other, lexicon)
+               and lexicon.knows(w.plain) and not w.plain.endswith(_NOT_MODIFIERS) and w.stem not in _QUESTION_NOUNS
+               for w, v in pairwise(ws))
+
+
+_NOT_MODIFIERS = ("ly", "s", "ed")  # an adverb, or a verb's form: "the symbol represents iron", "an order placed online"
+_QUESTION_NOUNS = {"reason", "caus", "way", "step", "process", "procedur", "method", "mean", "purpos", "syntax", "command",
+                   "formula", "differenc", "vs", "versus", "using", "via"}  # how a question asks, not what about
+
+
+def _negations(ws: list[Word]) -> int:
+    """Negators are counted, not matched: "not" twice is not "not" once."""
+    return sum(w.plain in NEGATORS for w in ws) + sum(w.plain in ENDING_VERBS and v.plain.endswith("ing") for w, v in pairwise(ws))
+
+
+def _measures_differ(wa: list[Word], wb: list[Word]) -> bool:
+    """Other units when both sides name some (miles / kilometers), or a number's unit changed
+    ("72 degrees Fahrenheit in Celsius" / "72 degrees Celsius in Fahrenheit")."""
+    ma, mb = Counter(filter(None, map(_measure, wa))), Counter(filter(None, map(_measure, wb)))
+    if ma and mb and ma != mb:
+        return True
+
+    def units(ws: list[Word]) -> dict[str, str]:
+        return {w.plain: next((m for v in ws[i + 1: i + 4] if (m := _measure(v))), "") for i, w in enumerate(ws) if _is_number(w.plain)}
+
+    ua, ub = units(wa), units(wb)
+    return any(ua[n] and ub.get(n) and ua[n] != ub[n] for n in ua)
+
+
+def _measure(w: Word) -> str:
+    """The unit a word names, typed right or one slip off ("centmieters")."""
+    forms = (w.plain, w.plain[:-1], w.plain[:-2])
+    found = next((m for m in forms if m in MEASURES), "")
+    if found or len(w.plain) < 6 or not w.plain.isalpha():
+        return found
+    return next((m for m in MEASURES for f in forms[:2] if len(m) >= 5 and _typo(f, m)), "")
+
+
+def _time_relation(ws: list[Word], added: list[Word]) -> bool:
+    """An added before / after / until tied to a time, a date, a number or a name ("the day after
+    Thanksgiving", "after 30 days"); "after opening" says when as the other side does."""
+    new = {id(w) for w in added}
+    for i, w in enumerate(ws):
+        if w.plain in TIME_RELATIONS and id(w) in new:
+            near = [v for v in ws[max(0, i - 2): i] + ws[i + 1: i + 3] if v.plain not in STOP]
+            if any(v.stem in TIME_SPANS or v.plain in TIME_SPANS or v.plain in DATE_WORDS or _is_number(v.plain) or v.name for v in near):
+                return True
+    return False
+
+
+def _times(ws: list[Word]) -> set[tuple[str, str]]:
+    """Relative times: ("last", "year") for "last year"."""
+    return {(w.plain, v.stem) for w, v in pairwise(ws) if w.plain in RELATIVE_TIME and (v.stem in TIME_SPANS or v.plain in TIME_SPANS)}
 
 
 _PREPOSITIONS = {"for", "in", "on", "at", "as", "among", "during", "with", "within", "near", "across", "inside", "outside",
@@ -467,7 +431,7 @@ def _narrowed(ws: list[Word], added: list[Word]) -> bool:
     new = {id(w) for w in added}
     for i, w in enumerate(ws):
         if w.plain in _PREPOSITIONS:
-            rest = [v for v in ws[i + 1: i + 4] if v.plain not in _STOP]
+            rest = [v for v in ws[i + 1: i + 4] if v.plain not in STOP]
             if rest and id(rest[0]) in new:
                 return True
     return False
@@ -496,4 +460,4 @@ def _superlative(word: str, lexicon: Lexicon) -> bool:
         return False
     base = word[:-3]
     candidates = {base, base + "e", base[:-1] if len(base) > 2 and base[-1] == base[-2] else base, base[:-1] + "y" if base.endswith("i") else base}
-    return any(c in lexicon.ranks and c not in _STOP and len(c) >= 3 for c in candidates)
+    return any(c in lexicon.ranks and c not in STOP and len(c) >= 3 for c in candidates)

@@ -45,6 +45,12 @@ class Bucket:
     def give(self, amount: float) -> Bucket:
         return replace(self, level=min(self.capacity, self.level + amount))
 
+    def until_full(self) -> float:
+        """Seconds until the bucket is back to its capacity (OpenAI's "reset")."""
+        if self.level >= self.capacity:
+            return 0.0
+        return (self.capacity - self.level) / self.per_second if self.per_second > 0 else math.inf
+
 
 @dataclass(frozen=True)
 class LimitRule:
@@ -61,6 +67,19 @@ class Limited:
     what: str  # "requests" or "tokens"
     limit_per_minute: int
     retry_after_s: int
+
+
+@dataclass(frozen=True)
+class LimitState:
+    """One bucket as a caller may see it: its per-minute limit, what remains now, and the seconds
+    until it is full again."""
+
+    level: str
+    name: str
+    what: str  # "requests" or "tokens"
+    limit_per_minute: int
+    remaining: float
+    reset_s: float
 
 
 def rule_for(rules: tuple[LimitRule, ...], level: str, name: str) -> LimitRule | None:
@@ -122,6 +141,20 @@ class RateLimiter:
                 bucket = self._buckets.get(key)
                 if bucket is not None:
                     self._buckets[key] = bucket.refilled(now).give(amount)
+
+    def states(self, principal: Principal, now: float) -> tuple[LimitState, ...]:
+        """Every bucket that applies to this principal, as of `now`; a bucket never charged is full."""
+        out = []
+        for level, name in principal_names(principal):
+            rule = rule_for(self.rules, level, name)
+            if rule is None:
+                continue
+            for what, per_minute in (("requests", rule.requests_per_minute), ("tokens", rule.tokens_per_minute)):
+                if per_minute is None:
+                    continue
+                bucket = (self._buckets.get((level, name, what)) or Bucket.full(per_minute, per_minute, now)).refilled(now)
+                out.append(LimitState(level, name, what, per_minute, bucket.level, bucket.until_full()))
+        return tuple(out)
 
     def level_of(self, level: str, name: str, what: str, now: float) -> float | None:
         bucket = self._buckets.get((level, name, what))

@@ -113,6 +113,22 @@ def test_normalising_ignores_case_space_and_final_punctuation() -> None:
     ("How do I convert dollars to euros?", "How do I convert euros to dollars?", "scope"),
     ("Is whole milk healthier than skim milk?", "Is skim milk healthier than whole milk?", "scope"),
     ("When was the Eiffel Tower built?", "Where was the Eiffel Tower built?", "question"),
+    # which time, which unit, and negations said as a verb or a conjunction (tests/data/cache_pairs_tune2.jsonl)
+    ("Is the support desk staffed at 8 am?", "Is the support desk staffed at 8 pm?", "date"),
+    ("How many vacation days did I use this year?", "How many vacation days did I use last year?", "date"),
+    ("Is the office open on Thanksgiving Day?", "Is the office open on the day after Thanksgiving?", "date"),
+    ("How long does it take to drive 100 miles at 60 mph?", "How long does it take to drive 100 kilometers at 60 mph?", "number"),
+    ("What is 72 degrees Fahrenheit in Celsius?", "What is 72 degrees Celsius in Fahrenheit?", "number"),
+    ("How do I show hidden files in Finder?", "How do I stop showing hidden files in Finder?", "negation"),
+    ("Can my manager read my messages if I use private channels?", "Can my manager read my messages unless I use private channels?",
+     "negation"),
+    ("What leave is offered to birth mothers?", "What leave is offered to adoptive parents?", "swap"),
+    # a modifier on one side narrows the thing (tests/data/cache_pairs_tune3.jsonl), and opposites by prefix
+    ("How much water should a pregnant woman drink daily?", "How much water should a woman drink daily?", "scope"),
+    ("How do I export data from Salesforce?", "How do I export contact data from Salesforce?", "scope"),
+    ("What happens if I underpay my quarterly taxes?", "What happens if I overpay my quarterly taxes?", "opposite"),
+    ("How do I deny an access request?", "How do I grant an access request?", "opposite"),
+    ("What should I do if my dog hardly eats?", "What should I do if my dog eats?", "negation"),
 ])
 def test_near_misses_are_caught(a: str, b: str, reason: str) -> None:
     assert compare(a, b, LEXICON).guard == reason
@@ -132,6 +148,12 @@ def test_near_misses_are_caught(a: str, b: str, reason: str) -> None:
     ("Why do leaves change colour in autumn?", "Why do leaves change color in autumn?", ()),
     ("How many litres of water should I drink each day?", "How many litres of water should I drink daily?", ()),
     ("What is compound interest?", "Can you explain how compound interest works?", ("works",)),
+    ("Does the store offer a 10 percent discount?", "Does the store offer a 10% discount?", ()),
+    ("Thanks in advance, how do I map a network drive?", "How do I map a network drive?", ()),
+    ("How do I get rid of hiccups?", "What's a good way to stop hiccups?", ("good", "rid", "stop")),
+    ("Can I get a refund after 30 days?", "Is a refund still possible once 30 days have passed?", ("after", "once", "passed", "possible", "still")),
+    ("How many teaspoons are in a tablespoon?", "tablespoon = how many teaspoons?", ()),
+    ("How do I make a cup of pour-over coffee?", "Walk me through brewing pour-over coffee.", ("brewing", "cup", "through", "walk")),
 ])
 def test_rewordings_pass_the_guards(a: str, b: str, differs: tuple[str, ...]) -> None:
     assert compare(a, b, LEXICON) == Comparison(None, differs)
@@ -210,3 +232,20 @@ def test_the_labelled_set_at_the_default_threshold() -> None:
     assert cache_quality.by_kind(report, **rule)["typo"] >= 0.9
     # without the guards the same threshold serves near-misses
     assert cache_quality.rates(report, threshold=CacheSettings().similarity_threshold, guards=False)[1] > 0.3
+
+
+@pytest.mark.parametrize(("name", "most_traps"), [("tune2", 0.02), ("tune3", 0.06)])
+def test_the_later_tuning_sets_at_the_defaults(name: str, most_traps: float) -> None:
+    """tests/data/cache_pairs_{tune2,tune3}.jsonl (300 and 240 pairs written apart from the guards,
+    then tuned on): measured traps served 0/150 and 5/120 (4.2%), rewordings 64% and 67%; asserted
+    with margins."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import cache_quality
+
+    pairs = cache_quality.load_pairs(Path(__file__).resolve().parent / "data" / f"cache_pairs_{name}.jsonl")
+    cache_quality.embed_pairs(pairs, augment=False)
+    policy = CachePolicy()
+    rule = {"threshold": policy.similarity_threshold, "guards": True, "relief": policy.same_words_relief}
+    recall, false_hits = cache_quality.rates(pairs, **rule)
+    assert false_hits <= most_traps, false_hits
+    assert recall >= 0.62, recall

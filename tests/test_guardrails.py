@@ -98,6 +98,6 @@ def test_an_unsure_input_goes_to_the_judge_which_is_charged_and_traced(tmp_path:
             assert time.monotonic() < deadline, found.text
             time.sleep(0.1)
         attributes = judged[0]["attributes"]
-        assert 0.0 <= attributes["probability"] <= 1.0 and attributes["cost.nanousd"] == cost
+        assert 0.0 <= attributes["appliance.probability"] <= 1.0 and attributes["appliance.cost.nanousd"] == cost
     finally:
         stop_server(server)

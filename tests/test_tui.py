@@ -65,7 +65,7 @@ async def test_overview_budgets_and_traces_show_real_data(served: Server) -> Non
         await settle(pilot, app, lambda: table.row_count >= 2)
         table.focus()
         await pilot.press("enter")
-        await settle(pilot, app, lambda: "chat.completions" in text_of(app, "#trace-timeline"))
+        await settle(pilot, app, lambda: f"chat {CHAT_MODEL}" in text_of(app, "#trace-timeline"))
         assert "engine.generate" in text_of(app, "#trace-timeline") or "cache.lookup" in text_of(app, "#trace-timeline")
 
 
@@ -131,9 +131,12 @@ def test_views_are_plain_functions() -> None:
     tree = views.budget_tree({"budgets": [{"level": "tenant", "name": "acme", "limit_usd": 5, "spent_usd": 1, "held_usd": 0, "period": "day"}],
                               "reservations": []})
     assert tree.children[0].children[0].label == "acme" and "$1.00 of $5.00 per day" in tree.children[0].children[0].detail
-    rows = views.trace_rows({"traces": [{"trace_id": "t", "name": "chat.completions", "duration_ms": 5, "error": True,
-                                         "attributes": {"tenant": "acme", "model": "m"}}]}, "ok")
+    rows = views.trace_rows({"traces": [{"trace_id": "t", "name": "chat m", "duration_ms": 5, "error": True,
+                                         "attributes": {"appliance.tenant": "acme", "appliance.model": "m"}}]}, "ok")
     assert rows == []
+    rows = views.trace_rows({"traces": [{"trace_id": "t", "name": "chat m", "duration_ms": 5, "error": False,
+                                         "attributes": {"appliance.tenant": "acme", "appliance.model": "m", "appliance.cache.result": "miss"}}]}, "ok", "acme")
+    assert rows == [("t", "chat m", "acme", "m", "miss", "5 ms", "ok")]
     models = {"models": [{"alias": "m", "slots": [{"slot": 0, "state": "decode", "tokens": 300}, {"slot": 1, "state": "idle", "tokens": 100},
                                                   {"slot": 2, "state": "waiting", "tokens": 0}], "kv_used_tokens": 400, "kv_capacity_tokens": 1000}]}
     assert views.slot_lines(models) == ["m                        slots D·W              KV 40% of 1000 tokens"]
@@ -277,7 +280,7 @@ async def test_each_screen_gives_its_table_the_keys(served: Server) -> None:
         table = app.query_one("#trace-table", DataTable)
         await settle(pilot, app, lambda: table.row_count >= 2)
         await pilot.press("enter")
-        await settle(pilot, app, lambda: "chat.completions" in text_of(app, "#trace-timeline"))
+        await settle(pilot, app, lambda: f"chat {CHAT_MODEL}" in text_of(app, "#trace-timeline"))
         await pilot.click("#--content-tab-keys")  # a tab chosen with the mouse, too
         await pilot.pause()
         assert app.tab == "keys" and app.focused is app.query_one("#key-table")

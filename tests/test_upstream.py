@@ -193,13 +193,13 @@ def test_the_upstreams_usage_is_what_the_caller_pays_and_the_trace_names_the_ups
     while True:
         found = httpx.get(f"{gateway.base_url}/admin/traces/{trace_id}", timeout=10)
         engine = [c for c in found.json()["spans"][0]["children"] if c["name"] == "engine.generate"] if found.status_code == 200 else []
-        if engine and "upstream.name" in engine[0]["attributes"]:
+        if engine and "appliance.upstream.name" in engine[0]["attributes"]:
             break
         assert time.monotonic() < deadline, found.text
         time.sleep(0.1)
     attributes = engine[0]["attributes"]
-    assert attributes["upstream.name"] == server.base_url.split("://")[1] and attributes["upstream.attempts"] == 1
-    assert attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert attributes["appliance.upstream.name"] == server.base_url.split("://")[1] and attributes["appliance.upstream.attempts"] == 1
+    assert attributes["appliance.completion_tokens"] == usage["completion_tokens"]
 
 
 def test_logprobs_and_json_schema_pass_through(gateway: Server) -> None:
@@ -362,3 +362,19 @@ def test_completions_and_unknown_shapes_are_refused_clearly(gateway: Server) -> 
     assert response.status_code == 400 and "chat/completions only" in response.json()["error"]["message"]
     listed = {m["id"] for m in httpx.get(f"{gateway.base_url}/v1/models", timeout=10).json()["data"]}
     assert {"via-appliance", "via-llama", "pair"} <= listed
+
+
+def test_the_responses_api_through_an_upstream_and_a_stream_cut_midway(gateway: Server, proxies: dict[str, FaultProxy]) -> None:
+    client = gateway.client()
+    whole = client.responses.create(model="via-appliance", input="Name a colour.", max_output_tokens=8, temperature=0, store=False)
+    assert whole.output_text and whole.usage is not None and 1 <= whole.usage.output_tokens <= 8
+    proxies["cut"].set(kind="cut", events=3)
+    events = list(client.responses.create(model="cutting", input="Name a colour.", max_output_tokens=32, temperature=0,
+                                          stream=True, store=False))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert "response.output_text.delta" in types and types[-2:] == ["error", "response.failed"]
+    assert events[-2].code == "upstream_stream_broken"  # type: ignore[union-attr]
+    failed = events[-1].response  # type: ignore[union-attr]
+    assert failed.status == "failed" and failed.error is not None and failed.output[0].status == "incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))

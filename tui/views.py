@@ -192,10 +192,10 @@ def trace_rows(traces: dict[str, Any], status: str = "all", text: str = "") -> l
         attributes = t["attributes"]
         if status == "error" and not t["error"] or status == "ok" and t["error"]:
             continue
-        tenant, model = str(attributes.get("tenant", "")), str(attributes.get("model", ""))
+        tenant, model = str(attributes.get("appliance.tenant", "")), str(attributes.get("appliance.model", ""))
         if text and text.lower() not in f"{tenant} {model}".lower():
             continue
-        rows.append((t["trace_id"], t["name"], tenant, model, str(attributes.get("cache.result", "")),
+        rows.append((t["trace_id"], t["name"], tenant, model, str(attributes.get("appliance.cache.result", "")),
                      f"{t['duration_ms']:.0f} ms", "error" if t["error"] else "ok"))
     return rows
 

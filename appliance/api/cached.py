@@ -1,20 +1,19 @@
 """The semantic cache at the API: whether a chat request reads or writes the cache
 (`Cache-Control: no-cache` skips the lookup, `no-store` the storing), and a hit served as a
-response in OpenAI's shape, whole or as SSE chunks, marked `x-cache: hit`."""
+response in the request's wire format, whole or streamed, marked `x-cache: hit`."""
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from litestar import Response
-from litestar.response import Stream
 
-from appliance.api import render
+from appliance.api.call import WireFor, known_answer
 from appliance.api.schemas import ChatCompletionRequest
 from appliance.api.translate import Prepared, chat_messages
 from appliance.registry import LoadedModel
@@ -143,13 +142,8 @@ def route_cache_plan(header: str | None, services: Services, principal: Principa
     return _plan(services, directives, principal, body, route.alias, ";".join(versions), settings, temperature)
 
 
-def _pieces(text: str) -> list[str]:
-    """A stored answer streamed in word-sized chunks, as a model would have."""
-    return re.findall(r"\s*\S+\s*|\s+", text) or [text]
-
-
 async def serve_hit(services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, found: Lookup,
-                    stream: bool, stream_options: Any) -> Response[Any]:
+                    stream: bool, wire_for: WireFor) -> Response[Any]:
     """A hit still passes the rate limits and the budget, at the hit's own cost (the judge's tokens,
     if it was asked), and is logged and counted."""
     entry = found.entry
@@ -164,20 +158,4 @@ async def serve_hit(services: Services, principal: Principal, model: LoadedModel
                          0.0, time.time() - started)
     services.record(prepared, model, "chat", started, finish, "cache_hit", principal, cost_nanos=price_of(model).cost(judge_prompt, judge_completion))
     headers = {"x-cache": "hit", "x-cache-similarity": f"{found.similarity:.4f}", "x-cache-state": entry.state}
-    fmt = render.Formatter("chat", prepared, model.settings.alias, int(started))
-    if not stream:
-        return Response(fmt.full(entry.answer, [], finish), media_type="application/json", headers=headers)
-    include_usage = bool(stream_options and stream_options.include_usage)
-    return Stream(replay(fmt, entry.answer, finish, include_usage), media_type="text/event-stream",
-                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-
-
-async def replay(fmt: render.Formatter, text: str, finish: FinishEvent, include_usage: bool) -> AsyncIterator[bytes]:
-    """A known answer as the SSE stream a model would have sent."""
-    yield render.sse(fmt.first_chunk(include_usage))
-    for piece in _pieces(text):
-        yield render.sse(fmt.delta_chunk(piece, None, include_usage))
-    yield render.sse(fmt.finish_chunk(finish, include_usage))
-    if include_usage:
-        yield render.sse(fmt.usage_chunk(finish))
-    yield b"data: [DONE]\n\n"
+    return known_answer(wire_for(prepared, model.settings.alias, int(started)), entry.answer, [], finish, stream, headers)

@@ -8,6 +8,7 @@ import msgspec
 from litestar import Request
 
 from appliance.api.errors import from_validation, invalid
+from appliance.api.headers import remember_principal
 from appliance.services import Services
 from policy.identity import Principal
 
@@ -56,4 +57,6 @@ def depth(value: Any, limit: int) -> int:
 
 async def authenticate(request: Request[Any, Any, Any], services: Services) -> Principal:
     client = request.client.host if request.client else None
-    return await services.gate.authenticate(request.headers.get("authorization"), client, request.url.path)
+    principal = await services.gate.authenticate(request.headers.get("authorization"), client, request.url.path)
+    remember_principal(request.scope, principal)  # the response's rate-limit headers are this caller's
+    return principal

@@ -65,7 +65,10 @@ def error_response(error: APIError) -> Response[bytes]:
 
 def handle_api_error(request: Request, exc: APIError) -> Response[bytes]:
     # Operators see every refusal, not only the failures: one line, never the request's content.
-    log.info("%s %s -> %d %s: %s", request.method, request.url.path, exc.status, exc.code or exc.type, exc.message[:200])
+    from appliance.api.headers import request_id_of  # headers imports the gate, which imports this module
+
+    log.info("%s %s -> %d %s: %s (request %s)", request.method, request.url.path, exc.status, exc.code or exc.type, exc.message[:200],
+             request_id_of(request.scope))
     return error_response(exc)
 
 
@@ -108,8 +111,11 @@ def envelope_when_cut(app: Any) -> Any:
                 raise
             error = APIError(503, "The server is shutting down; retry the request.", type="server_error", code=SHUTTING_DOWN,
                              retry_after_s=SHUTDOWN_RETRY_AFTER_S)
+            from appliance.api.headers import request_id_of
+
             await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode()), (b"connection", b"close")]})
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode()),
+                                    (b"x-request-id", request_id_of(scope).encode()), (b"connection", b"close")]})
             await send({"type": "http.response.body", "body": msgspec.json.encode(error.body())})
 
     return wrapped

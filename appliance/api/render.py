@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from appliance.api.choices import Collected
+from appliance.api.errors import APIError
 from appliance.api.translate import Prepared
 from appliance.registry import LoadedModel
 from engines.base import FinishEvent, TokenLogprob
 
 FINGERPRINT = "appliance-0.1"
 _encoder = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -100,21 +104,18 @@ class Formatter:
         out["usage"] = _usage(finish)
         return out
 
-    def full(self, text: str, logprobs: list[TokenLogprob], finish: FinishEvent) -> bytes:
-        return self.full_choices([(text, logprobs, finish)], finish)
-
-    def full_choices(self, choices: list[tuple[str, list[TokenLogprob], FinishEvent]], total: FinishEvent) -> bytes:
+    def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
         """The whole response: choice i from choices[i]; usage from `total` (all choices together)."""
         out = []
-        for index, (text, logprobs, finish) in enumerate(choices):
+        for index, c in enumerate(choices):
             if self.kind == "chat":
-                lp = {"content": [_chat_logprob(x) for x in logprobs]} if self.wants_logprobs else None
-                out.append({"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                            "logprobs": lp, "finish_reason": _finish_reason(finish)})
+                lp = {"content": [_chat_logprob(x) for x in c.logprobs]} if self.wants_logprobs else None
+                out.append({"index": index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                            "logprobs": lp, "finish_reason": _finish_reason(c.finish)})
             else:
                 prefix = self.prepared.prompt_text if self.prepared.echo else ""
-                lp = _completion_logprobs(logprobs, len(prefix)) if self.wants_logprobs else None
-                out.append({"index": index, "text": prefix + text, "logprobs": lp, "finish_reason": _finish_reason(finish)})
+                lp = _completion_logprobs(c.logprobs, len(prefix)) if self.wants_logprobs else None
+                out.append({"index": index, "text": prefix + c.text, "logprobs": lp, "finish_reason": _finish_reason(c.finish)})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return _encoder.encode({"id": self.id, "object": obj, "created": self.created, "model": self.model,
                                 "system_fingerprint": FINGERPRINT, "choices": out, "usage": _usage(total)})
@@ -142,3 +143,36 @@ def embedding_list(vectors: list[list[float]], model: str, prompt_tokens: int, e
     data = [{"object": "embedding", "index": i, "embedding": _encode_vector(v, encoding)} for i, v in enumerate(vectors)]
     return _encoder.encode({"object": "list", "data": data, "model": model,
                             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
+
+
+class ChatWire:
+    """The call's Wire for chat and legacy completions: chunks naming their choice's index, then
+    the usage chunk (when asked for: once, for every choice) and `[DONE]`."""
+
+    def __init__(self, fmt: Formatter, include_usage: bool) -> None:
+        self.fmt, self.include_usage = fmt, include_usage
+
+    def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
+        return self.fmt.full(choices, total)
+
+    def opening(self, choices: int) -> list[bytes]:
+        return [sse(self.fmt.first_chunk(self.include_usage, index)) for index in range(choices)]
+
+    def delta(self, index: int, text: str, logprob: TokenLogprob | None) -> list[bytes]:
+        return [sse(self.fmt.delta_chunk(text, logprob, self.include_usage, index))]
+
+    def closing(self, index: int, finish: FinishEvent) -> list[bytes]:
+        return [sse(self.fmt.finish_chunk(finish, self.include_usage, index))]
+
+    def ending(self, total: FinishEvent) -> list[bytes]:
+        return [sse(self.fmt.usage_chunk(total)), DONE] if self.include_usage else [DONE]
+
+    def failed(self, error: APIError, total: FinishEvent) -> list[bytes]:
+        # The error in the envelope, the usage it was charged, [DONE].
+        return [sse(error.body()), *self.ending(total)]
+
+
+def chat_wire(kind: str, stream_options: Any = None) -> Callable[[Prepared, str, int], ChatWire]:
+    """The wire factory for a chat (or completion) request with these stream options."""
+    include_usage = bool(stream_options and stream_options.include_usage)
+    return lambda prepared, model, created: ChatWire(Formatter(kind, prepared, model, created), include_usage)

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 from litestar import Request, Response
-from litestar.response import Stream
 
-from appliance.api import render
-from appliance.api.cached import CachePlan, replay, route_cache_plan, serve_hit
+from appliance.api import call
+from appliance.api.cached import CachePlan, route_cache_plan, serve_hit
+from appliance.api.call import WireFor, known_answer
 from appliance.api.errors import APIError
 from appliance.api.schemas import ChatCompletionRequest
 from appliance.api.translate import Prepared, chat_messages, prepare_chat
@@ -59,7 +59,7 @@ async def classify_with_llm(services: Services, route: RouteSettings, principal:
     # spell an answer in more tokens than its tokenizer would (a fixed 8 cut '{"tier": "f' off), but
     # never in more tokens than the answer has characters.
     room = max(len(f'{{"tier": "{n}"}}') for n in names) + 1
-    with traced.child("route.classifier", model=model.settings.alias, gen_ai__request__model=model.settings.alias) as span:
+    with traced.child("route.classifier", model=model.settings.alias) as span:
         admission = await services.gate.admit(principal, f"{request_id}.route", model.settings.alias, price_of(model), len(tokens), room)
         text, completion = "", 0
         try:
@@ -77,7 +77,7 @@ async def classify_with_llm(services: Services, route: RouteSettings, principal:
             return None
         bounded = max(heuristic - 1, min(heuristic + 1, chosen))
         annotate(span, chosen=names[chosen], bounded=names[bounded] if bounded < len(names) else str(bounded),
-                 gen_ai__usage__input_tokens=len(tokens), gen_ai__usage__output_tokens=completion)
+                 prompt_tokens=len(tokens), completion_tokens=completion)
         return bounded
 
 
@@ -122,7 +122,7 @@ def _role_bounds(route: RouteSettings, role: str) -> tuple[int | None, int | Non
 
 
 async def routed_chat(request: Request[Any, Any, Any], services: Services, principal: Principal, body: ChatCompletionRequest,
-                      route: RouteSettings, request_id: str, traced: RequestTrace) -> Response[Any]:
+                      route: RouteSettings, request_id: str, traced: RequestTrace, wire_for: WireFor) -> Response[Any]:
     started = time.time()
     plan = route_cache_plan(request.headers.get("cache-control"), services, principal, body, route)
     if plan.read and plan.item is not None:
@@ -135,7 +135,8 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
             assert first is not None
             prepared = prepare_chat(body, first, services.settings.defaults, request_id)
             traced.annotate(cache__result="hit", route__model="cache")
-            response = await serve_hit(services, principal, first, prepared, found, body.stream, body.stream_options)
+            response = await serve_hit(services, principal, first, prepared, found, body.stream, wire_for)
+            traced.answered(request_id, first.settings.alias, [found.entry.finish_reason])
             response.headers["x-route"] = route.alias
             return response
         plan = dataclasses.replace(plan, lookup=found)
@@ -188,13 +189,13 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
         if outcome[0] == "ok":
             _, prepared, text, logprobs, finish = outcome
             services.metrics.route_answers.labels(route.alias, alias).inc()
-            traced.annotate(route__model=alias, route__tier=index, route__attempts=len(attempts),
-                            gen_ai__response__model=alias, gen_ai__usage__output_tokens=finish.usage.completion_tokens)
+            traced.annotate(route__model=alias, route__tier=index, route__attempts=len(attempts))
+            traced.answered(request_id, alias, [finish.reason], finish.usage.prompt_tokens, finish.usage.completion_tokens)
             as_answered = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, id=request_id))
             remember = plan.remember(services, model, as_answered, traced)
             if remember is not None:
                 remember(text, finish)
-            return _respond(prepared, model.settings.alias, text, logprobs, finish, body, request_id, started,
+            return _respond(prepared, model.settings.alias, text, logprobs, finish, body, request_id, started, wire_for,
                             {"x-route": route.alias, "x-route-model": alias, "x-route-tier": str(index),
                              "x-route-attempts": json.dumps(attempts), "x-route-cost-nanousd": str(sum(spent)), **cache_headers})
     if attempts and all(a["outcome"] == "context too small" for a in attempts):
@@ -207,7 +208,8 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     assert model is not None
     prepared = prepare_chat(body, model, services.settings.defaults, request_id)
     finish = FinishEvent("stop", Usage(prepared.request.prompt_length, 0))
-    return _respond(prepared, route.alias, route.default_response, [], finish, body, request_id, started,
+    traced.answered(request_id, route.alias, ["stop"], prepared.request.prompt_length, 0)
+    return _respond(prepared, route.alias, route.default_response, [], finish, body, request_id, started, wire_for,
                     {"x-route": route.alias, "x-route-default": "true", "x-route-attempts": json.dumps(attempts),
                      "x-route-cost-nanousd": str(sum(spent))})
 
@@ -217,8 +219,6 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
                    schema: dict | None, wants_json: bool, spent: list[int]) -> tuple:
     """One tier: reserve, generate (with log-probabilities when confidence is checked), settle,
     validate. Returns ("ok", prepared, text, logprobs, finish) or (why it failed,)."""
-    from appliance.api.openai_routes import _admit_and_start, _collect, _until_disconnect, account
-
     try:
         prepared = prepare_chat(body, model, services.settings.defaults, attempt_id)
     except APIError as exc:
@@ -229,11 +229,9 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
     if route.min_confidence > 0 and not prepared.request.sampling.logprobs:
         sampling = dataclasses.replace(prepared.request.sampling, logprobs=True)
         engine_view = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, sampling=sampling))
-    with traced.child("route.attempt", gen_ai__request__model=model.settings.alias, route__tier=index, attempt__id=attempt_id) as span:
+    with traced.child("route.attempt", model=model.settings.alias, route__tier=index, attempt__id=attempt_id) as span:
         try:
-            admission, events, engine_view = await _admit_and_start(services, principal, model, engine_view, traced, span)
-            prompt_len = engine_view.request.prompt_length
-            admission.progress = lambda: (prompt_len, events.tokens_pushed)
+            attempt = await call.start(services, principal, model, engine_view, "chat", traced, span)
         except APIError as exc:
             if exc.code == "context_length_exceeded":
                 annotate(span, outcome="context too small")
@@ -243,10 +241,9 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
                 annotate(span, outcome=f"unavailable: {exc.message[:80]}")
                 return (f"unavailable ({exc.code})",)
             raise  # a budget or rate-limit refusal is the caller's answer, not a reason to escalate
-        started = time.time()
         finish: FinishEvent | None = None
         try:
-            collected = await asyncio.wait_for(_until_disconnect(request, _collect(events)), route.attempt_timeout_s)
+            (collected,) = await asyncio.wait_for(attempt.collect(request), route.attempt_timeout_s)  # a route's n is 1 (flow.py)
             finish = collected.finish
         except TimeoutError:
             # Too slow: the stream is closed (the engine drops the request), the model cools down.
@@ -254,7 +251,7 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
             annotate(span, outcome="timeout")
             return ("timeout",)
         finally:
-            prompt_tokens, completion_tokens, _ = account(services, admission, engine_view, "chat", model, started, finish, traced)
+            prompt_tokens, completion_tokens, _ = attempt.settle(finish)
             cost = price_of(model).cost(prompt_tokens, completion_tokens)
             spent.append(cost)  # a timed-out attempt paid too
         if finish.reason == "error" and (finish.error_status or 500) >= 500:
@@ -275,12 +272,6 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
 
 
 def _respond(prepared: Prepared, model_name: str, text: str, logprobs: list[Any], finish: FinishEvent, body: ChatCompletionRequest,
-             request_id: str, started: float, headers: dict[str, str]) -> Response[Any]:
+             request_id: str, started: float, wire_for: WireFor, headers: dict[str, str]) -> Response[Any]:
     view = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, id=request_id))
-    fmt = render.Formatter("chat", view, model_name, int(started))
-    if not body.stream:
-        return Response(fmt.full(text, logprobs, finish), media_type="application/json", headers=headers)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Stream(replay(fmt, text, finish, include_usage), media_type="text/event-stream",
-                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-
+    return known_answer(wire_for(view, model_name, int(started)), text, logprobs, finish, body.stream, headers)

@@ -96,3 +96,52 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+
+
+class ResponsesTextFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponsesText(msgspec.Struct, kw_only=True):
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None  # a hint; it does not change what this server generates
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/responses. Input items stay loose here: responses_translate.py checks each and
+    names the item at fault."""
+
+    model: str
+    input: str | list[Any]
+    instructions: str | None = None
+    text: ResponsesText | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    stream: bool = False
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    truncation: Literal["auto", "disabled"] | None = None
+    # Echoed, and without effect on the answer here.
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    frequency_penalty: float | None = None  # applied as for chat (each in [-2, 2]), and echoed
+    presence_penalty: float | None = None
+    # Refused when set (responses_translate._check): each would change the answer.
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    reasoning: Any = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    max_tool_calls: int | None = None

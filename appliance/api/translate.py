@@ -30,6 +30,7 @@ class Prepared:
     prompt_text: str
     echo: bool = False  # completions: the prompt text leads the completion text
     messages: tuple[dict[str, str], ...] = ()  # a chat request's turns, as the template saw them
+    choices: int = 1  # `n`: completions of this prompt, one engine request each (choices.py)
 
     @property
     def replay(self) -> str:
@@ -181,7 +182,7 @@ def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defa
     max_tokens = _max_tokens(requested, param, len(tokens), model, defaults)
     sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, _grammar(body.response_format))
     return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), prompt_text,
-                    messages=tuple(messages))
+                    messages=tuple(messages), choices=body.n)
 
 
 def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
@@ -210,7 +211,7 @@ def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defa
     sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, None)
     request = GenerationRequest(request_id, (), max_tokens, sampling, _stops(body.stop), messages=messages,
                                 response_format=response_format, estimated_prompt_tokens=estimate)
-    return Prepared(request, json.dumps([{"role": r, "content": c} for r, c in messages]))
+    return Prepared(request, json.dumps([{"role": r, "content": c} for r, c in messages]), choices=body.n)
 
 
 def prepare_completion(body: CompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
@@ -241,4 +242,5 @@ def prepare_completion(body: CompletionRequest, model: LoadedModel, defaults: De
     max_tokens = _max_tokens(body.max_tokens, "max_tokens", len(tokens), model, defaults)
     top = body.logprobs or 0
     sampling = _sampling(body, defaults, body.logprobs is not None, top, None)
-    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), text, echo=body.echo)
+    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), text, echo=body.echo,
+                    choices=body.n)

@@ -88,6 +88,12 @@ def _create_spans(db: apsw.Connection) -> None:
     create_tables(db)
 
 
+def _spans_remote_parent(db: apsw.Connection) -> None:
+    from appliance.store.traces import add_remote_parent
+
+    add_remote_parent(db)
+
+
 def _create_eval_runs(db: apsw.Connection) -> None:
     from appliance.evaluate import create_tables
 
@@ -98,6 +104,12 @@ def _create_eval_answers(db: apsw.Connection) -> None:
     from appliance.evaluate import create_answer_table
 
     create_answer_table(db)
+
+
+def _create_responses(db: apsw.Connection) -> None:
+    from appliance.store.responses import create_tables
+
+    create_tables(db)
 
 
 def _create_eval_questions(db: apsw.Connection) -> None:
@@ -116,6 +128,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0007_eval_runs", _create_eval_runs),
     ("0008_eval_answers", _create_eval_answers),
     ("0009_eval_questions", _create_eval_questions),
+    ("0010_spans_remote_parent", _spans_remote_parent),
+    ("0011_responses", _create_responses),
 )
 
 

@@ -1,6 +1,10 @@
 """Spans kept in SQLite, so every call's trace can be read back (`/admin/traces`) without an
 external collector. An OpenTelemetry exporter: the BatchSpanProcessor calls it from its own
-thread, which owns this module's connection."""
+thread, which owns this module's connection.
+
+A request that joined its caller's trace (`traceparent`) has a parent this server never sees: it
+is stored as `remote_parent_id`, and the span counts as a root here (`parent_id` NULL), so
+listing and tree-building stay within what this server recorded."""
 
 from __future__ import annotations
 
@@ -40,6 +44,10 @@ def create_tables(db: apsw.Connection) -> None:
     )
 
 
+def add_remote_parent(db: apsw.Connection) -> None:
+    db.execute("ALTER TABLE spans ADD COLUMN remote_parent_id TEXT")
+
+
 def _value(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
@@ -58,14 +66,17 @@ class SqliteSpanExporter(SpanExporter):
             for span in spans:
                 context = span.get_span_context()
                 parent = span.parent
+                parent_id = format(parent.span_id, "016x") if parent is not None else None
+                remote = parent is not None and parent.is_remote
                 rows.append((
                     format(context.span_id, "016x"), format(context.trace_id, "032x"),
-                    format(parent.span_id, "016x") if parent is not None else None, span.name,
+                    None if remote else parent_id, parent_id if remote else None, span.name,
                     span.start_time or 0, span.end_time or 0, int(not span.status.is_ok),
                     json.dumps({k: _value(v) for k, v in (span.attributes or {}).items()}),
                 ))
             with immediate(self._db):
-                self._db.executemany("INSERT OR REPLACE INTO spans VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+                self._db.executemany("INSERT OR REPLACE INTO spans (span_id, trace_id, parent_id, remote_parent_id, name, start_ns, end_ns, "
+                                     "error, attributes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
             self._exports += 1
             if self._exports % 50 == 1:
                 self._prune()
@@ -93,23 +104,23 @@ class SqliteSpanExporter(SpanExporter):
 
 
 def recent_traces(db: apsw.Connection, limit: int, name: str | None = None) -> list[dict[str, Any]]:
-    sql = "SELECT trace_id, span_id, name, start_ns, end_ns, error, attributes FROM spans WHERE parent_id IS NULL"
+    sql = "SELECT trace_id, span_id, remote_parent_id, name, start_ns, end_ns, error, attributes FROM spans WHERE parent_id IS NULL"
     params: list[Any] = []
     if name:
         sql += " AND name = ?"
         params.append(name)
     rows = db.execute(sql + " ORDER BY start_ns DESC LIMIT ?", (*params, limit))
-    return [{"trace_id": t, "span_id": s, "name": n, "start_ns": a, "duration_ms": (b - a) / 1e6, "error": bool(e),
-             "attributes": json.loads(attrs)} for t, s, n, a, b, e, attrs in rows]
+    return [{"trace_id": t, "span_id": s, "remote_parent_id": r, "name": n, "start_ns": a, "duration_ms": (b - a) / 1e6, "error": bool(e),
+             "attributes": json.loads(attrs)} for t, s, r, n, a, b, e, attrs in rows]
 
 
 def trace_tree(db: apsw.Connection, trace_id: str) -> dict[str, Any] | None:
-    rows = db.execute("SELECT span_id, parent_id, name, start_ns, end_ns, error, attributes FROM spans WHERE trace_id = ? ORDER BY start_ns",
-                      (trace_id,)).fetchall()
+    rows = db.execute("SELECT span_id, parent_id, remote_parent_id, name, start_ns, end_ns, error, attributes FROM spans "
+                      "WHERE trace_id = ? ORDER BY start_ns", (trace_id,)).fetchall()
     if not rows:
         return None
-    nodes = {sid: {"span_id": sid, "name": n, "start_ns": a, "duration_ms": (b - a) / 1e6, "error": bool(e),
-                   "attributes": json.loads(attrs), "children": []} for sid, _, n, a, b, e, attrs in rows}
+    nodes = {sid: {"span_id": sid, "remote_parent_id": r, "name": n, "start_ns": a, "duration_ms": (b - a) / 1e6, "error": bool(e),
+                   "attributes": json.loads(attrs), "children": []} for sid, _, r, n, a, b, e, attrs in rows}
     roots = []
     for sid, parent, *_ in rows:
         (nodes[parent]["children"] if parent in nodes else roots).append(nodes[sid])

@@ -1,0 +1,335 @@
+"""One model call, whatever wire format asked for it: admit (rate limits), reserve the budget and
+start the engine, run to the end or stream, settle what was used, record and trace it.
+
+Chat completions, completions, the Responses API and each routed attempt go through here; how
+an answer looks on the wire is a `Wire`'s business (render.py for chat and completions,
+responses_render.py for the Responses API). A call answers with the `n` choices its request asked
+for (choices.py): one engine request each, one reservation and one settlement for them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from litestar import Request, Response
+from litestar.response import Stream
+from opentelemetry.trace import Span
+
+from appliance.api.choices import ChoiceStreams, Collected, choice_request, total_finish
+from appliance.api.errors import APIError, invalid
+from appliance.api.translate import Prepared
+from appliance.gate import Admission
+from appliance.registry import LoadedModel
+from appliance.services import Services, price_of
+from appliance.tracing import RequestTrace, annotate
+from engines.base import (
+    ContextLengthExceeded,
+    EngineClosed,
+    EngineError,
+    EngineOverloaded,
+    FinishEvent,
+    GenerationRequest,
+    TokenEvent,
+    TokenLogprob,
+    UnknownAdapter,
+    UpstreamUnavailable,
+)
+from engines.stream import EventStream
+from policy.identity import Principal
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Wire(Protocol):
+    """One answer in one wire format: whole, or as the stream's pieces (each a list of SSE frames).
+    An answer has one choice or several (`n`); a streamed piece names its choice by index, and
+    `total` is the whole answer's finish (usage counting the prompt once)."""
+
+    def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes: ...
+    def opening(self, choices: int) -> list[bytes]: ...
+    def delta(self, index: int, text: str, logprob: TokenLogprob | None) -> list[bytes]: ...
+    def closing(self, index: int, finish: FinishEvent) -> list[bytes]: ...  # choice `index` ended
+    def ending(self, total: FinishEvent) -> list[bytes]: ...  # every choice has ended
+    def failed(self, error: APIError, total: FinishEvent) -> list[bytes]: ...
+
+
+# The wire for an answer: (the request as answered, the model name to show, created at).
+WireFor = Callable[[Prepared, str, int], Wire]
+Remember = Callable[[str, FinishEvent], None]
+
+
+def failure_error(finish: FinishEvent) -> APIError:
+    """The API error for a generation that ended in an error: an upstream's names its status."""
+    if finish.error_status is None:
+        return APIError(500, f"The model failed while generating: {finish.error}", type="server_error")
+    kind = "invalid_request_error" if finish.error_status < 500 else "server_error"
+    return APIError(finish.error_status, finish.error or "The upstream failed.", type=kind, code=finish.error_code,
+                    retry_after_s=finish.retry_after_s)
+
+
+def _engine_start(model: LoadedModel, request: GenerationRequest) -> EventStream:
+    try:
+        return model.engine.generate(request)
+    except ContextLengthExceeded as exc:
+        raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
+    except EngineOverloaded as exc:
+        raise APIError(503, f"The server is overloaded: {exc}. Retry shortly.", type="server_error", code="overloaded", retry_after_s=exc.retry_after_s) from None
+    except EngineClosed as exc:
+        raise APIError(503, str(exc), type="server_error", code="unavailable", retry_after_s=5) from None
+    except UnknownAdapter as exc:
+        raise APIError(404, str(exc), param="model", code="model_not_found") from None
+    except UpstreamUnavailable as exc:
+        raise APIError(503, str(exc), type="server_error", code="upstream_unavailable", retry_after_s=exc.retry_after_s) from None
+    except EngineError as exc:
+        raise invalid(str(exc)) from None
+
+
+async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+    """Runs `work`, cancelling it if the client goes away first (which frees its slot)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()  # our caller gave up (a timeout): the work, and the generation it reads, stop too
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise APIError(499, "The client closed the request.", code="client_closed")
+    return task.result()
+
+
+@dataclass
+class Call:
+    """A generation admitted, reserved and running; `settle` (or `finish`) closes its books once."""
+
+    services: Services
+    model: LoadedModel
+    prepared: Prepared  # as the engine runs it: max_tokens lowered when the budget covers less
+    kind: str  # the request log's endpoint: chat, completion
+    admission: Admission
+    events: ChoiceStreams  # one per choice
+    traced: RequestTrace
+    started: float
+
+    async def collect(self, request: Request[Any, Any, Any]) -> list[Collected]:
+        """Reads every choice to its end (cancelled if the client goes first)."""
+        return await until_disconnect(request, self.events.collect())
+
+    def total(self, ended: Mapping[int, FinishEvent]) -> FinishEvent | None:
+        """The whole call's finish, given the choices that have ended (choices.total_finish)."""
+        return total_finish(ended, len(self.events), self.events.tokens_pushed)
+
+    def settle(self, finish: FinishEvent | None) -> tuple[int, int, str]:
+        """Settle and record the generation, however it ended, and note it on its engine span: a
+        finish event carries the engine's usage; without one (a client gone, a timeout) the
+        request pays for the tokens generated so far. Returns (prompt, completion, outcome)."""
+        services, admission, traced = self.services, self.admission, self.traced
+        if finish is not None:
+            prompt, completion, outcome = finish.usage.prompt_tokens, finish.usage.completion_tokens, finish.reason
+            services.record(self.prepared, self.model, self.kind, self.started, finish, None, admission.principal)
+        else:
+            prompt, completion = admission.progress() if admission.progress else (0, 0)
+            outcome = "cancelled"
+            services.record(self.prepared, self.model, self.kind, self.started, None, "cancelled", admission.principal, completion)
+        services.gate.settle(admission, prompt, completion, outcome)
+        with traced.child("budget.settle", outcome=outcome, prompt_tokens=prompt, completion_tokens=completion, reserved=admission.reserved):
+            pass  # the write itself is queued to the store thread; this marks what was settled, and when
+        if traced.engine is not None:
+            annotate(traced.engine, prompt_tokens=prompt, completion_tokens=completion, finish_reason=outcome,
+                     cached_prompt_tokens=finish.usage.cached_prompt_tokens if finish else None,
+                     time_to_first_token_s=finish.time_to_first_token_s if finish else None)
+            if finish is not None and finish.upstream is not None:
+                annotate(traced.engine, upstream__name=finish.upstream, upstream__attempts=finish.upstream_attempts)
+        return prompt, completion, outcome
+
+    def finish(self, ended: Mapping[int, FinishEvent]) -> FinishEvent | None:
+        """Settle, and end the request's trace: this call was the whole request. `ended`: the
+        choices that reached their finish event, by index. Returns the whole call's finish."""
+        total = self.total(ended)
+        prompt, completion, outcome = self.settle(total)
+        # Why each choice ended; one cut short by another's failure or a client gone was cancelled.
+        reasons = [ended[i].reason if i in ended else "cancelled" for i in range(len(self.events))]
+        self.traced.answered(self.prepared.request.id, self.model.settings.alias, reasons, prompt, completion)
+        self.traced.end(cost__nanousd=price_of(self.model).cost(prompt, completion) if self.admission.reserved else None)
+        return total
+
+
+async def start(services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, kind: str,
+                traced: RequestTrace, attempt: Span | None = None) -> Call:
+    """Rate limits, then the engine and the budget reservation together: the prompt's prefill
+    overlaps the ledger's write, and no token is read before the reservation stands. A refusal
+    cancels the queued generation; a lowered max_tokens restarts it (the slot keeps the prompt's KV).
+    Every choice is reserved for (max_tokens each) and started at once."""
+    gate = services.gate
+    pending = gate.begin(principal, prepared.request.id, model.settings.alias, price_of(model),
+                         prepared.request.prompt_length, prepared.request.max_tokens, prepared.choices)
+    try:
+        events = _engine_starts(model, prepared)
+    except BaseException:
+        gate.abandon(pending)
+        raise
+    traced.start_engine(attempt, model=model.settings.alias, prompt_tokens=prepared.request.prompt_length,
+                        max_tokens=prepared.request.max_tokens, choices=prepared.choices if prepared.choices != 1 else None,
+                        adapters=",".join(f"{name}:{scale:g}" for name, scale in prepared.request.adapters) or None)
+    try:
+        with traced.child("budget.reserve") as span:
+            admission = await gate.admitted(pending)
+            annotate(span, reserved=admission.reserved, max_tokens=admission.max_tokens)
+    except BaseException:
+        events.close()
+        raise
+    if admission.max_tokens != prepared.request.max_tokens:
+        events.close()
+        prepared = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, max_tokens=admission.max_tokens))
+        try:
+            events = _engine_starts(model, prepared)
+        except BaseException:
+            gate.settle(admission, 0, 0, "refused")
+            raise
+    prompt_len = prepared.request.prompt_length
+    admission.progress = lambda: (prompt_len, events.tokens_pushed)
+    return Call(services, model, prepared, kind, admission, events, traced, time.time())
+
+
+def _engine_starts(model: LoadedModel, prepared: Prepared) -> ChoiceStreams:
+    """One engine request per choice, all or none: a refused one cancels those queued before it."""
+    streams: list[EventStream] = []
+    try:
+        for index in range(prepared.choices):
+            streams.append(_engine_start(model, choice_request(prepared.request, index)))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return ChoiceStreams(streams)
+
+
+async def respond(request: Request[Any, Any, Any], services: Services, principal: Principal, model: LoadedModel, prepared: Prepared,
+                  stream: bool, kind: str, wire_for: WireFor, traced: RequestTrace, headers: dict[str, str] | None = None,
+                  remember_for: Callable[[Prepared], Remember | None] | None = None) -> Response[Any]:
+    """The whole request is one model call: run it and answer in the wire's format, whole or
+    streamed. `remember_for` gives what to do with a finished answer (the semantic cache's store)."""
+    created = int(time.time())
+    asked = prepared.request.max_tokens
+    call = await start(services, principal, model, prepared, kind, traced)
+    headers = dict(headers or {})
+    if call.admission.max_tokens != asked:
+        # The budget could not cover the asked max_tokens; the response says what it allowed.
+        headers["x-budget-max-tokens"] = str(call.admission.max_tokens)
+    wire = wire_for(call.prepared, model.settings.alias, created)
+    # The cache keeps one answer to a question: n > 1 bypasses it (policy/cache.py), so only one choice is remembered.
+    remember = remember_for(call.prepared) if remember_for is not None and call.prepared.choices == 1 else None
+    if stream:
+        if model.engine.takes_messages:
+            await _first_event_or_error(request, call)
+        return Stream(_sse(call, wire, remember), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    collected: list[Collected] = []
+    try:
+        collected = await call.collect(request)
+        if remember is not None:
+            remember(collected[0].text, collected[0].finish)
+    finally:
+        total = call.finish(dict(enumerate(c.finish for c in collected)))
+    assert total is not None
+    if total.reason == "error":
+        raise failure_error(total)
+    return Response(wire.full(collected, total), media_type="application/json", headers=headers)
+
+
+async def _first_event_or_error(request: Request[Any, Any, Any], call: Call) -> None:
+    """For an upstream, the stream's headers wait for its first event: a refusal or an outage
+    before any token is then an HTTP error with the upstream's status, not a 200 with an error
+    inside (retries happen in that wait too)."""
+    try:
+        index, first = await until_disconnect(request, call.events.peek())
+    except BaseException:
+        call.events.close()
+        call.finish({})
+        raise
+    if isinstance(first, FinishEvent) and first.reason == "error":
+        call.events.close()
+        call.finish({index: first})
+        raise failure_error(first)
+
+
+async def _sse(call: Call, wire: Wire, remember: Remember | None) -> AsyncIterator[bytes]:
+    """The choices' events as they come, each piece naming its choice; the answer ends when every
+    choice has, or at the first failure (which stops the others)."""
+    ended: dict[int, FinishEvent] = {}
+    text: list[str] = []  # what `remember` keeps: only ever one choice
+    events = call.events
+    try:
+        for frame in wire.opening(len(events)):
+            yield frame
+        async for index, event in events.events():
+            if remember is not None:
+                text.append(event.text)
+            if isinstance(event, TokenEvent):
+                if event.text or event.logprob is not None:
+                    for frame in wire.delta(index, event.text, event.logprob):
+                        yield frame
+                continue
+            ended[index] = event
+            if event.reason == "error":
+                events.close()  # the other choices stop too, charged for what they made
+                total = call.total(ended)
+                assert total is not None
+                # Ended as a client can parse: the error in the wire's form, then its close.
+                for frame in wire.failed(failure_error(event), total):
+                    yield frame
+                break
+            if event.text:
+                for frame in wire.delta(index, event.text, None):
+                    yield frame
+            frames = wire.closing(index, event)
+            total = call.total(ended)
+            if total is not None:
+                frames += wire.ending(total)
+                if remember is not None:
+                    remember("".join(text), total)
+            for frame in frames:
+                yield frame
+    finally:
+        events.close()  # a client gone mid-stream lands here: the slots are freed at the next step
+        call.finish(ended)
+
+
+def _pieces(text: str) -> list[str]:
+    """A known answer streamed in word-sized chunks, as a model would have."""
+    return re.findall(r"\s*\S+\s*|\s+", text) or [text]
+
+
+async def replay(wire: Wire, text: str, finish: FinishEvent) -> AsyncIterator[bytes]:
+    """A known answer (a cache hit, a routed answer validated before it is sent: one choice) as
+    the stream a model would have sent."""
+    for frame in wire.opening(1):
+        yield frame
+    for piece in _pieces(text):
+        for frame in wire.delta(0, piece, None):
+            yield frame
+    for frame in [*wire.closing(0, finish), *wire.ending(finish)]:
+        yield frame
+
+
+def known_answer(wire: Wire, text: str, logprobs: list[TokenLogprob], finish: FinishEvent, stream: bool,
+                 headers: dict[str, str]) -> Response[Any]:
+    """A response for an answer already in hand, whole or replayed as a stream."""
+    if not stream:
+        return Response(wire.full([Collected(text, logprobs, finish)], finish), media_type="application/json", headers=headers)
+    return Stream(replay(wire, text, finish), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
