@@ -321,3 +321,23 @@ def test_the_judge_decides_the_band_through_the_server_and_never_overrides_a_gua
         assert eventually(server, "SELECT judged FROM cache_hits WHERE response_id = ?", judged.json()["id"]) == (1,)
     finally:
         stop_server(server)
+
+
+def test_a_judged_miss_pays_for_the_judge(tmp_path) -> None:
+    """A cut-off the judge never reaches: the reworded lookup asks it, misses, and the judge's tokens
+    are settled apart from the model call that answers (they were charged to no one before)."""
+    cache = (f'enabled = true\nsweep_interval_s = 0\nsimilarity_threshold = 0.99\njudge_band = 0.3\njudge_model = "{CHAT_MODEL}"\n'
+             "judge_min_probability = 1.0")
+    server = start_server(tmp_path / "judged-miss", config_text(embeddings=False, price_in=1.0, price_out=2.0, cache=cache))
+    try:
+        ask(server, "unused", QUESTION)
+        assert stored(server, QUESTION)
+        missed = ask(server, "unused", "I forgot my password, how can I set a new one?")
+        assert missed.headers["x-cache"] == "miss"
+        judge = eventually(server, "SELECT outcome, prompt_tokens, completion_tokens, charged_nanos FROM settlements WHERE request_id = ?",
+                           f"{missed.json()['id']}.judge")
+        assert judge is not None and judge[0] == "cache_judge" and judge[1] > 0 and judge[2] == 1 and judge[3] > 0
+        call = eventually(server, "SELECT outcome, completion_tokens FROM settlements WHERE request_id = ?", missed.json()["id"])
+        assert call is not None and call[1] == missed.json()["usage"]["completion_tokens"]
+    finally:
+        stop_server(server)

@@ -142,6 +142,16 @@ def route_cache_plan(header: str | None, services: Services, principal: Principa
     return _plan(services, directives, principal, body, route.alias, ";".join(versions), settings, temperature)
 
 
+async def charge_judge(services: Services, principal: Principal, model: LoadedModel, request_id: str, found: Lookup) -> None:
+    """A miss the judge was asked about still pays for the judge's tokens, as a hit does: settled
+    under its own id, apart from the model call that follows."""
+    judge_prompt, judge_completion = found.judge_tokens
+    if found.entry is not None or not (judge_prompt or judge_completion):
+        return
+    admission = await services.gate.admit(principal, f"{request_id}.judge", model.settings.alias, price_of(model), judge_prompt, judge_completion)
+    services.gate.settle(admission, judge_prompt, judge_completion, "cache_judge")
+
+
 async def serve_hit(services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, found: Lookup,
                     stream: bool, wire_for: WireFor) -> Response[Any]:
     """A hit still passes the rate limits and the budget, at the hit's own cost (the judge's tokens,

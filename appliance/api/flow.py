@@ -10,7 +10,7 @@ from typing import Any
 from litestar import Request, Response
 
 from appliance.api import call
-from appliance.api.cached import cache_plan, serve_hit
+from appliance.api.cached import cache_plan, charge_judge, serve_hit
 from appliance.api.call import WireFor
 from appliance.api.errors import APIError, invalid
 from appliance.api.routed import routed_chat
@@ -57,6 +57,7 @@ async def serve_chat(request: Request[Any, Any, Any], services: Services, princi
             traced.answered(request_id, model.settings.alias, [found.entry.finish_reason])
             traced.end(cache__result="hit", cache__entry_state=found.entry.state, http__status_code=200)
             return response
+        await charge_judge(services, principal, model, request_id, found)
         plan = dataclasses.replace(plan, lookup=found)
     traced.annotate(cache__result="miss" if plan.read and plan.item is not None else "bypass")
     return await call.respond(request, services, principal, model, prepared, body.stream, "chat", wire_for, traced,

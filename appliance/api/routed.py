@@ -19,7 +19,7 @@ import numpy as np
 from litestar import Request, Response
 
 from appliance.api import call
-from appliance.api.cached import CachePlan, route_cache_plan, serve_hit
+from appliance.api.cached import CachePlan, charge_judge, route_cache_plan, serve_hit
 from appliance.api.call import WireFor, known_answer
 from appliance.api.errors import APIError
 from appliance.api.schemas import ChatCompletionRequest
@@ -139,6 +139,9 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
             traced.answered(request_id, first.settings.alias, [found.entry.finish_reason])
             response.headers["x-route"] = route.alias
             return response
+        first = services.registry.get(route.tiers[0])
+        assert first is not None
+        await charge_judge(services, principal, first, request_id, found)
         plan = dataclasses.replace(plan, lookup=found)
     cache_headers = plan.headers()
     messages = chat_messages(body)
