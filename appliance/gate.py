@@ -47,6 +47,8 @@ class Admission:
     settled: bool = False
     # The rate limiter still holds this call's estimate: cleared by the one settlement that gives it back.
     limited: bool = True
+    # Completions this call reserved for (a request's `n`): max_tokens is per completion.
+    choices: int = 1
     # Tokens known so far, for a settlement the response never reached (shutdown).
     progress: Callable[[], tuple[int, int]] | None = field(default=None, repr=False)
 
@@ -123,11 +125,12 @@ class Gate:
 
     # -- admission and settlement --------------------------------------------------------------
 
-    def begin(self, principal: Principal, request_id: str, model: str, price: Price, prompt_tokens: int, max_tokens: int) -> Pending:
+    def begin(self, principal: Principal, request_id: str, model: str, price: Price, prompt_tokens: int, max_tokens: int,
+              choices: int = 1) -> Pending:
         """Rate limits (raising 429 at once), then the budget reservation, sent to the store thread
         without waiting: the caller may start the engine meanwhile and `await` the result before
-        any token leaves."""
-        estimate = prompt_tokens + max_tokens
+        any token leaves. `choices` completions of up to max_tokens each share the one prompt."""
+        estimate = prompt_tokens + choices * max_tokens
         now = time.time()
         limited = self.limiter.admit(principal, estimate, now)
         if limited is not None:
@@ -138,13 +141,13 @@ class Gate:
                 f"Retry in {limited.retry_after_s} s.",
                 type="rate_limit_error", code="rate_limit_exceeded", retry_after_s=limited.retry_after_s,
             )
-        admission = Admission(request_id, principal, model, estimate, False, max_tokens)
+        admission = Admission(request_id, principal, model, estimate, False, max_tokens, choices=choices)
         if not self.settings.budgets.enabled:
             return Pending(admission, None, now)
         payer = Payer(principal.user, principal.tenant, principal.app)
         lease, policy = self.settings.budgets.lease_s, self._policy
         future = self.worker.submit(
-            lambda db: Ledger(db).reserve(request_id, payer, model, price, prompt_tokens, max_tokens, policy, now, lease))
+            lambda db: Ledger(db).reserve(request_id, payer, model, price, prompt_tokens, choices * max_tokens, policy, now, lease))
         return Pending(admission, future, now)
 
     async def admitted(self, pending: Pending) -> Admission:
@@ -164,7 +167,8 @@ class Gate:
             self.metrics.budget_refused.labels(decision.level).inc()
             raise self._over_budget(decision, pending.at)
         admission.reserved = True
-        admission.max_tokens = decision.max_tokens
+        # A lowered reservation is shared evenly by the choices.
+        admission.max_tokens = max(1, decision.max_tokens // admission.choices)
         self._live[admission.request_id] = admission
         return admission
 

@@ -31,6 +31,15 @@ class SamplingParams:
     top_logprobs: int = 0
     # GBNF grammar text; constrains every sampled token.
     grammar: str | None = None
+    # OpenAI's logit adjustments, applied to the logits before the chain (engines/sampling.py):
+    # (token id, bias) pairs, and penalties on tokens this completion already generated.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.logit_bias) or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,11 @@ lease_s = {lease_s}
 level = "tenant"
 name = "throttled"
 requests_per_minute = 2
+
+[[limits]]
+level = "tenant"
+name = "t-tpm"
+tokens_per_minute = 400
 """
 
 
@@ -336,3 +341,32 @@ def test_sigterm_mid_stream_loses_no_spend(tmp_path: Path) -> None:
     assert len(rows) == 2 and all(completion > 0 and charged > 0 for completion, charged in rows), rows
     spent = conn.execute("SELECT spent_nanos FROM budget_usage WHERE level = 'tenant' AND name = 't-term' AND window = 't'").fetchone()[0]
     assert spent == sum(charged for _, charged in rows)
+
+
+def test_n_choices_reserve_for_every_completion(gated: tuple[Server, str]) -> None:
+    # Last in the module: its tenants' spend would push the small spenders that the budgets listing test
+    # looks for out of the day's top ten.
+    server, admin = gated
+    prompt = _prompt_tokens(server)
+    budget = PRICE.cost(prompt, 40)
+    put = admin_call(server, admin, "PUT", "/admin/budgets", json={"level": "user", "name": "nina", "usd": budget / 1e9, "period": "total"})
+    assert put.status_code == 200
+    c = client(server, new_key(server, "t-n", user="nina"))
+    raw = c.chat.completions.with_raw_response.create(
+        model=CHAT_MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=500, temperature=1, seed=1, n=4)
+    assert int(raw.headers["x-budget-max-tokens"]) == 10  # 40 tokens covered, shared by 4 choices
+    response = raw.parse()
+    assert len(response.choices) == 4 and response.usage is not None and response.usage.completion_tokens <= 40
+    wait_settled(server)
+    spent = db(server).execute("SELECT spent_nanos FROM budget_usage WHERE level = 'user' AND name = 'nina' AND window = 't'").fetchone()[0]
+    assert spent == PRICE.cost(response.usage.prompt_tokens, response.usage.completion_tokens)  # the prompt once, every choice's tokens
+
+    # 400 tokens a minute (a full bucket admits anything, so it is first drawn down by a real call):
+    # one choice of up to 150 tokens still fits what is left, three do not.
+    limited = client(server, new_key(server, "t-tpm"))
+    count = [{"role": "user", "content": "Count from 1 to 40."}]
+    used = limited.chat.completions.create(model=CHAT_MODEL, messages=count, max_tokens=100, temperature=0).usage
+    assert used is not None and used.total_tokens >= 60  # ~10 s of refill at 400 a minute
+    with pytest.raises(openai.RateLimitError, match="400 tokens per minute"):
+        limited.chat.completions.create(model=CHAT_MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=150, n=3)
+    assert limited.chat.completions.create(model=CHAT_MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=150).choices

@@ -229,11 +229,16 @@ def test_a_callers_trace_context_joins_the_servers_trace(served: tuple[Server, d
     listed = httpx.get(f"{server.base_url}/admin/traces", headers=admin, params={"name": f"chat {CHAT_MODEL}"}, timeout=10).json()
     assert any(t["trace_id"] == trace_id for t in listed["traces"])
     # A caller that does not sample its trace does not switch ours off; a malformed traceparent starts a trace of our own.
-    unsampled = client.completions.with_raw_response.create(model=CHAT_MODEL, prompt="Colours:", max_tokens=3,  # type: ignore[arg-type]
+    unsampled = client.completions.with_raw_response.create(model=CHAT_MODEL, prompt="Colours:", max_tokens=3, n=2,  # type: ignore[arg-type]
                                                             extra_headers={"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-00"})
-    text_root = _root(collector, unsampled.parse().id)
+    text = unsampled.parse()
+    text_root = _root(collector, text.id)
     assert (text_root["trace"], text_root["parent"], text_root["name"]) == ("ab" * 16, "cd" * 8, f"text_completion {CHAT_MODEL}")
     assert text_root["attributes"]["gen_ai.operation.name"] == "text_completion"
+    # n choices: every choice's finish reason, the usage of them all.
+    assert text_root["attributes"]["gen_ai.request.choice.count"] == 2
+    assert text_root["attributes"]["gen_ai.response.finish_reasons"] == [c.finish_reason for c in text.choices]
+    assert text.usage is not None and text_root["attributes"]["gen_ai.usage.output_tokens"] == text.usage.completion_tokens
     bad = client.embeddings.with_raw_response.create(model=EMBED_MODEL, input="x", extra_headers={"traceparent": "00-zz-yy-01"})
     embedded = _root(collector, bad.headers["x-request-id"])
     assert embedded["parent"] == "" and embedded["trace"] == bad.headers["x-trace-id"] != trace_id

@@ -235,3 +235,28 @@ def test_a_draft_that_cannot_pay_is_measured_and_not_used(tmp_path: Path) -> Non
         assert speculation is not None and speculation.drafted == 0 and speculation.verify_steps == 0
     finally:
         engine.close()
+
+
+def test_logit_bias_penalties_and_n_as_on_llamacpp(mlx_server: Server) -> None:
+    """engines/sampling.py's adjustments over MLX's log-probabilities, on both of its samplers (its
+    own argmax for greedy, llama.cpp's chain for a seeded draw), and n choices on seed + i."""
+    from appliance.model_files import package_file
+    from engines.llamacpp.runtime import Model
+
+    vocab = Model(package_file(MODEL_FILE), vocab_only=True)
+    (token,) = vocab.tokenize(" Paris", add_special=False, parse_special=False)
+    vocab.close()
+    forced = ask(mlx_server, "Hi", max_tokens=4, logit_bias={str(token): 100})
+    assert forced.choices[0].message.content == " Paris" * 4
+    repetitive = "Count from 1 to 20, separated by commas."  # a comma after each number: penalised from the second on
+    plain = ask(mlx_server, repetitive, max_tokens=30).choices[0].message.content
+    penalised = [ask(mlx_server, repetitive, max_tokens=30, frequency_penalty=2.0).choices[0].message.content for _ in range(2)]
+    assert penalised[0] == penalised[1] != plain
+
+    def draw(**kwargs: object) -> openai.types.chat.ChatCompletion:
+        return mlx_server.client(timeout=300).chat.completions.create(  # type: ignore[call-overload]
+            model=CHAT_MODEL, messages=[{"role": "user", "content": "Write a sentence about a cat."}], max_tokens=12,
+            temperature=1.0, frequency_penalty=1.0, **kwargs)
+
+    many, single = draw(seed=7, n=2), draw(seed=8)
+    assert [c.index for c in many.choices] == [0, 1] and many.choices[1].message.content == single.choices[0].message.content

@@ -238,7 +238,7 @@ def test_a_streamed_function_call_assembles_through_the_sdk(served: tuple[Server
     ({"temperature": 3}, 400, "temperature"),
     ({"text": {"format": {"type": "xml"}}}, 400, "text.format.type"),
     ({"model": "nope"}, 404, "model"),
-    ({"frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ({"background": True}, 400, "background"),
 ])
 def test_bad_input_is_refused_naming_the_field(served: tuple[Server, openai.OpenAI, openai.OpenAI], body: dict, status: int,

@@ -158,7 +158,8 @@ def test_the_wire_streams_numbered_events_and_stores_the_finished_response() -> 
 
     saved: list = []
     wire = _wire(saved)
-    events = _events([*wire.opening(), *wire.delta("Hel", None), *wire.delta("lo", None), *wire.closing(FinishEvent("length", Usage(2, 8)))])
+    finish = FinishEvent("length", Usage(2, 8))
+    events = _events([*wire.opening(1), *wire.delta(0, "Hel", None), *wire.delta(0, "lo", None), *wire.closing(0, finish), *wire.ending(finish)])
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["instructions"] == "Be brief."
     final = events[-1]
@@ -173,8 +174,8 @@ def test_an_error_mid_stream_ends_with_error_and_failed_events_and_is_not_stored
 
     saved: list = []
     wire = _wire(saved)
-    wire.opening()
-    wire.delta("Hel", None)
+    wire.opening(1)
+    wire.delta(0, "Hel", None)
     error = APIError(503, "The upstream went away.", type="server_error", code="upstream_unavailable")
     events = _events(wire.failed(error, FinishEvent("error", Usage(2, 1), error="gone")))
     assert [e["type"] for e in events] == ["error", "response.failed"]
@@ -192,7 +193,8 @@ def test_the_wire_streams_calls_as_function_call_items_in_their_order() -> None:
     saved: list = []
     wire = _wire(saved)
     call = ToolCall("call_9", "add", '{"a": 1, "b": 2, "note": "a long enough note to be cut"}')
-    frames = [*wire.opening(), *wire.tool_call(call, 0), *wire.delta("Done.", None), *wire.closing(FinishEvent("stop", Usage(2, 8)))]
+    frames = [*wire.opening(1), *wire.tool_call(0, call, 0), *wire.delta(0, "Done.", None),
+              *wire.closing(0, FinishEvent("stop", Usage(2, 8))), *wire.ending(FinishEvent("stop", Usage(2, 8)))]
     events = _events(frames)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     types = [e["type"] for e in events]
@@ -214,3 +216,16 @@ def test_a_tool_parameter_reads_as_the_flat_responses_tool() -> None:
     assert responses_param("tools[2].function.parameters") == "tools[2].parameters"
     assert responses_param("tools[0].function") == "tools[0]"
     assert responses_param("tools[1].type") == "tools[1].type"
+
+
+def test_penalties_reach_the_chat_request_and_are_echoed() -> None:
+    from appliance.api.responses_render import Echo, ResponsesWire
+    from appliance.api.translate import Prepared
+    from engines.base import GenerationRequest
+
+    body = request(frequency_penalty=0.5, presence_penalty=-0.25)
+    chat, _ = to_chat(body, [])
+    assert (chat.frequency_penalty, chat.presence_penalty) == (0.5, -0.25)
+    wire = ResponsesWire(Prepared(GenerationRequest("resp_1", (1, 2), 8), "p"), "m", 100, Echo.of(body, 0.0, 1.0), [], None)
+    shown = wire.response("in_progress", [])
+    assert (shown["frequency_penalty"], shown["presence_penalty"]) == (0.5, -0.25)

@@ -176,6 +176,30 @@ def agent_loop(client: openai.OpenAI, model: str, messages: list[dict[str, Any]]
     raise AssertionError("the loop did not end in a text answer")
 
 
+def test_n_choices_each_stream_their_own_forced_call(client: openai.OpenAI, origin: Server) -> None:
+    body = {"model": CHAT_MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80, "temperature": 1,
+            "seed": 3, "n": 2, "stream": True}
+    deltas: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    reasons: dict[int, list[str]] = {0: [], 1: []}
+    with httpx.stream("POST", f"{origin.base_url}/v1/chat/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                (choice,) = json.loads(line[6:])["choices"]
+                deltas[choice["index"]] += choice["delta"].get("tool_calls") or []
+                reasons[choice["index"]] += [choice["finish_reason"]] if choice["finish_reason"] else []
+    for index in (0, 1):  # each choice's call is numbered from 0 within it, and ends it with tool_calls
+        first, rest = deltas[index][0], deltas[index][1:]
+        assert first["index"] == 0 and first["id"].startswith("call_") and all(d["index"] == 0 for d in rest)
+        jsonschema.validate(json.loads("".join(d["function"]["arguments"] for d in rest)), SCHEMAS[first["function"]["name"]])
+        assert reasons[index] == ["tool_calls"]
+    assert deltas[0][0]["id"] != deltas[1][0]["id"]
+    whole = client.chat.completions.create(**{k: v for k, v in body.items() if k != "stream"})  # type: ignore[call-overload]
+    assert [c.index for c in whole.choices] == [0, 1] and all(c.finish_reason == "tool_calls" for c in whole.choices)
+    for c in whole.choices:
+        (call,) = c.message.tool_calls
+        _valid_call(call)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_agent_loop_with_two_tools_completes(client: openai.OpenAI, stream: bool) -> None:
     messages = [{"role": "system", "content": "You answer with the tools' help."},

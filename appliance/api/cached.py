@@ -82,10 +82,23 @@ def cache_plan(header: str | None, services: Services, principal: Principal, bod
         "top_p": sampling.top_p,
         "seed": sampling.seed,
         "response_format": msgspec.to_builtins(body.response_format) if body.response_format is not None else None,
+        **_adjustments(body),
     }
     # An adapter answers differently from its base model: its answers get their own buckets.
     name = model.settings.alias + "".join(f":{adapter}@{scale:g}" for adapter, scale in prepared.request.adapter_key)
     return _plan(services, directives, principal, body, name, model_version(model.settings), settings, sampling.temperature)
+
+
+def _adjustments(body: ChatCompletionRequest) -> dict[str, Any]:
+    """logit_bias and the penalties change the answer, so they are part of the bucket; named only
+    when set, so the buckets of requests without them stay what they were."""
+    out: dict[str, Any] = {}
+    if body.logit_bias:
+        out["logit_bias"] = dict(sorted(body.logit_bias.items()))
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name):
+            out[name] = getattr(body, name)
+    return out
 
 
 def _plan(services: Services, directives: set[str], principal: Principal, body: ChatCompletionRequest, model: str,
@@ -123,6 +136,7 @@ def route_cache_plan(header: str | None, services: Services, principal: Principa
         "stop": body.stop, "temperature": temperature, "top_p": defaults.top_p if body.top_p is None else body.top_p,
         "seed": body.seed,
         "response_format": msgspec.to_builtins(body.response_format) if body.response_format is not None else None,
+        **_adjustments(body),
     }
     versions = []
     for alias in route.tiers:

@@ -3,7 +3,8 @@ start the engine, run to the end or stream, settle what was used, record and tra
 
 Chat completions, completions, the Responses API and each routed attempt go through here; how
 an answer looks on the wire is a `Wire`'s business (render.py for chat and completions,
-responses_render.py for the Responses API).
+responses_render.py for the Responses API). A call answers with the `n` choices its request asked
+for (choices.py): one engine request each, one reservation and one settlement for them all.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import dataclasses
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -20,6 +21,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 from opentelemetry.trace import Span
 
+from appliance.api.choices import ChoiceStreams, Collected, choice_request, total_finish
 from appliance.api.errors import APIError, invalid
 from appliance.api.translate import Prepared
 from appliance.gate import Admission
@@ -33,6 +35,7 @@ from engines.base import (
     EngineError,
     EngineOverloaded,
     FinishEvent,
+    GenerationRequest,
     TokenEvent,
     TokenLogprob,
     UnknownAdapter,
@@ -47,26 +50,22 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Wire(Protocol):
-    """One answer in one wire format: whole, or as the stream's pieces (each a list of SSE frames)."""
+    """One answer in one wire format: whole, or as the stream's pieces (each a list of SSE frames).
+    An answer has one choice or several (`n`); a streamed piece names its choice by index, and
+    `total` is the whole answer's finish (usage counting the prompt once)."""
 
-    def full(self, text: str, logprobs: list[TokenLogprob], finish: FinishEvent) -> bytes: ...
-    def opening(self) -> list[bytes]: ...
-    def delta(self, text: str, logprob: TokenLogprob | None) -> list[bytes]: ...
-    def tool_call(self, call: ToolCall, index: int) -> list[bytes]: ...
-    def closing(self, finish: FinishEvent) -> list[bytes]: ...
-    def failed(self, error: APIError, finish: FinishEvent) -> list[bytes]: ...
+    def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes: ...
+    def opening(self, choices: int) -> list[bytes]: ...
+    def delta(self, index: int, text: str, logprob: TokenLogprob | None) -> list[bytes]: ...
+    def tool_call(self, index: int, call: ToolCall, position: int) -> list[bytes]: ...  # choice `index`'s call number `position`
+    def closing(self, index: int, finish: FinishEvent) -> list[bytes]: ...  # choice `index` ended
+    def ending(self, total: FinishEvent) -> list[bytes]: ...  # every choice has ended
+    def failed(self, error: APIError, total: FinishEvent) -> list[bytes]: ...
 
 
 # The wire for an answer: (the request as answered, the model name to show, created at).
 WireFor = Callable[[Prepared, str, int], Wire]
 Remember = Callable[[str, FinishEvent], None]
-
-
-@dataclass(frozen=True)
-class Collected:
-    text: str
-    logprobs: list[TokenLogprob]
-    finish: FinishEvent
 
 
 def failure_error(finish: FinishEvent) -> APIError:
@@ -78,9 +77,9 @@ def failure_error(finish: FinishEvent) -> APIError:
                     retry_after_s=finish.retry_after_s)
 
 
-def _engine_start(model: LoadedModel, prepared: Prepared) -> EventStream:
+def _engine_start(model: LoadedModel, request: GenerationRequest) -> EventStream:
     try:
-        return model.engine.generate(prepared.request)
+        return model.engine.generate(request)
     except ContextLengthExceeded as exc:
         raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
     except EngineOverloaded as exc:
@@ -126,13 +125,17 @@ class Call:
     prepared: Prepared  # as the engine runs it: max_tokens lowered when the budget covers less
     kind: str  # the request log's endpoint: chat, completion
     admission: Admission
-    events: EventStream
+    events: ChoiceStreams  # one per choice
     traced: RequestTrace
     started: float
 
-    async def collect(self, request: Request[Any, Any, Any]) -> Collected:
-        """Reads the generation to its end (cancelled if the client goes first)."""
-        return await until_disconnect(request, _collect(self.events))
+    async def collect(self, request: Request[Any, Any, Any]) -> list[Collected]:
+        """Reads every choice to its end (cancelled if the client goes first)."""
+        return await until_disconnect(request, self.events.collect())
+
+    def total(self, ended: Mapping[int, FinishEvent]) -> FinishEvent | None:
+        """The whole call's finish, given the choices that have ended (choices.total_finish)."""
+        return total_finish(ended, len(self.events), self.events.tokens_pushed)
 
     def settle(self, finish: FinishEvent | None) -> tuple[int, int, str]:
         """Settle and record the generation, however it ended, and note it on its engine span: a
@@ -157,28 +160,34 @@ class Call:
                 annotate(traced.engine, upstream__name=finish.upstream, upstream__attempts=finish.upstream_attempts)
         return prompt, completion, outcome
 
-    def finish(self, finish: FinishEvent | None) -> None:
-        """Settle, and end the request's trace: this call was the whole request."""
-        prompt, completion, outcome = self.settle(finish)
-        self.traced.answered(self.prepared.request.id, self.model.settings.alias, [outcome], prompt, completion)
+    def finish(self, ended: Mapping[int, FinishEvent]) -> FinishEvent | None:
+        """Settle, and end the request's trace: this call was the whole request. `ended`: the
+        choices that reached their finish event, by index. Returns the whole call's finish."""
+        total = self.total(ended)
+        prompt, completion, outcome = self.settle(total)
+        # Why each choice ended; one cut short by another's failure or a client gone was cancelled.
+        reasons = [ended[i].reason if i in ended else "cancelled" for i in range(len(self.events))]
+        self.traced.answered(self.prepared.request.id, self.model.settings.alias, reasons, prompt, completion)
         self.traced.end(cost__nanousd=price_of(self.model).cost(prompt, completion) if self.admission.reserved else None)
+        return total
 
 
 async def start(services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, kind: str,
                 traced: RequestTrace, attempt: Span | None = None) -> Call:
     """Rate limits, then the engine and the budget reservation together: the prompt's prefill
     overlaps the ledger's write, and no token is read before the reservation stands. A refusal
-    cancels the queued generation; a lowered max_tokens restarts it (the slot keeps the prompt's KV)."""
+    cancels the queued generation; a lowered max_tokens restarts it (the slot keeps the prompt's KV).
+    Every choice is reserved for (max_tokens each) and started at once."""
     gate = services.gate
     pending = gate.begin(principal, prepared.request.id, model.settings.alias, price_of(model),
-                         prepared.request.prompt_length, prepared.request.max_tokens)
+                         prepared.request.prompt_length, prepared.request.max_tokens, prepared.choices)
     try:
-        events = _engine_start(model, prepared)
+        events = _engine_starts(model, prepared)
     except BaseException:
         gate.abandon(pending)
         raise
     traced.start_engine(attempt, model=model.settings.alias, prompt_tokens=prepared.request.prompt_length,
-                        max_tokens=prepared.request.max_tokens,
+                        max_tokens=prepared.request.max_tokens, choices=prepared.choices if prepared.choices != 1 else None,
                         adapters=",".join(f"{name}:{scale:g}" for name, scale in prepared.request.adapters) or None)
     try:
         with traced.child("budget.reserve") as span:
@@ -191,7 +200,7 @@ async def start(services: Services, principal: Principal, model: LoadedModel, pr
         events.close()
         prepared = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, max_tokens=admission.max_tokens))
         try:
-            events = _engine_start(model, prepared)
+            events = _engine_starts(model, prepared)
         except BaseException:
             gate.settle(admission, 0, 0, "refused")
             raise
@@ -200,23 +209,17 @@ async def start(services: Services, principal: Principal, model: LoadedModel, pr
     return Call(services, model, prepared, kind, admission, events, traced, time.time())
 
 
-async def _collect(stream: EventStream) -> Collected:
-    parts: list[str] = []
-    logprobs: list[TokenLogprob] = []
-    finish: FinishEvent | None = None
+def _engine_starts(model: LoadedModel, prepared: Prepared) -> ChoiceStreams:
+    """One engine request per choice, all or none: a refused one cancels those queued before it."""
+    streams: list[EventStream] = []
     try:
-        async for event in stream:
-            if isinstance(event, TokenEvent):
-                parts.append(event.text)
-                if event.logprob is not None:
-                    logprobs.append(event.logprob)
-            else:
-                finish = event
-                parts.append(event.text)
-    finally:
-        stream.close()
-    assert finish is not None
-    return Collected("".join(parts), logprobs, finish)
+        for index in range(prepared.choices):
+            streams.append(_engine_start(model, choice_request(prepared.request, index)))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return ChoiceStreams(streams)
 
 
 async def respond(request: Request[Any, Any, Any], services: Services, principal: Principal, model: LoadedModel, prepared: Prepared,
@@ -232,22 +235,23 @@ async def respond(request: Request[Any, Any, Any], services: Services, principal
         # The budget could not cover the asked max_tokens; the response says what it allowed.
         headers["x-budget-max-tokens"] = str(call.admission.max_tokens)
     wire = wire_for(call.prepared, model.settings.alias, created)
-    remember = remember_for(call.prepared) if remember_for is not None else None
+    # The cache keeps one answer to a question: n > 1 bypasses it (policy/cache.py), so only one choice is remembered.
+    remember = remember_for(call.prepared) if remember_for is not None and call.prepared.choices == 1 else None
     if stream:
         if model.engine.takes_messages:
             await _first_event_or_error(request, call)
         return Stream(_sse(call, wire, remember), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    finish: FinishEvent | None = None
+    collected: list[Collected] = []
     try:
         collected = await call.collect(request)
-        finish = collected.finish
         if remember is not None:
-            remember(collected.text, finish)
+            remember(collected[0].text, collected[0].finish)
     finally:
-        call.finish(finish)
-    if collected.finish.reason == "error":
-        raise failure_error(collected.finish)
-    return Response(wire.full(collected.text, collected.logprobs, collected.finish), media_type="application/json", headers=headers)
+        total = call.finish(dict(enumerate(c.finish for c in collected)))
+    assert total is not None
+    if total.reason == "error":
+        raise failure_error(total)
+    return Response(wire.full(collected, total), media_type="application/json", headers=headers)
 
 
 async def _first_event_or_error(request: Request[Any, Any, Any], call: Call) -> None:
@@ -255,14 +259,14 @@ async def _first_event_or_error(request: Request[Any, Any, Any], call: Call) -> 
     before any token is then an HTTP error with the upstream's status, not a 200 with an error
     inside (retries happen in that wait too)."""
     try:
-        first = await until_disconnect(request, call.events.peek())
+        index, first = await until_disconnect(request, call.events.peek())
     except BaseException:
         call.events.close()
-        call.finish(None)
+        call.finish({})
         raise
     if isinstance(first, FinishEvent) and first.reason == "error":
         call.events.close()
-        call.finish(first)
+        call.finish({index: first})
         raise failure_error(first)
 
 
@@ -270,14 +274,14 @@ class Outgoing:
     """Generated text on its way to a wire: content as deltas, or, with tools offered, calls as
     they complete (text that may open a call is held until it is known to be one or not)."""
 
-    def __init__(self, wire: Wire, tools: ToolPlan | None) -> None:
-        self.wire = wire
+    def __init__(self, wire: Wire, tools: ToolPlan | None, index: int) -> None:
+        self.wire, self.index = wire, index  # one per choice: its own parser, its calls numbered from 0
         self.parser = StreamParser(tools) if tools is not None else None
         self.calls = 0
 
     def text(self, text: str, logprob: TokenLogprob | None) -> list[bytes]:
         if self.parser is None:
-            return self.wire.delta(text, logprob) if text or logprob is not None else []
+            return self.wire.delta(self.index, text, logprob) if text or logprob is not None else []
         return self._frames(self.parser.feed(text))
 
     def end(self) -> list[bytes]:
@@ -288,44 +292,54 @@ class Outgoing:
         frames: list[bytes] = []
         for out in outs:
             if isinstance(out, str):
-                frames += self.wire.delta(out, None) if out else []
+                frames += self.wire.delta(self.index, out, None) if out else []
             else:
-                frames += self.wire.tool_call(out, self.calls)
+                frames += self.wire.tool_call(self.index, out, self.calls)
                 self.calls += 1
         return frames
 
 
 async def _sse(call: Call, wire: Wire, remember: Remember | None) -> AsyncIterator[bytes]:
-    finish: FinishEvent | None = None
-    text: list[str] = []
+    """The choices' events as they come, each piece naming its choice; the answer ends when every
+    choice has, or at the first failure (which stops the others)."""
+    ended: dict[int, FinishEvent] = {}
+    text: list[str] = []  # what `remember` keeps: only ever one choice
     events = call.events
-    out = Outgoing(wire, call.prepared.tools)
+    outs: dict[int, Outgoing] = {}
+
+    def outgoing(index: int) -> Outgoing:
+        return outs.setdefault(index, Outgoing(wire, call.prepared.tools, index))
+
     try:
-        for frame in wire.opening():
+        for frame in wire.opening(len(events)):
             yield frame
-        async for event in events:
+        async for index, event in events.events():
             if remember is not None:
                 text.append(event.text)
             if isinstance(event, TokenEvent):
-                for frame in out.text(event.text, event.logprob):
+                for frame in outgoing(index).text(event.text, event.logprob):
                     yield frame
                 continue
-            finish = event
+            ended[index] = event
             if event.reason == "error":
+                events.close()  # the other choices stop too, charged for what they made
+                total = call.total(ended)
+                assert total is not None
                 # Ended as a client can parse: the error in the wire's form, then its close.
-                for frame in wire.failed(failure_error(event), event):
+                for frame in wire.failed(failure_error(event), total):
                     yield frame
                 break
-            for frame in out.text(event.text, None) + out.end():
-                yield frame
-            closing = wire.closing(event)
-            if remember is not None:
-                remember("".join(text), event)
-            for frame in closing:
+            frames = outgoing(index).text(event.text, None) + outgoing(index).end() + wire.closing(index, event)
+            total = call.total(ended)
+            if total is not None:
+                frames += wire.ending(total)
+                if remember is not None:
+                    remember("".join(text), total)
+            for frame in frames:
                 yield frame
     finally:
-        events.close()  # a client gone mid-stream lands here: the slot is freed at the next step
-        call.finish(finish)
+        events.close()  # a client gone mid-stream lands here: the slots are freed at the next step
+        call.finish(ended)
 
 
 def _pieces(text: str) -> list[str]:
@@ -334,15 +348,15 @@ def _pieces(text: str) -> list[str]:
 
 
 async def replay(wire: Wire, text: str, finish: FinishEvent, tools: ToolPlan | None) -> AsyncIterator[bytes]:
-    """A known answer (a cache hit, a routed answer validated before it is sent) as the stream a
-    model would have sent."""
-    out = Outgoing(wire, tools)
-    for frame in wire.opening():
+    """A known answer (a cache hit, a routed answer validated before it is sent: one choice) as
+    the stream a model would have sent."""
+    out = Outgoing(wire, tools, 0)
+    for frame in wire.opening(1):
         yield frame
     for piece in _pieces(text):
         for frame in out.text(piece, None):
             yield frame
-    for frame in out.end() + wire.closing(finish):
+    for frame in [*out.end(), *wire.closing(0, finish), *wire.ending(finish)]:
         yield frame
 
 
@@ -350,5 +364,5 @@ def known_answer(wire: Wire, text: str, logprobs: list[TokenLogprob], finish: Fi
                  headers: dict[str, str], tools: ToolPlan | None) -> Response[Any]:
     """A response for an answer already in hand, whole or replayed as a stream."""
     if not stream:
-        return Response(wire.full(text, logprobs, finish), media_type="application/json", headers=headers)
+        return Response(wire.full([Collected(text, logprobs, finish)], finish), media_type="application/json", headers=headers)
     return Stream(replay(wire, text, finish, tools), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})

@@ -32,6 +32,13 @@ async def serve_chat(request: Request[Any, Any, Any], services: Services, princi
     await guard(services, traced, [m.get("content", "") for m in chat_messages(body) if m.get("role") == "user"], principal, request_id)
     route = services.settings.route(body.model)
     if route is not None:
+        if body.n != 1:
+            # A route validates and escalates one answer; n answers would each take their own path.
+            raise invalid(f"The route '{route.alias}' answers with one choice: send n=1, or name a model for n > 1.", "n")
+        if body.logit_bias:
+            # Token ids belong to one vocabulary; a route's tiers may each have another.
+            raise invalid(f"The route '{route.alias}' spans models with their own vocabularies: name a model to use logit_bias.",
+                          "logit_bias")
         traced.annotate(model=route.alias, stream=body.stream, end_user=body.user)
         routed = await routed_chat(request, services, principal, body, route, request_id, traced, wire_for)
         traced.end(http__status_code=200)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from appliance.api.choices import Collected
 from appliance.api.errors import APIError
 from appliance.api.translate import Prepared
 from appliance.registry import LoadedModel
@@ -62,7 +63,9 @@ class Formatter:
     def __init__(self, kind: str, prepared: Prepared, model: str, created: int) -> None:
         self.kind, self.prepared, self.model, self.created = kind, prepared, model, created
         self.id = prepared.request.id
-        self._offset = len(prepared.prompt_text) if prepared.echo else 0
+        # Per choice (n > 1): where the next completion logprob's text_offset counts from.
+        self._offsets: dict[int, int] = {}
+        self._start = len(prepared.prompt_text) if prepared.echo else 0
         self.wants_logprobs = prepared.request.sampling.logprobs
 
     def _envelope(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
@@ -73,37 +76,38 @@ class Formatter:
             out["usage"] = None
         return out
 
-    def first_chunk(self, include_usage: bool) -> dict[str, Any]:
+    def first_chunk(self, include_usage: bool, index: int = 0) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         else:
             text = self.prepared.prompt_text if self.prepared.echo else ""
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
         return self._envelope([choice], include_usage)
 
-    def delta_chunk(self, text: str, logprob: TokenLogprob | None, include_usage: bool) -> dict[str, Any]:
+    def delta_chunk(self, text: str, logprob: TokenLogprob | None, include_usage: bool, index: int = 0) -> dict[str, Any]:
+        offset = self._offsets.get(index, self._start)
         if self.kind == "chat":
             lp = {"content": [_chat_logprob(logprob)]} if logprob is not None else None
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
+            choice = {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         else:
-            lp = _completion_logprobs([logprob], self._offset) if logprob is not None else None
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": None}
-        self._offset += len(text)
+            lp = _completion_logprobs([logprob], offset) if logprob is not None else None
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
+        self._offsets[index] = offset + len(text)
         return self._envelope([choice], include_usage)
 
-    def call_chunks(self, call: ToolCall, index: int, include_usage: bool) -> list[dict[str, Any]]:
-        """A call as OpenAI streams one: its index, id, type and name with empty arguments, then
-        the arguments in pieces (the SDK's stream helpers join them)."""
-        first = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        deltas = [first] + [{"index": index, "function": {"arguments": p}} for p in argument_pieces(call.arguments)]
-        return [self._envelope([{"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}], include_usage)
+    def call_chunks(self, call: ToolCall, position: int, include_usage: bool, index: int = 0) -> list[dict[str, Any]]:
+        """Choice `index`'s call number `position` as OpenAI streams one: its position, id, type and
+        name with empty arguments, then the arguments in pieces (the SDK's stream helpers join them)."""
+        first = {"index": position, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        deltas = [first] + [{"index": position, "function": {"arguments": p}} for p in argument_pieces(call.arguments)]
+        return [self._envelope([{"index": index, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}], include_usage)
                 for d in deltas]
 
-    def finish_chunk(self, finish: FinishEvent, include_usage: bool, calls: bool = False) -> dict[str, Any]:
+    def finish_chunk(self, finish: FinishEvent, include_usage: bool, index: int = 0, calls: bool = False) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(finish, calls)}
+            choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(finish, calls)}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": _finish_reason(finish)}
+            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": _finish_reason(finish)}
         return self._envelope([choice], include_usage)
 
     def usage_chunk(self, finish: FinishEvent) -> dict[str, Any]:
@@ -111,26 +115,29 @@ class Formatter:
         out["usage"] = _usage(finish)
         return out
 
-    def full(self, text: str, logprobs: list[TokenLogprob], finish: FinishEvent) -> bytes:
-        if self.kind == "chat":
-            lp = {"content": [_chat_logprob(x) for x in logprobs]} if self.wants_logprobs else None
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-            reason = _finish_reason(finish)
-            if self.prepared.tools is not None:
-                parsed = parse(text, self.prepared.tools)
-                if parsed.calls:
-                    message = {"role": "assistant", "content": parsed.content, "refusal": None,
-                               "tool_calls": [c.wire() for c in parsed.calls]}
-                    reason = _finish_reason(finish, True)
-            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
-            obj = "chat.completion"
-        else:
-            prefix = self.prepared.prompt_text if self.prepared.echo else ""
-            lp = _completion_logprobs(logprobs, len(prefix)) if self.wants_logprobs else None
-            choice = {"index": 0, "text": prefix + text, "logprobs": lp, "finish_reason": _finish_reason(finish)}
-            obj = "text_completion"
+    def _message(self, c: Collected) -> tuple[dict[str, Any], str]:
+        """A chat choice's message and finish reason: calls read out of its text when tools were offered."""
+        parsed = parse(c.text, self.prepared.tools) if self.prepared.tools is not None else None
+        if parsed is not None and parsed.calls:
+            return ({"role": "assistant", "content": parsed.content, "refusal": None, "tool_calls": [t.wire() for t in parsed.calls]},
+                    _finish_reason(c.finish, True))
+        return {"role": "assistant", "content": c.text, "refusal": None}, _finish_reason(c.finish)
+
+    def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
+        """The whole response: choice i from choices[i]; usage from `total` (all choices together)."""
+        out = []
+        for index, c in enumerate(choices):
+            if self.kind == "chat":
+                lp = {"content": [_chat_logprob(x) for x in c.logprobs]} if self.wants_logprobs else None
+                message, reason = self._message(c)
+                out.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
+            else:
+                prefix = self.prepared.prompt_text if self.prepared.echo else ""
+                lp = _completion_logprobs(c.logprobs, len(prefix)) if self.wants_logprobs else None
+                out.append({"index": index, "text": prefix + c.text, "logprobs": lp, "finish_reason": _finish_reason(c.finish)})
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return _encoder.encode({"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                                "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": _usage(finish)})
+                                "system_fingerprint": FINGERPRINT, "choices": out, "usage": _usage(total)})
 
 
 def model_entry(model: LoadedModel, created: int) -> dict[str, Any]:
@@ -158,37 +165,35 @@ def embedding_list(vectors: list[list[float]], model: str, prompt_tokens: int, e
 
 
 class ChatWire:
-    """The call's Wire for chat and legacy completions: chunks, then `[DONE]`."""
+    """The call's Wire for chat and legacy completions: chunks naming their choice's index, then
+    the usage chunk (when asked for: once, for every choice) and `[DONE]`."""
 
     def __init__(self, fmt: Formatter, include_usage: bool) -> None:
         self.fmt, self.include_usage = fmt, include_usage
-        self.calls = False  # any tool call streamed: the finish reason is tool_calls
+        self.calls: set[int] = set()  # choices that streamed a tool call: their finish reason is tool_calls
 
-    def full(self, text: str, logprobs: list[TokenLogprob], finish: FinishEvent) -> bytes:
-        return self.fmt.full(text, logprobs, finish)
+    def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
+        return self.fmt.full(choices, total)
 
-    def opening(self) -> list[bytes]:
-        return [sse(self.fmt.first_chunk(self.include_usage))]
+    def opening(self, choices: int) -> list[bytes]:
+        return [sse(self.fmt.first_chunk(self.include_usage, index)) for index in range(choices)]
 
-    def delta(self, text: str, logprob: TokenLogprob | None) -> list[bytes]:
-        return [sse(self.fmt.delta_chunk(text, logprob, self.include_usage))]
+    def delta(self, index: int, text: str, logprob: TokenLogprob | None) -> list[bytes]:
+        return [sse(self.fmt.delta_chunk(text, logprob, self.include_usage, index))]
 
-    def tool_call(self, call: ToolCall, index: int) -> list[bytes]:
-        self.calls = True
-        return [sse(chunk) for chunk in self.fmt.call_chunks(call, index, self.include_usage)]
+    def tool_call(self, index: int, call: ToolCall, position: int) -> list[bytes]:
+        self.calls.add(index)
+        return [sse(chunk) for chunk in self.fmt.call_chunks(call, position, self.include_usage, index)]
 
-    def closing(self, finish: FinishEvent) -> list[bytes]:
-        frames = [sse(self.fmt.finish_chunk(finish, self.include_usage, self.calls))]
-        if self.include_usage:
-            frames.append(sse(self.fmt.usage_chunk(finish)))
-        return [*frames, DONE]
+    def closing(self, index: int, finish: FinishEvent) -> list[bytes]:
+        return [sse(self.fmt.finish_chunk(finish, self.include_usage, index, index in self.calls))]
 
-    def failed(self, error: APIError, finish: FinishEvent) -> list[bytes]:
+    def ending(self, total: FinishEvent) -> list[bytes]:
+        return [sse(self.fmt.usage_chunk(total)), DONE] if self.include_usage else [DONE]
+
+    def failed(self, error: APIError, total: FinishEvent) -> list[bytes]:
         # The error in the envelope, the usage it was charged, [DONE].
-        frames = [sse(error.body())]
-        if self.include_usage:
-            frames.append(sse(self.fmt.usage_chunk(finish)))
-        return [*frames, DONE]
+        return [sse(error.body()), *self.ending(total)]
 
 
 def chat_wire(kind: str, stream_options: Any = None) -> Callable[[Prepared, str, int], ChatWire]:

@@ -4,12 +4,13 @@ SDK parses (each with its sequence number), for the call module's `Wire`."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from appliance.api.choices import Collected
 from appliance.api.errors import APIError
 from appliance.api.responses_translate import (
     Message,
@@ -67,6 +68,8 @@ class Echo:
     service_tier: str
     safety_identifier: str | None
     prompt_cache_key: str | None
+    frequency_penalty: float
+    presence_penalty: float
 
     @classmethod
     def of(cls, body: ResponsesRequest, temperature: float, top_p: float) -> Echo:
@@ -74,14 +77,19 @@ class Echo:
         return cls(body.instructions, body.metadata or {}, temperature, top_p, body.max_output_tokens, body.previous_response_id,
                    {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}}, body.tools or [],
                    body.tool_choice or "auto", body.parallel_tool_calls, body.truncation or "disabled", body.store, body.user,
-                   body.service_tier or "default", body.safety_identifier, body.prompt_cache_key)
+                   body.service_tier or "default", body.safety_identifier, body.prompt_cache_key,
+                   body.frequency_penalty or 0.0, body.presence_penalty or 0.0)
+
+
+def _status(finish: FinishEvent) -> str:
+    return "incomplete" if finish.reason == "length" else "completed"
 
 
 class ResponsesWire:
     """One response, whole or as its events. `save` is called once with the finished object.
-
-    Streamed, the output items open in the order the answer brings them: the message at its
-    first text (or at the end, when nothing else came), each function call whole as it completes."""
+    A Responses request asks for one answer (no `n`): choice 0. Streamed, its output items open in
+    the order the answer brings them: the message at its first text (or at the end, when nothing
+    else came), each function call whole as it completes."""
 
     def __init__(self, prepared: Prepared, model: str, created: int, echo: Echo, turns: list[Message], save: Save | None) -> None:
         self.id, self.model, self.created, self.echo = prepared.request.id, model, created, echo
@@ -111,28 +119,31 @@ class ResponsesWire:
             "tool_choice": e.tool_choice, "tools": e.tools, "top_p": e.top_p, "truncation": e.truncation,
             "usage": usage(finish) if finish is not None else None, "user": e.user, "metadata": e.metadata,
             # What this server does not do, said as the Open Responses schema requires it said.
-            "background": False, "frequency_penalty": 0.0, "presence_penalty": 0.0, "top_logprobs": 0, "max_tool_calls": None,
+            "background": False, "frequency_penalty": e.frequency_penalty, "presence_penalty": e.presence_penalty, "top_logprobs": 0,
+            "max_tool_calls": None,
             "service_tier": e.service_tier, "safety_identifier": e.safety_identifier, "prompt_cache_key": e.prompt_cache_key,
         }
 
     def _finished(self, text: str, calls: list[dict[str, Any]], finish: FinishEvent,
                   items: Callable[[str], list[dict[str, Any]]] | None = None) -> dict[str, Any]:
-        status = "incomplete" if finish.reason == "length" else "completed"
+        status = _status(finish)
         output = items(status) if items is not None else output_items(text, calls, status, self.message_id)
         body = self.response(status, output, finish)
         if self.save is not None:
             self.save(body, [*self.turns, conversation_turn(text, calls)])
         return body
 
-    def full(self, text: str, logprobs: list[TokenLogprob], finish: FinishEvent) -> bytes:
-        calls: list[dict[str, Any]] = []
+    def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
+        (answer,) = choices
+        text, calls = answer.text, []
         if self.tools is not None:
             parsed = parse(text, self.tools)
             if parsed.calls:
                 text, calls = parsed.content or "", [c.wire() for c in parsed.calls]
-        return _encoder.encode(self._finished(text, calls, finish))
+        return _encoder.encode(self._finished(text, calls, total))
 
-    def opening(self) -> list[bytes]:
+    def opening(self, choices: int) -> list[bytes]:
+        assert choices == 1
         created = self.response("in_progress", [])
         return [
             self._event({"type": "response.created", "response": created}),
@@ -150,7 +161,7 @@ class ResponsesWire:
                          "part": output_text_part("")}),
         ]
 
-    def delta(self, text: str, logprob: TokenLogprob | None) -> list[bytes]:
+    def delta(self, index: int, text: str, logprob: TokenLogprob | None) -> list[bytes]:
         if not text:
             return []
         frames = self._open_message()
@@ -158,7 +169,7 @@ class ResponsesWire:
         return [*frames, self._event({"type": "response.output_text.delta", "output_index": self._order.index(None), "content_index": 0,
                                       "item_id": self.message_id, "delta": text, "logprobs": []})]
 
-    def tool_call(self, call: ToolCall, index: int) -> list[bytes]:
+    def tool_call(self, index: int, call: ToolCall, position: int) -> list[bytes]:
         wired = call.wire()
         self._calls.append(wired)
         self._order.append(wired)
@@ -169,29 +180,32 @@ class ResponsesWire:
         return lambda status: [message_item(self.message_id, text, status) if item is None else function_call_item(item, status)
                                for item in self._order]
 
-    def closing(self, finish: FinishEvent) -> list[bytes]:
-        text = "".join(self._text)
+    def closing(self, index: int, finish: FinishEvent) -> list[bytes]:
         frames = self._open_message() if not self._order else []  # an empty answer is still a message
-        body = self._finished(text, self._calls, finish, self._items(text))
         if None not in self._order:
-            return [*frames, self._event({"type": f"response.{body['status']}", "response": body})]
-        index = self._order.index(None)
-        item = body["output"][index]
+            return frames
+        text = "".join(self._text)
+        at = self._order.index(None)
+        item = message_item(self.message_id, text, _status(finish))
         return [
             *frames,
-            self._event({"type": "response.output_text.done", "output_index": index, "content_index": 0, "item_id": self.message_id,
+            self._event({"type": "response.output_text.done", "output_index": at, "content_index": 0, "item_id": self.message_id,
                          "text": text, "logprobs": []}),
-            self._event({"type": "response.content_part.done", "output_index": index, "content_index": 0, "item_id": self.message_id,
+            self._event({"type": "response.content_part.done", "output_index": at, "content_index": 0, "item_id": self.message_id,
                          "part": item["content"][0]}),
-            self._event({"type": "response.output_item.done", "output_index": index, "item": item}),
-            self._event({"type": f"response.{body['status']}", "response": body}),
+            self._event({"type": "response.output_item.done", "output_index": at, "item": item}),
         ]
 
-    def failed(self, error: APIError, finish: FinishEvent) -> list[bytes]:
+    def ending(self, total: FinishEvent) -> list[bytes]:
+        text = "".join(self._text)
+        body = self._finished(text, self._calls, total, self._items(text))
+        return [self._event({"type": f"response.{body['status']}", "response": body})]
+
+    def failed(self, error: APIError, total: FinishEvent) -> list[bytes]:
         partial = "".join(self._text)
         output = [message_item(self.message_id, partial, "incomplete") if item is None else function_call_item(item, "completed")
                   for item in self._order if item is not None or partial]
         return [
             self._event({"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param}),
-            self._event({"type": "response.failed", "response": self.response("failed", output, finish, error)}),
+            self._event({"type": "response.failed", "response": self.response("failed", output, total, error)}),
         ]

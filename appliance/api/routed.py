@@ -247,7 +247,7 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
             raise  # a budget or rate-limit refusal is the caller's answer, not a reason to escalate
         finish: FinishEvent | None = None
         try:
-            collected = await asyncio.wait_for(attempt.collect(request), route.attempt_timeout_s)
+            (collected,) = await asyncio.wait_for(attempt.collect(request), route.attempt_timeout_s)  # a route's n is 1 (flow.py)
             finish = collected.finish
         except TimeoutError:
             # Too slow: the stream is closed (the engine drops the request), the model cools down.

@@ -98,6 +98,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     n: int = 1
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    # token id (as a string, as JSON keys are) -> bias in [-100, 100]; checked against the vocabulary in translate.py
+    logit_bias: dict[str, float] | None = None
     # LoRA adapters on the model (an extension; `model: "<alias>:<adapter>"` also picks one)
     adapters: list[AdapterChoice] | None = None
 
@@ -172,7 +174,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    frequency_penalty: float | None = None  # refused unless 0, as for chat
+    frequency_penalty: float | None = None  # applied as for chat (each in [-2, 2]), and echoed
     presence_penalty: float | None = None
     # Refused when set (responses_translate._check): each would change the answer.
     background: bool | None = None

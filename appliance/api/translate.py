@@ -25,6 +25,8 @@ from engines.upstream.wire import estimate_tokens
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+# Choices per request: each is a full completion (a slot, its tokens in the budget), so a few only.
+MAX_CHOICES = 8
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Prepared:
     echo: bool = False  # completions: the prompt text leads the completion text
     messages: tuple[dict[str, Any], ...] = ()  # a chat request's turns, as the template saw them
     tools: ToolPlan | None = None  # tools offered: the answer is read for calls
+    choices: int = 1  # `n`: completions of this prompt, one engine request each (choices.py)
 
     @property
     def replay(self) -> str:
@@ -41,18 +44,35 @@ class Prepared:
         return json.dumps(list(self.messages)) if self.messages else self.prompt_text
 
 
-def _check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
-    if body.n != 1:
-        raise invalid("Only n=1 is supported: send one request per completion.", "n")
+def _check_common(body: ChatCompletionRequest | CompletionRequest, model: LoadedModel) -> None:
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise invalid(f"{body.n} is not a valid n: it must be between 1 and {MAX_CHOICES}.", "n")
     if body.temperature is not None and not 0.0 <= body.temperature <= 2.0:
         raise invalid(f"{body.temperature} is not a valid temperature: it must be between 0 and 2.", "temperature")
     if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
         raise invalid(f"{body.top_p} is not a valid top_p: it must be greater than 0 and at most 1.", "top_p")
-    if body.frequency_penalty not in (None, 0, 0.0) or body.presence_penalty not in (None, 0, 0.0):
-        param = "frequency_penalty" if body.frequency_penalty not in (None, 0, 0.0) else "presence_penalty"
-        raise invalid(f"'{param}' is not supported by this server yet.", param)
+    for param in ("frequency_penalty", "presence_penalty"):
+        value = getattr(body, param)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise invalid(f"{value} is not a valid {param}: it must be between -2 and 2.", param)
+    _logit_bias(body.logit_bias, model.engine.vocab_size())
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true.", "stream_options")
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id (a JSON key, so a string) to a bias in [-100, 100], as sorted pairs.
+    `vocab` 0 (an upstream, whose vocabulary is not known here) checks the ids' form only."""
+    out = []
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else -1  # int() of 5000 digits raises
+        if token < 0 or (vocab and token >= vocab):
+            where = f"between 0 and {vocab - 1}" if vocab else "a non-negative integer"
+            raise invalid(f"logit_bias keys must be token ids {where}; got {key!r}.", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise invalid(f"The bias for token {key} is {value}; a bias must be between -100 and 100.", "logit_bias")
+        out.append((token, float(value)))
+    return tuple(sorted(out))
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -115,6 +135,9 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, defaults: Default
         logprobs=logprobs,
         top_logprobs=top,
         grammar=grammar,
+        logit_bias=_logit_bias(body.logit_bias, 0),  # checked against the vocabulary in _check_common
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
     )
 
 
@@ -179,7 +202,7 @@ def _template_chat(body: ChatCompletionRequest, model: LoadedModel) -> tuple[lis
 
 
 def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
-    _check_common(body)
+    _check_common(body, model)
     if body.logprobs and (body.tools or body.functions):
         raise invalid("logprobs cannot be combined with tools on this server.", "logprobs")
     if body.top_logprobs is not None:
@@ -206,7 +229,7 @@ def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defa
     controls = model.engine.control_tokens() if offered is not None else {}
     preserved = frozenset(controls[t] for t in tool_calls.marker_texts(offered.format) if t in controls) if offered else frozenset()
     return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop), preserved_tokens=preserved),
-                    prompt_text, messages=tuple(messages), tools=offered)
+                    prompt_text, messages=tuple(messages), tools=offered, choices=body.n)
 
 
 def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
@@ -245,7 +268,7 @@ def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defa
                                 response_format=response_format, estimated_prompt_tokens=estimate,
                                 messages_json=messages_json, tools_json=tools_json)
     return Prepared(request, json.dumps([{"role": r, "content": c} for r, c in messages]),
-                    tools=plan if plan is not None and plan.mode != "none" else None)
+                    tools=plan if plan is not None and plan.mode != "none" else None, choices=body.n)
 
 
 def _wire_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -258,7 +281,7 @@ def _wire_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def prepare_completion(body: CompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
-    _check_common(body)
+    _check_common(body, model)
     if model.engine.takes_messages:
         raise invalid(f"The model '{model.settings.alias}' runs upstream and serves /v1/chat/completions only.", "model")
     if body.suffix:
@@ -285,4 +308,5 @@ def prepare_completion(body: CompletionRequest, model: LoadedModel, defaults: De
     max_tokens = _max_tokens(body.max_tokens, "max_tokens", len(tokens), model, defaults)
     top = body.logprobs or 0
     sampling = _sampling(body, defaults, body.logprobs is not None, top, None)
-    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), text, echo=body.echo)
+    return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop)), text, echo=body.echo,
+                    choices=body.n)

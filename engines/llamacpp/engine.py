@@ -48,6 +48,7 @@ from engines.calls import ModelThreadCall
 from engines.llamacpp.drafting import Drafter, DraftModelDrafter, DraftState, PromptLookupDrafter, measure_step_cost
 from engines.llamacpp.runtime import Adapter, Context, ContextShape, Model, Sampler
 from engines.prefix import PrefixIndex
+from engines.sampling import LogitAdjuster
 from engines.scheduler import Admission, BatchItem, SlotView, Source, plan_admission, plan_batch
 from engines.speculation import Acceptance, StepCost, draft_length
 from engines.stream import EventStream
@@ -105,6 +106,8 @@ class _Job:
         self.request = request
         self.key = request.adapter_key  # the KV it computes is valid for this adapter set only
         self.sampler = sampler
+        # logit_bias and penalties: the slot's logits adjusted in a copy, then drawn by the same chain
+        self.adjuster = LogitAdjuster(request.sampling) if request.sampling.adjusts_logits else None
         self.emit = emit
         self.cancelled = False
         self.slot = -1
@@ -759,7 +762,15 @@ class LlamaCppEngine:
 
     def _sample(self, job: _Job, row: int) -> int | None:
         """Samples the slot's next token and streams it; the token, or None once the job ended."""
-        token = job.sampler.sample(self.ctx, row)
+        if job.adjuster is None:
+            token = job.sampler.sample(self.ctx, row)
+        else:
+            try:
+                token = job.sampler.pick(job.adjuster(self.ctx.logits(row)))
+            except EngineError as exc:
+                self._release(job, "error", error=str(exc))
+                return None
+            job.adjuster.accept(token)
         now = time.perf_counter()
         if job.first_token_at is None:
             job.first_token_at = now

@@ -45,6 +45,7 @@ from engines.base import (
 from engines.calls import ModelThreadCall
 from engines.mlx.lora import AdapterSet, read_adapter
 from engines.prefix import PrefixIndex
+from engines.sampling import LogitAdjuster
 from engines.speculation import Acceptance, StepCost, draft_length
 from engines.stream import EventStream
 from engines.text import StopMatcher, Utf8Stream
@@ -95,6 +96,8 @@ class _Job:
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.sampler: Any = None  # llama.cpp's chain over this job's logits (grammar, seed), closed when it ends
+        # logit_bias and penalties (engines/sampling.py), applied before either sampler
+        self.adjuster = LogitAdjuster(request.sampling) if request.sampling.adjusts_logits else None
         self.lane: Any = None  # mlx-lm's speculative generator, when the job decodes speculatively
         self.lane_k = 0  # its drafted tokens per verification
         self.lane_run = 0  # drafted tokens accepted since its last verification
@@ -426,7 +429,7 @@ class MlxEngine:
         speculative step serves one sequence, and a batch already keeps the cores busy. Grammars
         (the sampler would see drafted tokens) and adapters (the draft has none) stay batched."""
         return (self._draft is not None and self._lane is None and alone and not self._jobs
-                and job.sampler is None and job.key == () and self._lane_tokens() > 0)
+                and job.sampler is None and job.adjuster is None and job.key == () and self._lane_tokens() > 0)
 
     def _start_lane(self, job: _Job) -> None:
         import mlx.core as mx
@@ -563,9 +566,22 @@ class MlxEngine:
 
         if job.sampler is not None:
             chain = job.sampler
-            return lambda logprobs: mx.array([chain.pick(np.array(logprobs.astype(mx.float32)))], dtype=mx.uint32)
-        s = job.request.sampling
-        return make_sampler(temp=max(s.temperature, 0.0), top_p=s.top_p if 0 < s.top_p < 1 else 0.0)
+            draw = lambda logprobs: mx.array([chain.pick(np.array(logprobs.astype(mx.float32)))], dtype=mx.uint32)  # noqa: E731
+        else:
+            s = job.request.sampling
+            draw = make_sampler(temp=max(s.temperature, 0.0), top_p=s.top_p if 0 < s.top_p < 1 else 0.0)
+        adjuster = job.adjuster
+        if adjuster is None:
+            return draw
+
+        def adjusted(logprobs):  # type: ignore[no-untyped-def]
+            # Log-probabilities differ from logits by a constant per row: the same adjustments apply.
+            row = adjuster(np.array(logprobs.astype(mx.float32)))
+            token = draw(mx.array(row.reshape(logprobs.shape)))
+            adjuster.accept(int(np.array(token).reshape(-1)[0]))  # counted as drawn, whatever the pipeline does next
+            return token
+
+        return adjusted
 
     def _token(self, job: _Job, response) -> None:  # type: ignore[no-untyped-def]
         token = int(response.token)

@@ -28,6 +28,12 @@ def request_body(request: GenerationRequest, upstream_model: str) -> dict:
     }
     if s.seed is not None:
         body["seed"] = s.seed
+    if s.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
     if request.stop:
         body["stop"] = list(request.stop)
     if s.logprobs:
