@@ -226,6 +226,12 @@ def test_a_streamed_function_call_assembles_through_the_sdk(served: tuple[Server
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert json.loads(done.arguments) == arguments  # type: ignore[union-attr]
     assert acme.responses.retrieve(final.id).output[0].call_id == call.call_id  # type: ignore[union-attr]
+    # Through the router the call is validated whole, then replayed as the same events.
+    with acme.responses.stream(model="auto", input=ASK_CAPITAL, tools=[LOOKUP], tool_choice=named,  # type: ignore[arg-type]
+                               max_output_tokens=60, temperature=0) as stream:
+        routed = stream.get_final_response()
+    (routed_call,) = routed.output
+    assert _valid_call(routed_call) == arguments
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
