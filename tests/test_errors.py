@@ -44,6 +44,10 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
         ({"model": CHAT_MODEL, "messages": HELLO, "top_p": 0}, "top_p"),
         ({"model": CHAT_MODEL, "messages": HELLO, "max_tokens": 0}, "max_tokens"),
         ({"model": CHAT_MODEL, "messages": HELLO, "n": 9}, "n"),  # more choices than MAX_CHOICES
+        ({"model": CHAT_MODEL, "messages": HELLO, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),  # would change the answer
+        ({"model": CHAT_MODEL, "messages": HELLO, "modalities": ["text", "audio"]}, "modalities"),
+        ({"model": CHAT_MODEL, "messages": HELLO, "web_search_options": {}}, "web_search_options"),
+        ({"model": CHAT_MODEL, "messages": HELLO, "reasoning_effort": "high"}, "reasoning_effort"),
         ({"model": CHAT_MODEL, "messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": CHAT_MODEL, "messages": HELLO, "top_logprobs": 2}, "top_logprobs"),
         ({"model": CHAT_MODEL, "messages": HELLO, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),

@@ -15,7 +15,7 @@ from appliance.api.call import WireFor
 from appliance.api.errors import APIError, invalid
 from appliance.api.routed import routed_chat
 from appliance.api.schemas import ChatCompletionRequest
-from appliance.api.translate import Prepared, chat_messages, prepare_chat
+from appliance.api.translate import Prepared, chat_messages, prepare_chat, unsupported_chat
 from appliance.judge import yes_probability
 from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
@@ -29,6 +29,7 @@ async def serve_chat(request: Request[Any, Any, Any], services: Services, princi
                      request_id: str, traced: RequestTrace, wire_for: WireFor) -> Response[Any]:
     """Guards, then the route or the model, the cache, and the call; the caller's wire format
     shapes the answer. Ends `traced` on every path that answers without a live stream."""
+    unsupported_chat(body)
     await guard(services, traced, [m.get("content", "") for m in chat_messages(body) if m.get("role") == "user"], principal, request_id)
     route = services.settings.route(body.model)
     if route is not None:

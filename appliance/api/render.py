@@ -119,9 +119,9 @@ class Formatter:
         """A chat choice's message and finish reason: calls read out of its text when tools were offered."""
         parsed = parse(c.text, self.prepared.tools) if self.prepared.tools is not None else None
         if parsed is not None and parsed.calls:
-            return ({"role": "assistant", "content": parsed.content, "refusal": None, "tool_calls": [t.wire() for t in parsed.calls]},
+            return ({"role": "assistant", "content": parsed.content, "refusal": None, "annotations": [], "tool_calls": [t.wire() for t in parsed.calls]},
                     _finish_reason(c.finish, True))
-        return {"role": "assistant", "content": c.text, "refusal": None}, _finish_reason(c.finish)
+        return {"role": "assistant", "content": c.text, "refusal": None, "annotations": []}, _finish_reason(c.finish)
 
     def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
         """The whole response: choice i from choices[i]; usage from `total` (all choices together)."""

@@ -48,6 +48,14 @@ def _error_code(error: APIError) -> str:
     return "rate_limit_exceeded" if error.status == 429 else "server_error" if error.status >= 500 else "invalid_prompt"
 
 
+def _echoed(tool: Any) -> Any:
+    """A function tool as the response object shows it: every field present, null where not given."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        return tool
+    return {"type": "function", "name": tool.get("name"), "description": tool.get("description"), "parameters": tool.get("parameters"),
+            "strict": tool.get("strict"), **{k: v for k, v in tool.items() if k not in ("type", "name", "description", "parameters", "strict")}}
+
+
 @dataclass(frozen=True)
 class Echo:
     """What a response object repeats of its request."""
@@ -75,7 +83,7 @@ class Echo:
     def of(cls, body: ResponsesRequest, temperature: float, top_p: float) -> Echo:
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
         return cls(body.instructions, body.metadata or {}, temperature, top_p, body.max_output_tokens, body.previous_response_id,
-                   {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}}, body.tools or [],
+                   {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}}, [_echoed(t) for t in body.tools or []],
                    body.tool_choice or "auto", body.parallel_tool_calls, body.truncation or "disabled", body.store, body.user,
                    body.service_tier or "default", body.safety_identifier, body.prompt_cache_key,
                    body.frequency_penalty or 0.0, body.presence_penalty or 0.0)

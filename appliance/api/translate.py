@@ -44,6 +44,19 @@ class Prepared:
         return json.dumps(list(self.messages)) if self.messages else self.prompt_text
 
 
+def unsupported_chat(body: ChatCompletionRequest) -> None:
+    """A field that would change the answer and that no served model implements is a 400 naming
+    it (docs/api.md); one that cannot change the answer is ignored."""
+    if body.audio is not None:
+        raise invalid("Audio output is not supported: no served model speaks.", "audio")
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise invalid("Only the text modality is supported.", "modalities")
+    if body.web_search_options is not None:
+        raise invalid("Web search is not supported: the server answers offline.", "web_search_options")
+    if body.reasoning_effort is not None:
+        raise invalid("reasoning_effort is not supported: no served model is a reasoning model.", "reasoning_effort")
+
+
 def _check_common(body: ChatCompletionRequest | CompletionRequest, model: LoadedModel) -> None:
     if not 1 <= body.n <= MAX_CHOICES:
         raise invalid(f"{body.n} is not a valid n: it must be between 1 and {MAX_CHOICES}.", "n")
