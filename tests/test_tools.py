@@ -290,11 +290,13 @@ def test_the_router_accepts_a_call_and_escalates_on_a_broken_one(client: openai.
     assert attempt["outcome"].startswith("tool call:") and cut.headers["x-route-default"] == "true"
 
 
-def test_langchain_bind_tools_round_trip(origin: Server) -> None:
+@pytest.mark.parametrize(("served_by", "model"), [("origin", CHAT_MODEL), ("gateway", "up")])  # a local model, an upstream one
+def test_langchain_bind_tools_round_trip(request: pytest.FixtureRequest, served_by: str, model: str) -> None:
     chat_models = pytest.importorskip("langchain_openai")
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
-    llm = chat_models.ChatOpenAI(model=CHAT_MODEL, base_url=f"{origin.base_url}/v1", api_key="unused", temperature=0, max_tokens=80,
+    server: Server = request.getfixturevalue(served_by)
+    llm = chat_models.ChatOpenAI(model=model, base_url=f"{server.base_url}/v1", api_key="unused", temperature=0, max_tokens=80,
                                  max_retries=0)
     forced = llm.bind_tools([LOOKUP], tool_choice="lookup")
     question = HumanMessage("What is the capital of Peru?")
