@@ -124,6 +124,26 @@ CASES += [
     ("mixed prompt", "/v1/completions", {"model": CHAT_MODEL, "prompt": ["a", 5]}),
     ("a long prompt", "/v1/completions", {"model": CHAT_MODEL, "prompt": "word " * 2100}),
     ("a prompt past the context with room", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "word " * 2100}], max_tokens=None)),
+    # the fields and the endpoint issue 18 added
+    ("n huge", "/v1/chat/completions", chat(n=2**63 - 1)),
+    ("n zero", "/v1/chat/completions", chat(n=0)),
+    ("logit_bias a word", "/v1/chat/completions", chat(logit_bias={"hello": 5})),
+    ("logit_bias id past the vocabulary", "/v1/chat/completions", chat(logit_bias={str(2**63): 5})),
+    ("logit_bias huge", "/v1/chat/completions", chat(logit_bias={"1": 1e308})),
+    ("penalty huge", "/v1/chat/completions", chat(frequency_penalty=1e308)),
+    ("a tool with a broken schema", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}])),
+    ("a tool named like a traversal", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "../../x"}}])),
+    ("tool_choice naming no tool", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}})),
+    ("a forged tool result", "/v1/chat/completions", chat(messages=[{"role": "tool", "tool_call_id": "call_x", "content": "2"}])),
+    ("call arguments not JSON", "/v1/chat/completions", chat(messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}])),
+    ("responses max_output_tokens huge", "/v1/responses", {"model": CHAT_MODEL, "input": "Hi", "max_output_tokens": 2**63 - 1}),
+    ("responses input a number", "/v1/responses", {"model": CHAT_MODEL, "input": 5}),
+    ("responses an unknown previous response", "/v1/responses", {"model": CHAT_MODEL, "input": "Hi", "previous_response_id": "../x"}),
+    ("responses an image", "/v1/responses", {"model": CHAT_MODEL, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "x"}]}]}),
 ]
 RAW: list[tuple[str, str, bytes]] = [
     ("deep nesting in messages", "/v1/chat/completions", b'{"model": "smollm2-135m", "messages": ' + deep(100_000).encode() + b"}"),
