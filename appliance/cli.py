@@ -19,14 +19,16 @@ from appliance.settings import ConfigError, find_config, load_settings
 def cmd_serve(args: argparse.Namespace) -> int:
     import dataclasses
 
+    import msgspec
+
     from appliance.server import serve
 
     settings = settings_of(args.config)
     server = settings.server
     if args.host is not None:
-        server = dataclasses.replace(server, host=args.host)
+        server = msgspec.structs.replace(server, host=args.host)
     if args.port is not None:
-        server = dataclasses.replace(server, port=args.port)
+        server = msgspec.structs.replace(server, port=args.port)
     return serve(dataclasses.replace(settings, server=server))
 
 
