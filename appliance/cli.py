@@ -32,6 +32,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(dataclasses.replace(settings, server=server))
 
 
+def cmd_config_docs(args: argparse.Namespace) -> int:
+    from appliance.config_doc import render
+
+    print(render(), end="")
+    return 0
+
+
 def cmd_config_check(args: argparse.Namespace) -> int:
     from appliance.model_files import ModelFileError, resolve
 
@@ -440,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = config.add_parser("check", help="validate a config file")
     check.add_argument("path", nargs="?", type=Path)
     check.set_defaults(func=cmd_config_check)
+    config.add_parser("docs", help="print the reference of every key (docs/config.md)").set_defaults(func=cmd_config_docs)
 
     models = sub.add_parser("models", help="the model fleet").add_subparsers(dest="models_command", required=True)
     listing = models.add_parser("list", help="list configured models and where their files are")

@@ -91,7 +91,7 @@ def keys_of(cls: type) -> tuple[Key, ...]:
         extra: dict[str, Any] = {}
         for m in metas:
             extra |= m.extra or {}
-        doc = next((m.description for m in metas if m.description), "")
+        doc = next((m.description for m in reversed(metas) if m.description), "")  # the outermost: Alias's own yields to the field's
         factory = None if f.default_factory is msgspec.NODEFAULT else f.default_factory
         out.append(Key(f.name, f.type, f.default, factory, doc, extra))
     return tuple(out)
@@ -293,9 +293,9 @@ def _build(cls: type, table: Mapping[str, Any], prefix: str, where: Where, defau
     return cls(**values)
 
 
-def to_toml(value: Any) -> Any:
-    """A typed value as the TOML value that reads back as it: paths as text, a struct as a table of
-    the keys that differ from their defaults."""
+def to_toml(value: Any, tp: Any = None) -> Any:
+    """A typed value as the TOML value that reads back as it (`tp`, its declared type, where known):
+    paths as text, a struct as a table of the keys that differ from their defaults."""
     if isinstance(value, Path):
         return str(value)
     if hasattr(value, "to_toml"):
@@ -307,10 +307,11 @@ def to_toml(value: Any) -> Any:
             if k.extra.get("flatten"):
                 table |= to_toml(v)
             elif v is not None and v != (k.factory() if k.factory else k.default):
-                table[k.name] = to_toml(v)
+                table[k.name] = to_toml(v, k.type)
         return table
     if isinstance(value, tuple):
-        if value and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for v in value):
+        declared = strip(tp) if tp is not None else None
+        if get_origin(declared) is tuple and get_origin(get_args(declared)[0]) is tuple:  # name = value pairs
             return {name: to_toml(v) for name, v in value}
         return [to_toml(v) for v in value]
     return value

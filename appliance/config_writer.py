@@ -1,8 +1,10 @@
 """Every change the CLI and the admin API make to models.toml goes through here.
 
 Values go through tomlkit, never into text by hand, so a value cannot add a key; tomlkit keeps the
-operator's comments and layout. The new text must parse as the server would read it before it
-replaces the file, and it replaces it by a rename, so a failure leaves the old file whole.
+operator's comments and layout. Each value is written as its key's declaration says (a path as text,
+a keep_alive as the duration it was given) and checked against that declaration first, so a bad one
+is refused naming its key before the file is touched. The new text must then parse as the server
+would read it, and it replaces the file by a rename, so a failure leaves the old file whole.
 """
 
 from __future__ import annotations
@@ -16,7 +18,18 @@ from typing import Any
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
-from appliance.settings import ConfigError, Settings, parse_settings
+from appliance.config_schema import Where, decode, keys_of, to_toml
+from appliance.settings import ConfigError, Settings, parse_settings, table_type
+
+
+def table_values(config: Path, array: str, index: int, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` (typed, as the settings hold them, or plain TOML values) as the TOML values of
+    `[[array]]` table number `index`, checked against the declarations of that table's keys."""
+    cls = table_type(array, values)
+    declared = {k.name: k for k in keys_of(cls)}
+    encoded = {name: to_toml(value, declared[name].type if name in declared else None) for name, value in values.items()}
+    decode(cls, encoded, f"{array}[{index}]", Where(str(config), config.resolve().parent))  # refuses what the reader would
+    return encoded
 
 
 def append_table(config: Path, array: str, values: dict[str, Any]) -> Settings:
@@ -28,7 +41,7 @@ def append_table(config: Path, array: str, values: dict[str, Any]) -> Settings:
     except TOMLKitError as exc:
         raise ConfigError(str(config), "(syntax)", str(exc)) from None
     table = tomlkit.table()
-    for key, value in values.items():
+    for key, value in table_values(config, array, len(doc.get(array, [])), values).items():
         table.add(key, value)
     # A blank line between tables as the operator spaced them: the new table takes over the spacing
     # of the one it follows.

@@ -90,7 +90,7 @@ class Defaults(_Table, frozen=True, kw_only=True):
 
 
 class AdapterSettings(_Table, frozen=True, kw_only=True):
-    name: Annotated[Alias, Meta(description="requests pick it as `model: \"<alias>:<name>\"` or with the `adapters` field")]
+    name: Annotated[Alias, Meta(description="the adapter's name: requests pick it as `model: \"<alias>:<name>\"` or in `adapters`")]
     path: Annotated[Path, Meta(description="the adapter's GGUF file")]
     scale: Annotated[float, Meta(ge=-10.0, le=10.0, description="how strongly it applies")] = 1.0
 
@@ -136,7 +136,8 @@ def _template_text(text: str, key: str, where: Where) -> str:
 class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"):
     """A model this process runs (engine "llamacpp", "mlx" or "auto")."""
 
-    engine: Annotated[Engine, Meta(description="\"auto\" is MLX on Apple silicon, llama.cpp elsewhere")] = "llamacpp"
+    engine: Annotated[Engine, Meta(description="\"auto\" is MLX on Apple silicon, llama.cpp elsewhere; \"openai\": the table below",
+                                   extra={"rule": f"one of {', '.join(ENGINES)}"})] = "llamacpp"
     # Exactly one source: a local path, a file inside an installed Python package, or a hub file.
     path: Annotated[Path | None, Meta(description="a GGUF file, or an MLX folder (one source: path, package_file or hf_repo)")] = None
     package_file: Annotated[str | None, Meta(description="a file inside an installed Python package, \"package/file.gguf\"")] = None
@@ -237,8 +238,8 @@ class BudgetSettings(_Table, frozen=True, kw_only=True):
 class LimitSettings(_Table, frozen=True, kw_only=True):
     level: Annotated[Literal[LIMIT_LEVELS], Meta(description=f"one of {', '.join(LIMIT_LEVELS)}")]  # type: ignore[valid-type]
     name: Annotated[str, Meta(description="the key, user, tenant or app; \"*\": each one separately")] = "*"
-    requests_per_minute: Annotated[int, Meta(ge=0, description="requests a minute; none: no limit")] | None = None
-    tokens_per_minute: Annotated[int, Meta(ge=0, description="tokens a minute; none: no limit")] | None = None
+    requests_per_minute: Annotated[int, Meta(ge=1, description="requests a minute; none: no limit")] | None = None
+    tokens_per_minute: Annotated[int, Meta(ge=1, description="tokens a minute; none: no limit")] | None = None
 
 
 class CacheSettings(_Table, frozen=True, kw_only=True):
@@ -270,10 +271,14 @@ class TracingSettings(_Table, frozen=True, kw_only=True):
     export_interval_ms: Annotated[int, Meta(ge=10, description="how often spans are exported")] = 2000
 
 
+def _calibration_path(text: str, where: Where) -> Path:
+    path = Path(text).expanduser()
+    return path if path.is_absolute() else where.base / path
+
+
 def _calibration(text: str, key: str, where: Where) -> Calibration:
     """Read once with the config; a problem names the calibration file and its key, and which route uses it."""
-    path = Path(text).expanduser()
-    path = path if path.is_absolute() else where.base / path
+    path = _calibration_path(text, where)
     try:
         return calibration_file.read(path)
     except calibration_file.CalibrationError as exc:
@@ -285,7 +290,7 @@ class RouteSettings(_Table, frozen=True, kw_only=True):
     smallest tier that does the job, escalating when an answer fails its validators."""
 
     alias: Annotated[Alias, Meta(description="the name clients send as `model`, for example \"auto\"")]
-    tiers: Annotated[tuple[str, ...], Meta(min_length=1, description="chat model aliases, cheapest first",
+    tiers: Annotated[tuple[str, ...], Meta(min_length=1, description="the chat models it may send a request to, cheapest first",
                                            extra={"rule": "a non-empty list of chat model aliases, cheapest first"})]
     default_response: Annotated[str, Meta(description="the answer when no tier gives a reliable one")] = \
         "I can't give a reliable answer to that right now. Please try again later or rephrase."
@@ -332,6 +337,15 @@ SECTIONS = (
     Section("cache", (CacheSettings,)), Section("tracing", (TracingSettings,)), Section("routes", (RouteSettings,), array=True),
     Section("guardrails", (GuardrailSettings,)),
 )
+
+
+def table_type(section: str, table: dict[str, Any]) -> type:
+    """The struct that declares one table of a section: a [[models]] table is an upstream model
+    when its engine is "openai", a local one otherwise."""
+    types = next(s.types for s in SECTIONS if s.name == section)
+    return UpstreamModel if section == "models" and table.get("engine") == "openai" else types[0]
+
+
 _MODEL_KEYS = table_keys(LocalModel)  # the keys of a local model's table
 _UPSTREAM_MODEL_KEYS = table_keys(UpstreamModel)
 
@@ -442,7 +456,7 @@ def _models(raw: dict[str, Any], where: Where) -> tuple[ModelSettings, ...]:
     tables = _array(raw, "models", where)
     if not tables:
         raise where.fail("models", "no models declared: add at least one [[models]] table")
-    models = tuple((_upstream_model if t.get("engine") == "openai" else _local_model)(t, f"models[{i}]", where)
+    models = tuple((_upstream_model if table_type("models", t) is UpstreamModel else _local_model)(t, f"models[{i}]", where)
                    for i, t in enumerate(tables))
     seen: set[str] = set()
     for i, m in enumerate(models):
@@ -503,7 +517,7 @@ def _routes(raw: dict[str, Any], models: tuple[ModelSettings, ...], where: Where
             raise where.fail(f"{key}.classifier_model",
                              f"{r.classifier_model!r} runs upstream; the classifier's answer is forced by a grammar, so it must be a local model")
         if r.calibration is not None and r.calibration.tiers != r.tiers:
-            raise where.fail(f"{key}.calibration", f"{table['calibration']} was measured with tiers {list(r.calibration.tiers)}, "
+            raise where.fail(f"{key}.calibration", f"{_calibration_path(table['calibration'], where)} was measured with tiers {list(r.calibration.tiers)}, "
                                                    f"this route has {list(r.tiers)}: remove this key, then run `appliance eval router` "
                                                    "and `appliance eval calibrate` again")
         if r.alias in [done.alias for done in routes]:
