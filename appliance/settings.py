@@ -20,13 +20,13 @@ import msgspec
 from msgspec import Meta
 
 from appliance import calibration_file
-from appliance.config_schema import ConfigError, Where, check_known, decode, dotted, table_keys
+from appliance.config_schema import ConfigError, Where, check_known, decode, table_keys
 from appliance.config_values import KeepAlive, MemoryBudget
 from appliance.paths import default_data_dir
 from policy.limits import LIMIT_LEVELS, LimitRule
 from policy.router import Calibration
 
-__all__ = ["ConfigError", "Settings", "ModelSettings", "LocalModel", "UpstreamModel", "parse_settings", "load_settings", "find_config"]
+__all__ = ["ConfigError", "LocalModel", "ModelSettings", "Settings", "UpstreamModel", "find_config", "load_settings", "parse_settings"]
 
 Engine = Literal["llamacpp", "mlx", "auto"]  # "auto": MLX on Apple silicon, llama.cpp elsewhere
 Kind = Literal["chat", "embedding", "draft"]  # a draft model is loaded only inside the models it drafts for
@@ -34,9 +34,7 @@ Tier = Literal["small", "mid", "frontier"]
 KvType = Literal["f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
 SpeculationMode = Literal["auto", "off", "prompt_lookup", "draft"]
 ENGINES = (*get_args(Engine), "openai")  # openai: a model served by another server (engines/upstream)
-KINDS, TIERS, KV_CACHE_TYPES, SPECULATION = get_args(Kind), get_args(Tier), get_args(KvType), get_args(SpeculationMode)
 UNQUANTIZED_KV = ("f16", "bf16")
-METRICS_AUTH = ("none", "admin")  # who may read /metrics: anyone who reaches the port, or admin keys
 
 # A model's alias, a route's alias and an adapter's name: what clients send as `model` ("alias" or
 # "alias:adapter", so no ':'), and what the admin API writes into this file, so nothing TOML could read.
@@ -48,8 +46,7 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Shared by more than one table: declared once here.
 Alias = Annotated[str, Meta(pattern=NAME_PATTERN, description="the name clients send as `model`", extra={"rule": NAME_RULE})]
 Url = Annotated[str, Meta(pattern=r"^https?://", extra={"rule": "an http:// or https:// URL"})]
-BaseUrl = Annotated[str, Meta(pattern=r"^https?://", description="the server's OpenAI API root, for example \"http://gpu1:8000/v1\"",
-                              extra={"rule": "an http:// or https:// URL"})]
+BaseUrl = Annotated[Url, Meta(description="the server's OpenAI API root, for example \"http://gpu1:8000/v1\"")]
 ApiKeyEnv = Annotated[str, Meta(pattern=ENV_NAME.pattern, description="the environment variable holding the server's key",
                                 extra={"rule": "the name of an environment variable (the key itself never goes in the file)"})]
 Price = Annotated[float, Meta(ge=0.0)]
