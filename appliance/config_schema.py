@@ -126,6 +126,8 @@ def _is_struct(tp: Any) -> bool:
 
 
 def _bounds(metas: tuple[msgspec.Meta, ...]) -> tuple[Any, Any]:
+    if any(m.gt is not None or m.lt is not None for m in metas):
+        raise TypeError("declare bounds with ge and le: the reader and the reference say them as inclusive")
     low = next((m.ge for m in metas if m.ge is not None), None)
     high = next((m.le for m in metas if m.le is not None), None)
     return low, high
