@@ -36,7 +36,6 @@ from engines.base import (
     EngineClosed,
     EngineError,
     EngineEvent,
-    EngineOverloaded,
     EngineStats,
     FinishEvent,
     FinishReason,
@@ -49,6 +48,7 @@ from engines.base import (
     check_context,
 )
 from engines.logprobs import token_logprob
+from engines.occupancy import Occupancy
 from engines.prefix import HostCache, PrefixIndex
 from engines.sampling import LogitAdjuster
 from engines.stream import EventStream
@@ -134,7 +134,7 @@ class LocalEngine:
     takes_messages = False
 
     def __init__(self, *, slots: int, max_queue: int, host_cache_bytes: int, thread_name: str) -> None:
-        self._slots, self._max_queue = slots, max_queue
+        self._occupancy = Occupancy(slots, max_queue)
         self.prefix_stats = PrefixStats()
         self.speculation_stats = SpeculationStats()
         # Which slot or host-RAM copy holds which tokens, under which adapter set: a prompt that
@@ -143,17 +143,11 @@ class LocalEngine:
         self._host: HostCache[Any] = HostCache(self._index, host_cache_bytes, self.prefix_stats)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: deque[Job] = deque()
-        self._running: dict[Job, None] = {}  # admitted into the engine's batch; ordered
+        self._running: dict[Job, None] = {}  # admitted into the engine's batch (the model thread's; ordered)
         self._adapters: dict[str, LoadedAdapter] = {}  # the model thread changes it, under _lock
         self._applied: AdapterKey = ()  # the adapter set the model applies now
         self._served: AdapterKey | None = None  # the set the last step served (turns)
         self._lock = threading.Lock()
-        self._queued = 0  # requests accepted and not yet admitted
-        self._unfinished = 0  # requests and counted calls accepted and not yet finished
-        self._idle_since: float | None = time.monotonic()
-        self._idle_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self._accepting = True
-        self._closing = False
         self._stopping = False  # the thread was asked to stop (read on the thread)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
@@ -242,7 +236,7 @@ class LocalEngine:
 
     def generate(self, request: GenerationRequest) -> EventStream:
         """Validates and queues the request; raises at once on a request that cannot run."""
-        self._refuse_if_closed()
+        self._occupancy.refuse_if_closed()
         self._check_request(request)
         check_context(request, self.context_length)
         if not request.prompt_tokens:
@@ -251,12 +245,12 @@ class LocalEngine:
             missing = [name for name, _ in request.adapters if name not in self._adapters]
         if missing:
             raise UnknownAdapter(f"no adapter named {missing[0]!r} is loaded on this model")
-        self._accept(request=True)
+        self._occupancy.take(request=True)
         try:
             stream = EventStream(asyncio.get_running_loop())
             job = self._new_job(request, stream.push)
         except BaseException:
-            self._settle(queued=True)
+            self._occupancy.settle(queued=True)
             raise
         stream.on_close = lambda: self._cancel(job)
         self._inbox.put(job)
@@ -266,7 +260,7 @@ class LocalEngine:
         """Embeddings run on the model thread like requests, and keep the model busy meanwhile."""
         if not self.supports_embeddings:
             raise EngineError("this model is not configured for embeddings")
-        self._refuse_if_closed()
+        self._occupancy.refuse_if_closed()
         return await self._on_model_thread(lambda: self._embed(inputs), counted=True)
 
     def adapters(self) -> list[AdapterInfo]:
@@ -304,7 +298,8 @@ class LocalEngine:
         await self._on_model_thread(unload)
 
     def stats(self) -> EngineStats:
-        return EngineStats(self._slots, len(self._running), max(0, self._queued), replace(self.prefix_stats),
+        o = self._occupancy
+        return EngineStats(o.slots, o.running, max(0, o.queued), replace(self.prefix_stats),
                            replace(self.speculation_stats) if self._speculating else None,
                            self._slot_states(), self._kv_capacity_tokens())
 
@@ -320,7 +315,7 @@ class LocalEngine:
         """Stops the model thread (whatever is left ends with a 503) and frees the model."""
         if self._closed:
             return
-        self._closing = True
+        self._occupancy.closing = True
         self._inbox.put(None)
         self._thread.join(timeout=30)
         if self._thread.is_alive():
@@ -335,70 +330,26 @@ class LocalEngine:
     @property
     def busy(self) -> int:
         """Requests (and embedding calls) running or queued."""
-        return self._unfinished
+        return self._occupancy.unfinished
 
     @property
     def idle_since(self) -> float | None:
         """When the last request finished (or the model started), `time.monotonic()`; None while busy."""
-        return self._idle_since
+        return self._occupancy.idle_since
 
     @property
     def accepting(self) -> bool:
-        return self._accepting and not self._closing
+        return self._occupancy.accepting and not self._occupancy.closing
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Stops taking new requests (they get EngineClosed) and waits for those already taken, queued
         ones included, to finish: True once none is left, False at `timeout`. `resume` takes requests again."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        with self._lock:
-            self._accepting = False
-            if self._unfinished == 0:
-                return True
-            self._idle_waiters.append((loop, future))
-        try:
-            await asyncio.wait_for(asyncio.shield(future), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await self._occupancy.drain(timeout)
 
     def resume(self) -> None:
-        self._accepting = True
+        self._occupancy.accepting = True
 
     # ---- bookkeeping shared by both threads -----------------------------------------------------
-
-    def _refuse_if_closed(self) -> None:
-        if self._closing:
-            raise EngineClosed("the model is shutting down")
-        if not self._accepting:
-            raise EngineClosed("the model is being unloaded; retry shortly")
-
-    def _accept(self, *, request: bool) -> None:
-        """Counts a request (or a counted call) in; requests beyond the slots and the queue are refused."""
-        with self._lock:
-            self._refuse_if_closed()  # under the lock: a drain sees every request taken before it
-            if request:
-                if self._queued + len(self._running) >= self._max_queue + self._slots:
-                    raise EngineOverloaded(f"the queue for this model is full ({self._max_queue} waiting)")
-                self._queued += 1
-            self._unfinished += 1
-            self._idle_since = None
-
-    def _settle(self, *, queued: bool) -> None:
-        """Counts a request out; the last one out marks the model idle and wakes `drain`."""
-        with self._lock:
-            if queued:
-                self._queued -= 1
-            self._unfinished -= 1
-            if self._unfinished:
-                return
-            self._idle_since = time.monotonic()
-            waiters, self._idle_waiters = self._idle_waiters, []
-        for loop, future in waiters:
-            try:
-                loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
-            except RuntimeError:
-                pass
 
     def _cancel(self, job: Job) -> None:
         job.cancelled = True
@@ -412,12 +363,12 @@ class LocalEngine:
         return any(name == n for job in self._in_flight() for n, _ in job.request.adapters)
 
     async def _on_model_thread(self, fn: Callable[[], Any], counted: bool = False) -> Any:
-        if self._closing:
+        if self._occupancy.closing:
             raise EngineClosed("the model is shutting down")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         if counted:
-            self._accept(request=False)
+            self._occupancy.take(request=False)
         self._inbox.put(_Call(fn, loop, future, counted))
         return await future
 
@@ -435,7 +386,7 @@ class LocalEngine:
             log.exception("model thread %s crashed", self._thread.name)
             self._fail_all(f"engine failure: {exc}")
         finally:
-            self._closing = True
+            self._occupancy.closing = True
             self._fail_all("the model is shutting down", status=503)
             self._on_thread_end()
 
@@ -453,7 +404,7 @@ class LocalEngine:
             elif isinstance(item, _Call):
                 item.run()
                 if item.counted:
-                    self._settle(queued=False)
+                    self._occupancy.settle()
             elif isinstance(item, _Abort):
                 self._fail_all(item.message, status=503)
             try:
@@ -471,9 +422,8 @@ class LocalEngine:
 
     def _started(self, job: Job) -> None:
         """The engine took the job into its batch."""
-        with self._lock:
-            self._queued -= 1
-            self._running[job] = None
+        self._occupancy.admit()
+        self._running[job] = None
         job.admitted = True
 
     def _take_turn(self, jobs: list[Job]) -> list[Job]:
@@ -558,9 +508,8 @@ class LocalEngine:
         tail = job.stops.feed(job.utf8.flush()) + job.stops.flush() if reason in ("stop", "length") else ""
         if job.sampler is not None:
             job.sampler.close()
-        with self._lock:
-            self._running.pop(job, None)
-        self._settle(queued=not job.admitted)
+        self._running.pop(job, None)
+        self._occupancy.settle(queued=not job.admitted, running=job.admitted)
         end = time.perf_counter()
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
         queued = None if job.first_step_at is None else job.first_step_at - job.submitted_at
@@ -592,4 +541,4 @@ class LocalEngine:
             elif isinstance(item, _Call):
                 item.fail(EngineClosed(message))
                 if item.counted:
-                    self._settle(queued=False)
+                    self._occupancy.settle()

@@ -14,9 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance.model_files import package_file
-from engines.base import EngineClosed, FinishEvent, GenerationRequest, PrefixStats, SamplingParams, TokenEvent
+from engines.base import EngineClosed, EngineOverloaded, FinishEvent, GenerationRequest, PrefixStats, SamplingParams, TokenEvent
 from engines.llamacpp.engine import LlamaCppConfig, LlamaCppEngine
 from engines.logprobs import log_softmax, token_logprob, top_tokens
+from engines.occupancy import Occupancy
 from engines.prefix import HostCache, PrefixIndex
 from tests.conftest import MODEL_FILE
 
@@ -37,6 +38,32 @@ def test_host_cache_keeps_the_most_recently_used_under_its_budget() -> None:
     assert stats.host_saves == 5 and ("host", 5) not in index
     host.drop(4)
     assert (stats.host_bytes, stats.host_entries, index.holders()) == (40, 1, [("host", 1)])
+
+
+def test_occupancy_counts_requests_in_and_out_and_drains() -> None:
+    async def run() -> None:
+        o = Occupancy(slots=1, max_queue=1)
+        o.take(request=True)
+        o.admit()
+        o.take(request=True)
+        with pytest.raises(EngineOverloaded):  # one running, one queued: the slot and the queue are full
+            o.take(request=True)
+        o.take(request=False)  # a call (an embedding) is counted, never refused for the queue
+        assert (o.running, o.queued, o.unfinished, o.idle_since) == (1, 1, 3, None)
+        drained = asyncio.create_task(o.drain(timeout=5))
+        await asyncio.sleep(0)
+        with pytest.raises(EngineClosed, match="unloaded"):
+            o.take(request=True)
+        o.settle(running=True)
+        o.settle(queued=True)
+        assert not drained.done()
+        o.settle()
+        assert await drained is True and o.idle_since is not None and (o.running, o.queued) == (0, 0)
+        o.accepting = True
+        o.take(request=False)
+        assert await o.drain(timeout=0.01) is False
+
+    asyncio.run(run())
 
 
 @given(st.lists(st.integers(-3, 3), min_size=1, max_size=40), st.integers(0, 45))
