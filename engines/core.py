@@ -160,7 +160,7 @@ class LocalEngine:
     # Called on the event loop:
 
     def _check_request(self, request: GenerationRequest) -> None:
-        """Refuses (raising EngineError) what this engine cannot serve, before anything else."""
+        """Refuses (raising EngineError) what this engine cannot serve, before the common checks."""
 
     def _new_job(self, request: GenerationRequest, emit: Callable[[EngineEvent], None]) -> Job:
         """The engine's job for a request, with its sampler (a grammar that does not parse raises here)."""
