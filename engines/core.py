@@ -92,11 +92,12 @@ class LoadedAdapter:
 
 class _Call:
     """A function to run on the model thread between steps (only that thread touches the model),
-    its result handed back to the event loop as a future's. `counted`: it is a request of its own
-    (an embedding) and keeps the model busy until it has run."""
+    its result handed back to the event loop as a future's. `on_done` runs first, on the model
+    thread: a call that is a request of its own (an embedding) is counted out before its caller wakes."""
 
-    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], counted: bool) -> None:
-        self.fn, self.loop, self.future, self.counted = fn, loop, future, counted
+    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any],
+                 on_done: Callable[[], None] | None = None) -> None:
+        self.fn, self.loop, self.future, self.on_done = fn, loop, future, on_done
 
     def run(self) -> None:
         try:
@@ -110,6 +111,8 @@ class _Call:
         self._resolve(lambda: self.future.done() or self.future.set_exception(exc))
 
     def _resolve(self, fn: Callable[[], Any]) -> None:
+        if self.on_done is not None:
+            self.on_done()
         try:
             self.loop.call_soon_threadsafe(fn)
         except RuntimeError:  # the loop is gone; nobody is waiting
@@ -369,7 +372,7 @@ class LocalEngine:
         future: asyncio.Future[Any] = loop.create_future()
         if counted:
             self._occupancy.take(request=False)
-        self._inbox.put(_Call(fn, loop, future, counted))
+        self._inbox.put(_Call(fn, loop, future, self._occupancy.settle if counted else None))
         return await future
 
     # ---- the model thread -------------------------------------------------------------------------
@@ -403,8 +406,6 @@ class LocalEngine:
                 self._waiting.append(item)
             elif isinstance(item, _Call):
                 item.run()
-                if item.counted:
-                    self._occupancy.settle()
             elif isinstance(item, _Abort):
                 self._fail_all(item.message, status=503)
             try:
@@ -540,5 +541,3 @@ class LocalEngine:
                 self._finish(item, "error", error=message, status=status)
             elif isinstance(item, _Call):
                 item.fail(EngineClosed(message))
-                if item.counted:
-                    self._occupancy.settle()
