@@ -131,7 +131,7 @@ class FinishEvent:
     # An upstream engine's: which server answered (or failed last), after how many attempts.
     upstream: str | None = None
     upstream_attempts: int = 0
-    # Measured where the engine knows (llama.cpp; None elsewhere): the wait before the request's first
+    # Measured where the engine knows (the local engines; None upstream): the wait before the request's first
     # step, and the gap before each sampled token after the first, for vLLM's histograms of the same.
     queue_time_s: float | None = None
     inter_token_s: tuple[float, ...] | None = None

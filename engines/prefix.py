@@ -3,15 +3,21 @@
 A holder is anything that can hand a new request the KV of a prefix: a slot's sequence in the
 KV cache, or a sequence saved in host RAM. Every holder is inserted under a model key (the model
 and its adapter set), so a request never reuses KV computed under another key. Pure bookkeeping:
-the engine does the copying.
+the engine does the copying. `HostCache` is the host-RAM tier every local engine shares.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from engines.base import PrefixStats
 
 Holder = Hashable
+State = TypeVar("State")
 
 
 @dataclass
@@ -111,3 +117,46 @@ def _shared(label: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
     while n < limit and label[n] == tokens[start + n]:
         n += 1
     return n
+
+
+class HostCache(Generic[State]):
+    """Sequences' KV saved in host RAM, least recently used first out under a byte budget. Each
+    entry is listed in a prefix index as the holder ("host", id) under its model key, beside
+    whatever else that index lists (an engine's slots), so one match finds every source of a
+    prefix. What a state is (llama.cpp's bytes, MLX's per-layer caches) is the engine's business."""
+
+    def __init__(self, index: PrefixIndex, budget_bytes: int, stats: PrefixStats) -> None:
+        self.index, self.budget, self.stats = index, budget_bytes, stats
+        self._entries: OrderedDict[int, tuple[State, int]] = OrderedDict()  # id -> (state, bytes), LRU first
+        self._ids = itertools.count()
+
+    def put(self, key: Hashable, tokens: tuple[int, ...], state: State, size: int, protect: int | None = None) -> None:
+        """Saves `state` (holding `tokens` under `key`), evicting the least recently used entries
+        to fit, never `protect` (an entry about to be restored); a state over the budget is not kept."""
+        if size > self.budget:
+            return
+        ident = next(self._ids)
+        self._entries[ident] = (state, size)
+        self.index.insert(key, ("host", ident), tokens)
+        stats = self.stats
+        stats.host_saves += 1
+        stats.host_bytes += size
+        while stats.host_bytes > self.budget:
+            victim = next((i for i in self._entries if i != protect), None)
+            if victim is None:
+                break
+            self.drop(victim)
+            stats.host_evictions += 1
+        stats.host_entries = len(self._entries)
+
+    def get(self, ident: int) -> State:
+        """The saved state, now the most recently used."""
+        self._entries.move_to_end(ident)
+        return self._entries[ident][0]
+
+    def drop(self, ident: int) -> None:
+        entry = self._entries.pop(ident, None)
+        if entry is not None:
+            self.index.remove(("host", ident))
+            self.stats.host_bytes -= entry[1]
+            self.stats.host_entries = len(self._entries)

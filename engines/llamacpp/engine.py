@@ -1,58 +1,30 @@
-"""The llama.cpp engine: one thread owns the model and runs the slot loop.
+"""The llama.cpp engine: the slot loop on the model thread of engines/core.py.
 
-Each step: admit waiting requests into free slots, build one batch (every generating slot's
-decode token first, then prompt chunks under a token budget), decode, sample each slot with its
-own sampler, stream tokens out, release finished slots.
+Each step: admit waiting requests into free slots (reusing a cached prefix from a slot or host
+RAM), build one batch (every generating slot's decode token first, then prompt chunks under a
+token budget), decode, sample each slot with its own sampler (verifying drafts where it
+speculates), hand each token to the core, which streams it out; release finished slots.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import queue
 import signal
-import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from engines.base import (
-    AdapterInfo,
-    SHUTDOWN_RETRY_AFTER_S,
-    SHUTTING_DOWN,
-    ContextLengthExceeded,
-    EngineClosed,
-    EngineError,
-    EngineEvent,
-    EngineOverloaded,
-    EngineStats,
-    FinishEvent,
-    FinishReason,
-    GenerationRequest,
-    PrefixStats,
-    SpeculationStats,
-    TokenEvent,
-    TokenLogprob,
-    TopLogprob,
-    UnknownAdapter,
-    Usage,
-    check_context,
-)
-from engines.calls import ModelThreadCall
+from engines.base import ContextLengthExceeded, EngineError, EngineEvent, FinishReason, GenerationRequest
+from engines.core import AdapterKey, Job, LocalEngine
 from engines.llamacpp.drafting import Drafter, DraftModelDrafter, DraftState, PromptLookupDrafter, measure_step_cost
 from engines.llamacpp.runtime import Adapter, Context, ContextShape, Model, Sampler
-from engines.prefix import PrefixIndex
-from engines.sampling import LogitAdjuster
+from engines.logprobs import log_softmax
 from engines.scheduler import Admission, BatchItem, SlotView, Source, plan_admission, plan_batch
 from engines.speculation import Acceptance, StepCost, draft_length
-from engines.stream import EventStream
-from engines.text import StopMatcher, Utf8Stream
 
 log = logging.getLogger("appliance.llamacpp")
 
@@ -99,51 +71,34 @@ def context_layout(batch_invariant: bool, kv_type: str) -> tuple[bool, bool]:
     return False, kv_type not in ("f16", "bf16")
 
 
-class _Job:
-    """A request in flight. Mutated only by the model thread, except `cancelled`."""
+class _SlotJob(Job):
+    """A request in a slot: where its sequence stands, and its speculation."""
 
     def __init__(self, request: GenerationRequest, sampler: Sampler, emit: Callable[[EngineEvent], None]) -> None:
-        self.request = request
-        self.key = request.adapter_key  # the KV it computes is valid for this adapter set only
-        self.sampler = sampler
-        # logit_bias and penalties: the slot's logits adjusted in a copy, then drawn by the same chain
-        self.adjuster = LogitAdjuster(request.sampling) if request.sampling.adjusts_logits else None
-        self.emit = emit
-        self.cancelled = False
+        super().__init__(request, sampler, emit)
         self.slot = -1
         self.admitted_seq = 0
         self.n_past = 0
         self.pending_token: int | None = None
-        self.generated = 0
         self.decoded: list[int] = []  # generated tokens whose KV is in the slot
-        self.reused = 0  # prompt tokens served from KV computed earlier
-        self.parked: tuple[Source, _Job] | None = None  # waiting for another slot's prefill
+        self.parked: tuple[Source, _SlotJob] | None = None  # waiting for another slot's prefill
         self.draft_state: DraftState | None = None
         self.acceptance = Acceptance()
         # Prompt lookup's draft for a step that did not speculate, scored against what the slot
         # then samples, so the acceptance estimate stays current at no cost: (draft, matched).
         self.shadow: tuple[tuple[int, ...], int] | None = None
         self.steps_without_drafts = 0
-        self.utf8 = Utf8Stream()
-        self.stops = StopMatcher(request.stop)
-        self.submitted_at = time.perf_counter()
-        self.first_step_at: float | None = None
-        self.first_token_at: float | None = None
-        self.last_token_at = 0.0
-        self.token_gaps: list[float] = []
 
     def view(self, drafted: int = 0) -> SlotView:
         return SlotView(self.slot, self.admitted_seq, len(self.request.prompt_tokens), self.n_past, self.pending_token is not None, drafted)
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(LocalEngine):
     name = "llamacpp"
-    supports_grammar = True
-    supports_logprobs = True
-    supports_adapters = True
-    takes_messages = False
 
     def __init__(self, config: LlamaCppConfig) -> None:
+        super().__init__(slots=config.slots, max_queue=config.max_queue, host_cache_bytes=config.prefix_host_bytes,
+                         thread_name=f"llamacpp:{config.path.name}")
         self.config = config
         self.supports_embeddings = config.embeddings
         self.model = Model(config.path, use_extra_buffers=not config.batch_invariant)
@@ -164,40 +119,20 @@ class LlamaCppEngine:
         except Exception:
             self.model.close()
             raise
-        self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._waiting: deque[_Job] = deque()
-        self._active: dict[int, _Job] = {}
-        # Which slot (or host-RAM copy) holds which tokens, kept after a request ends so the next
-        # prompt that shares a prefix (a system prompt, a chat template's preamble) skips
-        # recomputing it. An active slot is listed with its whole prompt from admission on.
-        self._index = PrefixIndex()
-        # Saved sequences' state by id, LRU first; their tokens and model key are in the index.
-        self._host: OrderedDict[int, bytes] = OrderedDict()
-        self._host_ids = itertools.count()
-        self.prefix_stats = PrefixStats()
-        self.speculation_stats = SpeculationStats()
+        self._active: dict[int, _SlotJob] = {}  # by slot; an active slot is in the prefix index with its whole prompt
+        self._admissions = itertools.count()
         self._acceptance = Acceptance()  # across requests: a new request's starting estimate
         self._drafter: Drafter | None = None
         self._step_cost = StepCost(())
-        self._adapters: dict[str, tuple[Adapter, float]] = {}  # the model thread changes it, under _lock
-        self._applied: tuple = ()  # the adapter set the context applies now
-        self._served: tuple | None = None  # the adapter set the last step served (round robin)
         try:
-            for name, path, scale in config.adapters:
-                self._adapters[name] = (Adapter(self.model, path), scale)
+            self._install_adapters(config.adapters)
             self._start_speculation()
         except Exception:
-            for adapter, _ in self._adapters.values():
-                adapter.close()
+            self._drop_adapters()
             self.ctx.close()
             self.model.close()
             raise
-        self._admissions = itertools.count()
-        self._closing = False
-        self._queued = 0  # submitted but not yet admitted; read by other threads for stats
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=f"llamacpp:{config.path.name}", daemon=True)
-        self._thread.start()
+        self._start_thread()
 
     def _start_speculation(self) -> None:
         c = self.config
@@ -214,19 +149,7 @@ class LlamaCppEngine:
         else:
             raise EngineError(f"unknown speculation {c.speculation!r}")
 
-    def _measure_speculation(self) -> None:
-        """Times verify steps (and the draft model's decode) on the model thread itself: OpenMP
-        keeps a team of worker threads per calling thread, and a second team, started by a decode
-        on another thread, slowed every later decode by a quarter here."""
-        c = self.config
-        if self._drafter is None or c.speculation_fixed_tokens:
-            return
-        self._drafter.calibrate()
-        self._step_cost = measure_step_cost(self.ctx, c.speculation_max_tokens)
-        log.info("speculation: %s; a verify step of 1..%d tokens takes %s ms", c.speculation, len(self._step_cost.seconds),
-                 " ".join(f"{t * 1e3:.0f}" for t in self._step_cost.seconds))
-
-    # ---- called from the event loop -------------------------------------------------------
+    # ---- the model's own surface ------------------------------------------------------------------
 
     @property
     def context_length(self) -> int:
@@ -253,116 +176,81 @@ class LlamaCppEngine:
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.model.piece(t, special=True) for t in tokens).decode("utf-8", errors="replace")
 
-    def generate(self, request: GenerationRequest) -> EventStream:
-        """Validates and queues the request; raises at once on a request that cannot run."""
-        if self._closing:
-            raise EngineClosed("the model is shutting down")
+    # ---- the core's hooks -------------------------------------------------------------------------
+
+    def _check_request(self, request: GenerationRequest) -> None:
         if self.config.embeddings:
             raise EngineError("this model is configured for embeddings only")
-        check_context(request, self.context_length)
-        if not request.prompt_tokens:
-            raise EngineError("the prompt is empty")
-        with self._lock:
-            missing = [name for name, _ in request.adapters if name not in self._adapters]
-        if missing:
-            raise UnknownAdapter(f"no adapter named {missing[0]!r} is loaded on this model")
-        with self._lock:
-            if self._queued >= self.config.max_queue + max(0, self.config.slots - len(self._active)):
-                raise EngineOverloaded(f"the queue for this model is full ({self.config.max_queue} waiting)")
-            self._queued += 1
+
+    def _new_job(self, request: GenerationRequest, emit: Callable[[EngineEvent], None]) -> Job:
         s = request.sampling
-        try:
-            sampler = Sampler(self.model, temperature=s.temperature, top_p=s.top_p, seed=s.seed, grammar=s.grammar)
-        except Exception:
-            with self._lock:
-                self._queued -= 1
-            raise
-        stream = EventStream(asyncio.get_running_loop())
-        job = _Job(request, sampler, stream.push)
-        stream.on_close = lambda: self._cancel(job)
-        self._inbox.put(job)
-        return stream
+        return _SlotJob(request, Sampler(self.model, temperature=s.temperature, top_p=s.top_p, seed=s.seed, grammar=s.grammar), emit)
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
-        if not self.config.embeddings:
-            raise EngineError("this model is not configured for embeddings")
+    def _on_thread_start(self) -> None:
+        # Signals go to the main thread only. A signal landing on this thread or on the OpenMP
+        # workers it starts (they inherit this mask) stalls llama_decode for seconds.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNC_SIGNALS)
+        self._measure_speculation()
+
+    def _measure_speculation(self) -> None:
+        """Times verify steps (and the draft model's decode) on the model thread itself: OpenMP
+        keeps a team of worker threads per calling thread, and a second team, started by a decode
+        on another thread, slowed every later decode by a quarter here."""
+        c = self.config
+        if self._drafter is None or c.speculation_fixed_tokens:
+            return
+        self._drafter.calibrate()
+        self._step_cost = measure_step_cost(self.ctx, c.speculation_max_tokens)
+        log.info("speculation: %s; a verify step of 1..%d tokens takes %s ms", c.speculation, len(self._step_cost.seconds),
+                 " ".join(f"{t * 1e3:.0f}" for t in self._step_cost.seconds))
+
+    def _piece(self, token: int, special: bool) -> bytes:
+        return self.model.piece(token, special=special)
+
+    def _is_eog(self, token: int) -> bool:
+        return self.model.is_eog(token)
+
+    def _attach_adapter(self, name: str, prepared: Path) -> Adapter:
+        return Adapter(self.model, prepared)
+
+    def _detach_adapter(self, name: str, handle: Adapter) -> None:
+        handle.close()
+
+    def _apply_adapters(self, key: AdapterKey) -> None:
+        self.ctx.set_adapters([(self._adapters[name].handle, scale) for name, scale in key])
+
+    def _forget_holder(self, holder: Hashable) -> None:
+        self.ctx.clear_sequence(holder[1])  # type: ignore[index]
+
+    def _embed(self, inputs: list[list[int]]) -> list[list[float]]:
+        limit = min(self.context_length, self.config.batch_tokens)
         for tokens in inputs:
-            if len(tokens) > min(self.context_length, self.config.batch_tokens):
-                raise ContextLengthExceeded(
-                    f"an input has {len(tokens)} tokens; this embedding model takes at most "
-                    f"{min(self.context_length, self.config.batch_tokens)}"
-                )
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[list[float]]] = loop.create_future()
-        self._inbox.put(_EmbedJob(inputs, loop, future))  # type: ignore[arg-type]
-        return await future
+            if len(tokens) > limit:
+                raise ContextLengthExceeded(f"an input has {len(tokens)} tokens; this embedding model takes at most {limit}")
+        vectors = []
+        for tokens in inputs:
+            self.ctx.clear_sequence(0)
+            self.ctx.decode([(t, i, 0, True) for i, t in enumerate(tokens)])
+            vectors.append(self.ctx.sequence_embedding(0).tolist())
+            self.ctx.clear_sequence(0)
+        return vectors
 
-    def adapters(self) -> list[AdapterInfo]:
-        with self._lock:
-            loaded = {name: (str(a.path), scale) for name, (a, scale) in self._adapters.items()}
-        using: dict[str, int] = {}
-        for job in list(self._active.values()) + list(self._waiting):
-            for name, _ in job.request.adapters:
-                using[name] = using.get(name, 0) + 1
-        return [AdapterInfo(name, path, scale, using.get(name, 0)) for name, (path, scale) in sorted(loaded.items())]
+    def _free_model(self) -> None:
+        if self._drafter is not None:
+            if self._step_cost.samples:
+                log.info("speculation: verify steps of 1..%d tokens took %s ms while serving", len(self._step_cost.seconds),
+                         " ".join(f"{t * 1e3:.0f}" for t in self._step_cost.seconds))
+            self._drafter.close()
+        self.ctx.close()
+        self._drop_adapters()
+        self.model.close()
 
-    async def load_adapter(self, name: str, path: Path, scale: float = 1.0) -> AdapterInfo:
-        """Loads (or replaces, when idle) a LoRA adapter without touching the base model."""
+    @property
+    def _speculating(self) -> bool:
+        return self._drafter is not None
 
-        def load() -> AdapterInfo:
-            if name in self._adapters and self._in_use(name):
-                raise EngineError(f"adapter {name!r} is serving requests; unload it when they finish")
-            adapter = Adapter(self.model, path)
-            with self._lock:
-                old = self._adapters.get(name)
-                self._adapters[name] = (adapter, scale)
-            if old is not None:
-                self._forget_adapter(name, old[0])
-            return AdapterInfo(name, str(path), scale)
-
-        return await self._on_model_thread(load)
-
-    async def unload_adapter(self, name: str) -> None:
-        def unload() -> None:
-            if name not in self._adapters:
-                raise UnknownAdapter(f"no adapter named {name!r} is loaded on this model")
-            if self._in_use(name):
-                raise EngineError(f"adapter {name!r} is serving requests; unload it when they finish")
-            with self._lock:
-                adapter, _ = self._adapters.pop(name)
-            self._forget_adapter(name, adapter)
-
-        await self._on_model_thread(unload)
-
-    def _in_use(self, name: str) -> bool:
-        jobs = list(self._active.values()) + list(self._waiting)
-        return any(name == n for job in jobs for n, _ in job.request.adapters)
-
-    def _forget_adapter(self, name: str, adapter: Adapter) -> None:
-        """Drops the adapter and every KV prefix computed with it (a reload may change weights)."""
-        if any(n == name for n, _ in self._applied):
-            self.ctx.set_adapters([])
-            self._applied = ()
-        for holder in self._index.holders():
-            if any(n == name for n, _ in self._index.key(holder)):  # type: ignore[attr-defined]
-                kind, ident = holder
-                if kind == "host":
-                    self._drop_host(ident)
-                else:
-                    self._index.remove(holder)
-                    self.ctx.clear_sequence(ident)
-        adapter.close()
-
-    async def _on_model_thread(self, fn: Callable[[], Any]) -> Any:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._inbox.put(ModelThreadCall(fn, loop, future))  # type: ignore[arg-type]
-        return await future
-
-    def stats(self) -> EngineStats:
-        speculation = replace(self.speculation_stats) if self._drafter else None
-        return EngineStats(self.config.slots, len(self._active), max(0, self._queued), replace(self.prefix_stats), speculation,
-                           self._slot_states(), self.config.slots * self.context_length)
+    def _kv_capacity_tokens(self) -> int:
+        return self.config.slots * self.context_length
 
     def _slot_states(self) -> tuple[tuple[str, int], ...]:
         """Read from other threads: a snapshot that may be a step old, never torn."""
@@ -379,105 +267,21 @@ class LlamaCppEngine:
                 out.append(("decode" if job.pending_token is not None else "prefill", job.n_past))
         return tuple(out)
 
-    async def start(self) -> None:
-        pass  # the model thread started with the engine
-
-    def close(self) -> None:
-        self._closing = True
-        self._inbox.put(None)
-        self._thread.join(timeout=30)
-        if self._thread.is_alive():
-            log.error("model thread did not stop in 30 s; leaving its memory to the OS")
-            return
-        if self._drafter is not None:
-            if self._step_cost.samples:
-                log.info("speculation: verify steps of 1..%d tokens took %s ms while serving", len(self._step_cost.seconds),
-                         " ".join(f"{t * 1e3:.0f}" for t in self._step_cost.seconds))
-            self._drafter.close()
-        self.ctx.close()
-        for adapter, _ in self._adapters.values():
-            adapter.close()
-        self.model.close()
-
-    def abort_all(self, message: str) -> None:
-        """Ends every running and waiting request at the next step with a 503 (the server is
-        stopping and its grace period is running out); later requests are still taken."""
-        self._inbox.put(_Abort(message))  # type: ignore[arg-type]
-
-    def _cancel(self, job: _Job) -> None:
-        job.cancelled = True
-        self._inbox.put(_WAKE)  # type: ignore[arg-type]
-
-    # ---- the model thread -------------------------------------------------------------------
-
-    def _run(self) -> None:
-        # Signals go to the main thread only. A signal landing on this thread or on the OpenMP
-        # workers it starts (they inherit this mask) stalls llama_decode for seconds.
-        signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNC_SIGNALS)
-        try:
-            self._measure_speculation()
-            while True:
-                idle = not self._active and not self._waiting
-                if not self._drain_inbox(block=idle):
-                    break
-                self._reap_cancelled()
-                self._admit()
-                if self._active:
-                    self._step()
-        except Exception as exc:  # a crash here must not leave clients waiting forever
-            log.exception("model thread crashed")
-            self._fail_all(f"engine failure: {exc}")
-        finally:
-            self._closing = True
-            self._fail_all("the model is shutting down", status=503)
-
-    def _drain_inbox(self, *, block: bool) -> bool:
-        """Moves submitted jobs to the waiting queue; False once asked to stop."""
-        try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if item is None:
-                return False
-            if isinstance(item, _EmbedJob):
-                self._run_embeddings(item)
-            elif isinstance(item, ModelThreadCall):
-                item.run()
-            elif isinstance(item, _Abort):
-                self._fail_all(item.message, status=503)
-            elif isinstance(item, _Job):
-                self._waiting.append(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _reap_cancelled(self) -> None:
-        if any(j.cancelled for j in self._waiting):
-            for job in [j for j in self._waiting if j.cancelled]:
-                self._waiting.remove(job)
-                with self._lock:
-                    self._queued -= 1
-                self._finish(job, "cancelled")
-        for job in [j for j in self._active.values() if j.cancelled]:
-            self._release(job, "cancelled")
-
     # ---- admission and the prefix cache ----------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _admit(self, waiting: deque[Job]) -> None:
         # Slots whose stream another slot copies at the next decode: nothing may overwrite them
         # before then (llama.cpp copies whole streams when the step begins).
         copying_from: set[int] = set()
         self._unpark(copying_from)
-        while self._waiting and len(self._active) < self.config.slots:
-            job = self._waiting[0]
+        while waiting and len(self._active) < self.config.slots:
+            job = waiting[0]
+            assert isinstance(job, _SlotJob)
             admission = self._plan(job)
             if admission.slot in copying_from:
                 break  # admit it next step, once the copy has happened
-            self._waiting.popleft()
-            with self._lock:
-                self._queued -= 1
+            waiting.popleft()
+            self._started(job)
             job.slot = admission.slot
             job.admitted_seq = next(self._admissions)
             restoring = admission.source.holder[1] if admission.source and admission.source.holder[0] == "host" else None
@@ -494,14 +298,14 @@ class LlamaCppEngine:
             if admission.source is not None:
                 self._follow(job, admission, copying_from)
 
-    def _plan(self, job: _Job) -> Admission:
+    def _plan(self, job: _SlotJob) -> Admission:
         free = [s for s in range(self.config.slots) if s not in self._active]
         if not self.config.prefix_cache:
             return Admission(min(free), 0)
         shared = self._index.match(job.key, job.request.prompt_tokens)
         return self._plan_reuse(job, shared, {s: shared.get(("slot", s), 0) for s in free})
 
-    def _plan_reuse(self, job: _Job, shared: dict, candidates: dict[int, int]) -> Admission:
+    def _plan_reuse(self, job: _SlotJob, shared: dict, candidates: dict[int, int]) -> Admission:
         """Where `job` goes among `candidates` (slot: tokens it already holds) and which other
         holder of its prefix, if any, it copies from; a candidate slot is never its own source."""
         sources = [src for src in self._sources(shared) if src.holder[0] != "slot" or src.holder[1] not in candidates]
@@ -521,7 +325,7 @@ class LlamaCppEngine:
                 out.append(Source(holder, length, length))
         return out
 
-    def _follow(self, job: _Job, admission: Admission, copying_from: set[int]) -> None:
+    def _follow(self, job: _SlotJob, admission: Admission, copying_from: set[int]) -> None:
         """Copies the planned prefix into the job's slot now, or parks the job until it exists."""
         assert admission.source is not None
         kind, ident = admission.source.holder
@@ -536,14 +340,13 @@ class LlamaCppEngine:
                 copying_from.add(ident)
                 self.prefix_stats.reused_by_copy += length
             else:
-                self._host.move_to_end(ident)
-                self.ctx.restore_sequence(job.slot, self._host[ident])
+                self.ctx.restore_sequence(job.slot, self._host.get(ident))
                 self.ctx.trim_sequence(job.slot, length)
                 self.prefix_stats.reused_from_host += length
         except EngineError as exc:
             log.warning("could not reuse a cached prefix (%s); computing it", exc)
             if kind == "host":
-                self._drop_host(ident)
+                self._host.drop(ident)
             self.ctx.clear_sequence(job.slot)
             self.prefix_stats.reused_in_slot -= job.reused
             job.n_past = job.reused = 0
@@ -590,48 +393,16 @@ class LlamaCppEngine:
         except EngineError as exc:
             log.warning("could not save a prefix to host RAM: %s", exc)
             return
-        if len(data) > self.config.prefix_host_bytes:
-            return
-        ident = next(self._host_ids)
-        self._host[ident] = data
-        self._index.insert(key, ("host", ident), tokens)
-        stats = self.prefix_stats
-        stats.host_saves += 1
-        stats.host_bytes += len(data)
-        while stats.host_bytes > self.config.prefix_host_bytes:
-            # least recently used first (the new entry is last), but never the one about to be restored
-            victim = next((i for i in self._host if i != protect), None)
-            if victim is None:
-                break
-            self._drop_host(victim)
-            stats.host_evictions += 1
-        stats.host_entries = len(self._host)
-
-    def _drop_host(self, ident: int) -> None:
-        data = self._host.pop(ident, None)
-        if data is not None:
-            self._index.remove(("host", ident))
-            self.prefix_stats.host_bytes -= len(data)
-            self.prefix_stats.host_entries = len(self._host)
+        self._host.put(key, tokens, data, len(data), protect)
 
     def _step(self) -> None:
         runnable = [j for j in self._active.values() if j.parked is None]
         if not runnable:
             return
-        # llama.cpp applies adapters to a whole context, so a step serves one adapter set; the
-        # sets with work take turns, one step each, so none starves.
-        keys = sorted({j.key for j in runnable})
-        key = keys[0] if self._served is None else next((k for k in keys if k > self._served), keys[0])
-        runnable = [j for j in runnable if j.key == key]
-        self._served = key
-        if key != self._applied:
-            try:
-                self.ctx.set_adapters([(self._adapters[name][0], scale) for name, scale in key])
-            except (EngineError, KeyError) as exc:
-                for job in runnable:
-                    self._release(job, "error", error=f"adapters {key}: {exc}")
-                return
-            self._applied = key
+        # llama.cpp applies adapters to a whole context: a step serves one adapter set
+        runnable = self._take_turn(runnable)  # type: ignore[arg-type,assignment]
+        if not runnable:
+            return
         drafts = self._drafts([j for j in runnable if j.pending_token is not None])
         plan = plan_batch(tuple(j.view(len(drafts.get(j.slot, ()))) for j in runnable), self.config.batch_tokens,
                           self.config.prefills_per_step)
@@ -660,7 +431,7 @@ class LlamaCppEngine:
             self.ctx.decode(entries)
         except EngineError as exc:
             for item in plan:
-                self._release(self._active[item.slot], "error", error=str(exc))
+                self._end(self._active[item.slot], "error", error=str(exc))
             return
         if self._drafter is not None and all(item.is_decode for item in plan):
             # every row has logits, as in the table: keep the verify costs true to this machine now
@@ -683,7 +454,7 @@ class LlamaCppEngine:
 
     # ---- speculative decoding -----------------------------------------------------------------
 
-    def _drafts(self, generating: list[_Job]) -> dict[int, tuple[int, ...]]:
+    def _drafts(self, generating: list[_SlotJob]) -> dict[int, tuple[int, ...]]:
         """Drafts for the slots where speculating pays (or all, with a fixed draft length)."""
         if self._drafter is None or not generating:
             return {}
@@ -714,7 +485,7 @@ class LlamaCppEngine:
                 job.steps_without_drafts = 0
         return drafts
 
-    def _draft_length(self, job: _Job, acceptance: float, decoding: int) -> int:
+    def _draft_length(self, job: _SlotJob, acceptance: float, decoding: int) -> int:
         """What pays for this slot at this acceptance; a draft model must first catch up on every
         token it has not seen."""
         assert self._drafter is not None
@@ -723,7 +494,7 @@ class LlamaCppEngine:
                             setup_s=self._drafter.behind(job.slot, job.n_past + 1) * self._drafter.catch_up_cost,
                             tokens_left=job.request.max_tokens - job.generated)
 
-    def _verify(self, job: _Job, first_row: int, drafts: tuple[int, ...]) -> None:
+    def _verify(self, job: _SlotJob, first_row: int, drafts: tuple[int, ...]) -> None:
         """Samples position by position; a drafted token that matches what was sampled is kept
         (its KV is already in place) and sampling goes on from the next position."""
         kept = 0
@@ -746,7 +517,7 @@ class LlamaCppEngine:
         if self._drafter is not None:
             self._drafter.settle(job.slot, job.n_past)
 
-    def _observe(self, job: _Job, token: int) -> None:
+    def _observe(self, job: _SlotJob, token: int) -> None:
         if self._drafter is None or job.draft_state is None:
             return
         self._drafter.observe(job.draft_state, token)
@@ -760,7 +531,7 @@ class LlamaCppEngine:
                 self._acceptance = self._acceptance.update(len(draft), kept, decay=0.98)
                 job.shadow = None
 
-    def _sample(self, job: _Job, row: int) -> int | None:
+    def _sample(self, job: _SlotJob, row: int) -> int | None:
         """Samples the slot's next token and streams it; the token, or None once the job ended."""
         if job.adjuster is None:
             token = job.sampler.sample(self.ctx, row)
@@ -768,51 +539,19 @@ class LlamaCppEngine:
             try:
                 token = job.sampler.pick(job.adjuster(self.ctx.logits(row)))
             except EngineError as exc:
-                self._release(job, "error", error=str(exc))
+                self._end(job, "error", error=str(exc))
                 return None
             job.adjuster.accept(token)
-        now = time.perf_counter()
-        if job.first_token_at is None:
-            job.first_token_at = now
-        else:
-            job.token_gaps.append(now - job.last_token_at)
-        job.last_token_at = now
-        job.generated += 1
         self._observe(job, token)
-        if self.model.is_eog(token):
-            job.pending_token = None
-            self._release(job, "stop")
+        reason = self._deliver(job, token, lambda: log_softmax(self.ctx.logits(row)))
+        if reason is not None:
+            self._end(job, reason)
             return None
-        logprob = self._logprob(job, row, token) if job.request.sampling.logprobs else None
-        text = job.stops.feed(job.utf8.feed(self.model.piece(token, special=token in job.request.preserved_tokens)))
-        job.emit(TokenEvent(text, token, logprob))
-        if job.stops.stopped:
-            self._release(job, "stop")
-        elif job.generated >= job.request.max_tokens:
-            self._release(job, "length")
-        else:
-            job.pending_token = token
-            return token
-        return None
+        job.pending_token = token
+        return token
 
-    def _logprob(self, job: _Job, row: int, token: int) -> TokenLogprob:
-        logits = self.ctx.logits(row).astype(np.float64)
-        top = logits.max()
-        logsum = top + np.log(np.exp(logits - top).sum())
-        k = job.request.sampling.top_logprobs
-        tops: tuple[TopLogprob, ...] = ()
-        if k > 0:
-            best = np.argpartition(-logits, k)[:k]
-            best = best[np.argsort(-logits[best], kind="stable")]
-            tops = tuple(self._top(int(t), float(logits[t] - logsum)) for t in best)
-        piece = self.model.piece(token)
-        return TokenLogprob(piece.decode("utf-8", errors="replace"), piece, float(logits[token] - logsum), tops)
-
-    def _top(self, token: int, logprob: float) -> TopLogprob:
-        piece = self.model.piece(token)
-        return TopLogprob(piece.decode("utf-8", errors="replace"), piece, logprob)
-
-    def _release(self, job: _Job, reason: FinishReason, error: str | None = None, status: int | None = None) -> None:
+    def _release(self, job: Job, reason: FinishReason) -> None:
+        assert isinstance(job, _SlotJob)
         self._active.pop(job.slot, None)
         holder = ("slot", job.slot)
         if reason == "error" or not self.config.prefix_cache:
@@ -821,69 +560,3 @@ class LlamaCppEngine:
         else:
             self.ctx.trim_sequence(job.slot, job.n_past)
             self._index.insert(job.key, holder, (job.request.prompt_tokens + tuple(job.decoded))[: job.n_past])
-        self._finish(job, reason, error, status)
-
-    def _finish(self, job: _Job, reason: FinishReason, error: str | None = None, status: int | None = None) -> None:
-        tail = ""
-        if reason in ("stop", "length"):
-            tail = job.stops.feed(job.utf8.flush()) + job.stops.flush()
-        job.sampler.close()
-        end = time.perf_counter()
-        ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
-        queued = None if job.first_step_at is None else job.first_step_at - job.submitted_at
-        usage = Usage(len(job.request.prompt_tokens), job.generated, job.reused)
-        job.emit(FinishEvent(reason, usage, tail, ttft, end - job.submitted_at, error, error_status=status,
-                             error_code=SHUTTING_DOWN if status else None, retry_after_s=SHUTDOWN_RETRY_AFTER_S if status else None,
-                             queue_time_s=queued, inter_token_s=tuple(job.token_gaps)))
-
-    def _fail_all(self, message: str, status: int | None = None) -> None:
-        """Ends every request with an error: the engine's own failure (500), or with `status` the
-        server stopping (503 and Retry-After, the stream ended as a client can parse)."""
-        for job in list(self._active.values()):
-            self._release(job, "error", error=message, status=status)
-        while self._waiting:
-            self._finish(self._waiting.popleft(), "error", error=message, status=status)
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, _Job):
-                self._finish(item, "error", error=message, status=status)
-            elif isinstance(item, _Abort):
-                continue
-            elif isinstance(item, (_EmbedJob, ModelThreadCall)):
-                item.fail(EngineClosed(message))
-
-    # ---- embeddings -----------------------------------------------------------------------------
-
-    def _run_embeddings(self, job: _EmbedJob) -> None:
-        try:
-            vectors = []
-            for tokens in job.inputs:
-                self.ctx.clear_sequence(0)
-                self.ctx.decode([(t, i, 0, True) for i, t in enumerate(tokens)])
-                vectors.append(self.ctx.sequence_embedding(0).tolist())
-                self.ctx.clear_sequence(0)
-            job.succeed(vectors)
-        except Exception as exc:
-            job.fail(exc)
-
-
-class _EmbedJob:
-    def __init__(self, inputs: list[list[int]], loop: asyncio.AbstractEventLoop, future: asyncio.Future[list[list[float]]]) -> None:
-        self.inputs, self.loop, self.future = inputs, loop, future
-
-    def succeed(self, vectors: list[list[float]]) -> None:
-        self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_result(vectors))
-
-    def fail(self, exc: Exception) -> None:
-        self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_exception(exc))
-
-
-_WAKE = object()
-
-
-@dataclass(frozen=True)
-class _Abort:
-    message: str

@@ -126,11 +126,9 @@ class AdapterSet:
         if any(n == name for n, _ in self.active_key):
             self.activate(())
 
-    def names(self) -> list[str]:
-        return sorted(self._loaded)
-
-    def path(self, name: str) -> Path:
-        return self._loaded[name].path
+    def weights(self, name: str) -> LoraWeights | None:
+        """What is loaded under `name` now."""
+        return self._loaded.get(name)
 
     def activate(self, key: tuple[tuple[str, float], ...]) -> None:
         """Applies these adapters at these scales in every following forward pass."""
