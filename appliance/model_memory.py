@@ -10,11 +10,14 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.settings import ModelSettings
 from engines.llamacpp.gguf_header import GgufError, GgufHeader, read_header
-from policy.memory_plan import ContextShape, MemoryEstimate, ModelShape, estimate_memory, plan_gpu_layers
+from policy.memory_plan import ContextShape, GpuPlan, MemoryEstimate, ModelShape, estimate_memory, plan_gpu_layers
+
+if TYPE_CHECKING:
+    from engines.llamacpp.devices import Device
 
 log = logging.getLogger("appliance.memory")
 
@@ -121,28 +124,34 @@ def estimate(model_file: Path, slots: int, context_length: int, kv_type: str = "
     return estimate_memory(read_shape(model_file), context)
 
 
-def gpu_layers_for(model: ModelSettings, model_file: Path) -> int:
-    """The model's n_gpu_layers on this machine: its `gpu_layers` setting against the free memory
-    of the GPUs this llama.cpp build can use (a CPU build has none: 0)."""
-    from engines.llamacpp.devices import gpu_devices
-
-    if model.gpu_layers == 0:
-        return 0
-    gpus = gpu_devices()
-    if not gpus:
-        log.info("%s: gpu_layers = 0 (no GPU this llama.cpp build can use)", model.alias)
-        return 0
+def model_estimate(model: ModelSettings, model_file: Path) -> MemoryEstimate:
+    """The estimate for a configured llama.cpp model, in the context layout its engine makes."""
     from engines.llamacpp.engine import context_layout
 
     kv_unified, flash_attn = context_layout(model.batch_invariant, model.kv_cache_type)
+    return estimate(model_file, model.slots, model.context_length, model.kv_cache_type, kv_type_v=model.kv_cache_type_v,
+                    batch_tokens=model.batch_tokens, flash_attn=flash_attn, kv_unified=kv_unified, repack=not model.batch_invariant)
+
+
+def gpu_plan(model: ModelSettings, model_file: Path, gpus: tuple[Device, ...]) -> GpuPlan:
+    """The model's n_gpu_layers given the GPUs this llama.cpp build can use (none: 0)."""
+    if model.gpu_layers == 0:
+        return GpuPlan(0, "configured: all on the CPU")
+    if not gpus:
+        return GpuPlan(0, "no GPU this llama.cpp build can use")
     try:
-        memory = estimate(model_file, model.slots, model.context_length, model.kv_cache_type, kv_type_v=model.kv_cache_type_v,
-                          batch_tokens=model.batch_tokens, flash_attn=flash_attn, kv_unified=kv_unified, repack=not model.batch_invariant)
+        memory = model_estimate(model, model_file)
     except ModelShapeError as exc:
         if model.gpu_layers == "auto":
-            log.warning("%s: gpu_layers = 0: its size cannot be estimated (%s); set gpu_layers to a number to offload", model.alias, exc)
-            return 0
-        return int(model.gpu_layers)
-    plan = plan_gpu_layers(model.gpu_layers, tuple(d.free for d in gpus), memory)
+            return GpuPlan(0, f"its size cannot be estimated ({exc}); set gpu_layers to a number to offload")
+        return GpuPlan(int(model.gpu_layers), f"configured (its size cannot be estimated: {exc})")
+    return plan_gpu_layers(model.gpu_layers, tuple(d.free for d in gpus), memory)
+
+
+def gpu_layers_for(model: ModelSettings, model_file: Path) -> int:
+    """What the engine passes to llama.cpp as n_gpu_layers, with the free memory as of now."""
+    from engines.llamacpp.devices import gpu_devices
+
+    plan = gpu_plan(model, model_file, gpu_devices() if model.gpu_layers != 0 else ())
     log.info("%s: gpu_layers = %d (%s)", model.alias, plan.gpu_layers, plan.reason)
     return plan.gpu_layers

@@ -117,6 +117,9 @@ class ModelSettings:
     kv_cache_type: str = "q8_0"
     # K and V may differ (kv_cache_type_k / kv_cache_type_v); both default to kv_cache_type.
     kv_cache_type_v: str = "q8_0"
+    # Layers llama.cpp offloads to a GPU: "auto" (as many as fit its free memory; none on a CPU
+    # build) or a number (0: all on the CPU). docs/gpu.md.
+    gpu_layers: int | str = "auto"
     # Reuse KV of earlier prompts' prefixes across requests and slots (docs/architecture.md).
     prefix_cache: bool = True
     # Host RAM for prefixes evicted from the KV cache, LRU by bytes; 0 turns that tier off.
@@ -514,7 +517,7 @@ _MODEL_KEYS = {
     "alias", "engine", "kind", "path", "package_file", "hf_repo", "hf_file", "sha256", "context_length",
     "slots", "threads", "batch_tokens", "prefills_per_step", "chat_template", "price_input_per_mtok", "price_output_per_mtok",
     "tier", "batch_invariant", "kv_cache_type", "kv_cache_type_k", "kv_cache_type_v", "prefix_cache", "prefix_cache_host_mb",
-    "speculation", "draft_model", "speculation_max_tokens", "speculation_fixed_tokens", "adapters",
+    "speculation", "draft_model", "speculation_max_tokens", "speculation_fixed_tokens", "adapters", "gpu_layers",
 }
 # engine = "openai" takes these instead of a file and the local engine's knobs.
 _UPSTREAM_MODEL_KEYS = {
@@ -625,6 +628,15 @@ def _upstream_model(file: str, index: int, table: dict[str, Any]) -> ModelSettin
     )
 
 
+def _gpu_layers(r: _Reader) -> int | str:
+    value = r.table.get("gpu_layers", "auto")
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise r.fail("gpu_layers", f"expected \"auto\" or a whole number of layers (0: all on the CPU), got {value!r}")
+    return value
+
+
 def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSettings:
     if table.get("engine") == "openai":
         return _upstream_model(file, index, table)
@@ -677,6 +689,7 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
         batch_invariant=r.boolean("batch_invariant", True),
         kv_cache_type=kv_k,
         kv_cache_type_v=kv_v,
+        gpu_layers=_gpu_layers(r),
         prefix_cache=r.boolean("prefix_cache", True),
         prefix_cache_host_mb=r.integer("prefix_cache_host_mb", 256, minimum=0, maximum=1 << 20),
         speculation=r.string("speculation", "auto", SPECULATION) or "auto",
