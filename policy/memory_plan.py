@@ -167,8 +167,8 @@ def kv_bytes(shape: ModelShape, context: ContextShape) -> tuple[int, ...]:
 
 
 def compute_bytes(shape: ModelShape, context: ContextShape) -> int:
-    """The allowance for llama.cpp's graph and output buffers (an upper bound: the measured
-    buffer was 90-100% of it on the bundled and Qwen models; docs/gpu.md)."""
+    """The allowance for llama.cpp's graph and output buffers (an upper bound: llama.cpp's CPU
+    buffers were 89-98% of it on the bundled and Qwen models; docs/performance.md)."""
     tokens = context.batch_tokens
     cells = kv_cells(context.slots, context.context_length)
     attended = cells if context.kv_unified else cells // context.slots  # what one token attends over
