@@ -50,6 +50,8 @@ def test_devices_through_llama_cpp() -> None:
     assert "CPU" in backends()
     if not supports_offload():  # the CPU build: nothing to offload to, whatever the machine holds
         assert gpu_devices() == ()
+    else:
+        assert all(d.kind in ("gpu", "igpu") and 0 < d.free <= d.total for d in gpu_devices())
 
 
 def test_parse_nvidia_smi() -> None:
@@ -76,9 +78,10 @@ def test_engine_built_with_the_plan() -> None:
     settings = parse_settings(config_text(embeddings=False, slots=2, context_length=512))
     model = settings.models[0]
     assert model.gpu_layers == "auto"
+    expected = gpu_layers_for(model, SMOL)  # before the engine takes its share of the GPU
+    assert expected == (0 if not gpu_devices() else 31)  # the bundled model fits any GPU whole
     engine = build_engine(model, settings)
     try:
-        expected = 0 if not gpu_devices() else gpu_layers_for(model, SMOL)
         assert engine.config.gpu_layers == expected
         assert engine.tokenize("hello", add_special=False, parse_special=False)
     finally:
@@ -94,4 +97,4 @@ def test_doctor_reports_devices_and_memory(tmp_path: Path) -> None:
     assert "llama.cpp backends" in out and "CPU" in out, out
     assert "GPU offload: " + ("yes" if supports_offload() else "no (a CPU build)") in out
     assert "memory (estimated" in out and "configured: all on the CPU" in out  # the chat model, gpu_layers = 0
-    assert "0 (auto)" in out  # the embedding model
+    assert ("31 (auto)" if gpu_devices() else "0 (auto)") in out  # the embedding model
