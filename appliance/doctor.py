@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from appliance.settings import ConfigError, find_config, load_settings
+from appliance.settings import ConfigError, Settings, find_config, load_settings
 from engines.llamacpp.kernels import TILED_MATMUL_ENV  # needs no llama_cpp, whose absence doctor reports
 
 _INTERESTING = ("avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
@@ -40,6 +40,57 @@ def build_flags() -> str:
     return f"{info}\ninstaller build: {recorded}"
 
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.0f} MiB"
+
+
+def _devices(console: Console) -> tuple:
+    """The devices llama.cpp sees and its backends, through the query the engine plans with."""
+    try:
+        from engines.llamacpp.devices import backends, ggml_devices, gpu_devices, nvidia_smi_devices, supports_offload
+
+        offload = supports_offload()
+        found = ggml_devices()
+        gpus = gpu_devices()
+    except Exception as exc:  # no llama_cpp: build_flags above already says why
+        console.print(f"[bold]devices[/bold]: [red]cannot ask llama.cpp ({exc})[/red]")
+        return ()
+    console.print(f"[bold]llama.cpp backends[/bold]: {', '.join(backends()) or 'unknown'}; GPU offload: {'yes' if offload else 'no (a CPU build)'}")
+    table = Table("device", "kind", "description", "free", "total", "offloads layers")
+    for d in found if found is not None else gpus:
+        table.add_row(d.name, d.kind, d.description, _mib(d.free), _mib(d.total), "yes" if d in gpus else "no")
+    console.print(table)
+    if not offload:
+        nvidia = nvidia_smi_devices()
+        if nvidia:
+            console.print(f"  [yellow]note[/yellow]: nvidia-smi sees {len(nvidia)} NVIDIA GPU(s) ({nvidia[0].description}) that this "
+                          "CPU build of llama.cpp cannot use: reinstall with APPLIANCE_GPU=cuda bash installer/install.sh (docs/gpu.md)")
+    return gpus
+
+
+def _memory(console: Console, settings: Settings, gpus: tuple) -> None:
+    """Each local llama.cpp model's estimated memory and the layers it would offload now."""
+    from appliance.model_files import ModelFileError, resolve
+    from appliance.model_memory import ModelShapeError, gpu_plan, model_estimate
+    from appliance.registry import engine_for
+
+    table = Table("alias", "weights", "KV cache", "compute", "total", "gpu_layers", "why")
+    for m in settings.models:
+        if m.engine == "openai" or engine_for(m) != "llamacpp":
+            continue
+        try:
+            file = resolve(m, settings.server.data_dir)
+            e = model_estimate(m, file)
+        except (ModelFileError, ModelShapeError) as exc:
+            table.add_row(m.alias, f"[red]{exc}[/red]", "", "", "", "", "")
+            continue
+        plan = gpu_plan(m, file, gpus)
+        table.add_row(m.alias, _mib(e.weights), _mib(e.kv), _mib(e.compute), _mib(e.total), f"{plan.gpu_layers} ({m.gpu_layers})", plan.reason)
+    if table.row_count:
+        console.print("[bold]memory[/bold] (estimated; docs/gpu.md)")
+        console.print(table)
+
+
 def _probe(base_url: str, key_env: str | None) -> tuple[str, str]:
     """Whether an upstream answers GET /models with the configured key: (key state, answer)."""
     import httpx
@@ -65,6 +116,7 @@ def run_doctor(config: Path | None) -> int:
         if "amx_tile" in flags:
             console.print("  note: AMX present; llama.cpp's native build crashes in its AMX matmul here, so the installer builds without it")
     console.print(f"[bold]llama.cpp[/bold]: {build_flags()}")
+    gpus = _devices(console)
     engines = Table("engine", "importable", "runs here")
     for name, module in (("llamacpp", "llama_cpp"), ("mlx", "mlx.core"), ("mlx-lm", "mlx_lm")):
         found = importlib.util.find_spec(module.split(".")[0]) is not None
@@ -103,6 +155,7 @@ def run_doctor(config: Path | None) -> int:
             ok = False
             models.add_row(m.alias, f"[red]{exc}[/red]", "", "", "")
     console.print(models)
+    _memory(console, settings, gpus)
     upstream = [m for m in settings.models if m.engine == "openai"]
     if upstream:
         reach = Table("alias", "upstream", "url", "key", "answers")

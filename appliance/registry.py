@@ -51,6 +51,7 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
     if engine_for(model) == "mlx":
         return _build_mlx(model, settings)
     path = resolve(model, settings.server.data_dir, allow_download=True)
+    from appliance.model_memory import gpu_layers_for
     from engines.llamacpp.engine import LlamaCppConfig, LlamaCppEngine
 
     draft_path = None
@@ -79,6 +80,7 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
             speculation_max_tokens=model.speculation_max_tokens,
             speculation_fixed_tokens=model.speculation_fixed_tokens,
             adapters=tuple((a.name, a.path, a.scale) for a in model.adapters),
+            gpu_layers=gpu_layers_for(model, path),
         )
     )
 

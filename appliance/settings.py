@@ -167,7 +167,7 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
         KeepAlive.from_toml("5m")
     preload: Annotated[bool, Meta(description="load at start and never unload for another model")] = False
     gpu_layers: Annotated[Literal["auto"] | Annotated[int, Meta(ge=0)], Meta(
-        description="layers offloaded to the GPU; \"auto\": as many as fit")] = 0
+        description="layers offloaded to a GPU; \"auto\": as many as fit its free memory (none on a CPU build); 0: all on the CPU")] = "auto"
 
     @property
     def speculation_mode(self) -> str:

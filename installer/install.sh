@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the appliance into ./.venv: the project, its dependencies, the bundled default model,
-# llama-cpp-python built for this CPU, and MLX. Idempotent: a second run with nothing changed
-# takes a second or two.
+# llama-cpp-python built for this machine's accelerator (installer/accelerator.sh: CUDA, Metal,
+# ROCm, Vulkan, else the CPU; APPLIANCE_GPU=cpu|cuda|metal|vulkan|rocm chooses), and MLX.
+# Idempotent: a second run with nothing changed takes a second or two.
+#   --dry-run   print the accelerator, why, the build flags and the wheel cache, and change nothing
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -12,12 +14,13 @@ LLAMA_VERSION=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' "$ROOT/pypro
 OS=$(uname -s)
 ARCH=$(uname -m)
 
+DRY_RUN=0
+[ "${1:-}" = --dry-run ] && DRY_RUN=1
+
 say() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
 die() { printf '[install] error: %s\n' "$*" >&2; exit 1; }
 
 [ -n "$LLAMA_VERSION" ] || die "pyproject.toml: dependencies: no pinned llama-cpp-python==X.Y.Z"
-command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install Python 3.11 or newer"
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "Python 3.11 or newer is needed ($PYTHON is older)"
 
 # --- llama.cpp build flags for this machine -------------------------------------------------
 # GGML_LLAMAFILE=OFF: llamafile's sgemm serves only multi-row matmuls, so one sequence would get
@@ -39,13 +42,28 @@ llama_flags() {
             grep -qw avx512_vnni <<<"$cpu" && flags="$flags -DGGML_AVX512_VNNI=ON"
             grep -qw avx512vbmi <<<"$cpu" && flags="$flags -DGGML_AVX512_VBMI=ON"
         fi
-    elif [ "$OS" = Darwin ] && [ "$ARCH" = arm64 ]; then
-        flags="$flags -DGGML_METAL=ON"
     fi
     echo "$flags"
 }
 
-FLAGS=$(llama_flags)
+# shellcheck source=installer/accelerator.sh
+. "$ROOT/installer/accelerator.sh"
+choose_accelerator || die "$ACCEL_ERROR"
+FLAGS="$(llama_flags)${ACCEL_FLAGS:+ $ACCEL_FLAGS}"
+BUILD_ID="$LLAMA_VERSION $FLAGS"
+KEY=$(printf '%s' "$BUILD_ID" | sha256sum 2>/dev/null | cut -c1-16 || printf '%s' "$BUILD_ID" | shasum -a 256 | cut -c1-16)
+# The accelerator is in the cache's name (and its flags in the key): a CPU wheel is never taken
+# for a CUDA build, nor the other way round.
+WHEELS="$CACHE/wheels/llama-cpp-python-$ACCEL-$KEY"
+say "llama.cpp for: $ACCEL ($ACCEL_WHY)"
+if [ "$DRY_RUN" = 1 ]; then
+    printf 'accelerator=%s\nwhy=%s\nflags=%s\nbuild_env=%s\nbuild_id=%s\nwheels=%s\n' \
+        "$ACCEL" "$ACCEL_WHY" "$FLAGS" "$ACCEL_ENV" "$BUILD_ID" "$WHEELS"
+    exit 0
+fi
+
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install Python 3.11 or newer"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "Python 3.11 or newer is needed ($PYTHON is older)"
 STAMP_INPUT="$(cat "$ROOT/pyproject.toml" "$ROOT/installer/install.sh")|$FLAGS|$($PYTHON --version 2>&1)"
 STAMP=$(printf '%s' "$STAMP_INPUT" | sha256sum 2>/dev/null | cut -c1-16 || printf '%s' "$STAMP_INPUT" | shasum -a 256 | cut -c1-16)
 
@@ -62,15 +80,23 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip wheel
 
 # --- llama-cpp-python, built once per version and flags, kept in a wheel cache ---------------
-BUILD_ID="$LLAMA_VERSION $FLAGS"
 BUILD_STAMP="$VENV/appliance-llama-build.txt"
 if [ ! -f "$BUILD_STAMP" ] || [ "$(cat "$BUILD_STAMP")" != "$BUILD_ID" ]; then
-    KEY=$(printf '%s' "$BUILD_ID" | sha256sum 2>/dev/null | cut -c1-16 || printf '%s' "$BUILD_ID" | shasum -a 256 | cut -c1-16)
-    WHEELS="$CACHE/wheels/llama-cpp-python-$KEY"
+    # A wheel cached before the accelerator was in the name: same key, so the same flags. Copied,
+    # not moved: an older checkout's installer still looks for it there.
+    if [ ! -d "$WHEELS" ] && [ -d "$CACHE/wheels/llama-cpp-python-$KEY" ]; then
+        cp -R "$CACHE/wheels/llama-cpp-python-$KEY" "$WHEELS"
+    fi
     if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-        say "building llama-cpp-python $LLAMA_VERSION with: $FLAGS (about 5 minutes on 2 cores)"
+        case $ACCEL in
+            cpu|metal) took="about 5 minutes on 2 cores" ;;
+            *) took="GPU kernels: 10 to 40 minutes" ;;
+        esac
+        say "building llama-cpp-python $LLAMA_VERSION with: $FLAGS${ACCEL_ENV:+ ($ACCEL_ENV)} ($took)"
         mkdir -p "$WHEELS.tmp"
-        CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
+        # ACCEL_ENV's words are VAR=value pairs (paths without spaces), split on purpose.
+        # shellcheck disable=SC2086
+        env $ACCEL_ENV CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
             "${PIP[@]}" wheel -q --no-cache-dir --no-deps -w "$WHEELS.tmp" "llama-cpp-python==$LLAMA_VERSION"
         rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
     fi

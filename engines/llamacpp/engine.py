@@ -59,6 +59,7 @@ class LlamaCppConfig:
     speculation_fixed_tokens: int = 0
     # LoRA adapters loaded at start: (name, GGUF path, default scale)
     adapters: tuple[tuple[str, Path, float], ...] = ()
+    gpu_layers: int = 0  # llama.cpp's n_gpu_layers (appliance/model_memory.py plans it)
 
 
 
@@ -101,7 +102,7 @@ class LlamaCppEngine(LocalEngine):
                          thread_name=f"llamacpp:{config.path.name}")
         self.config = config
         self.supports_embeddings = config.embeddings
-        self.model = Model(config.path, use_extra_buffers=not config.batch_invariant)
+        self.model = Model(config.path, use_extra_buffers=not config.batch_invariant, gpu_layers=config.gpu_layers)
         try:
             kv_unified, flash_attn = context_layout(config.batch_invariant, config.kv_type)
             shape = ContextShape(

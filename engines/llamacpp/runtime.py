@@ -52,7 +52,7 @@ def system_info() -> str:
 class Model:
     """A loaded GGUF model: weights and vocabulary, shared by the contexts made from it."""
 
-    def __init__(self, path: Path, *, use_extra_buffers: bool = True, vocab_only: bool = False) -> None:
+    def __init__(self, path: Path, *, use_extra_buffers: bool = True, vocab_only: bool = False, gpu_layers: int = 0) -> None:
         if not vocab_only:
             choose_matmul_kernels(invariant=not use_extra_buffers)
         init_backend()
@@ -60,6 +60,8 @@ class Model:
         # Repacked weights take other kernels for one row than for many; see docs/architecture.md.
         params.use_extra_bufts = use_extra_buffers
         params.vocab_only = vocab_only  # the vocabulary alone: another engine's grammars and samplers
+        # Always said: llama.cpp's default (-1) offloads every layer on a GPU build.
+        params.n_gpu_layers = gpu_layers
         self.ptr = L.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
             raise EngineError(f"llama.cpp could not load model file {path}")

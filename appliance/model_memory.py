@@ -1,0 +1,157 @@
+"""A model file's memory: its shape read from the GGUF header, and the estimate and GPU plan made
+from it (policy/memory_plan.py holds the arithmetic).
+
+`estimate(model_file, slots, context_length, kv_type)` is the one entry point for anything that
+budgets memory (the GPU layer plan here, a model loader's memory budget).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from appliance.settings import ModelSettings
+from engines.llamacpp.gguf_header import GgufError, GgufHeader, read_header
+from policy.memory_plan import ContextShape, GpuPlan, MemoryEstimate, ModelShape, estimate_memory, plan_gpu_layers
+
+if TYPE_CHECKING:
+    from engines.llamacpp.devices import Device
+
+log = logging.getLogger("appliance.memory")
+
+# ggml type ids of the matrices ggml's CPU backend repacks (Q4_0, Q4_K, IQ4_NL), measured on
+# llama-cpp-python 0.3.36 with AVX2: Qwen2.5's Q4_K block matrices gain a copy, its Q5_0, Q6_K and
+# Q8_0 ones do not.
+REPACKED_TYPES = frozenset({2, 12, 20})
+
+
+class ModelShapeError(ValueError):
+    """The file is not a GGUF model whose shape we can read; the message says what is missing."""
+
+
+def _scalar_or_list(value: Any) -> Any:
+    return value if not isinstance(value, list) or len(value) != 1 else value[0]
+
+
+def _per_layer(value: Any, n_layer: int, name: str) -> tuple[int, ...]:
+    """A hyperparameter GGUF stores once or once per layer (head_count_kv of hybrid models)."""
+    if isinstance(value, list):
+        if len(value) != n_layer:
+            raise ModelShapeError(f"{name} lists {len(value)} values for {n_layer} layers")
+        return tuple(int(v) for v in value)
+    return (int(value),) * n_layer
+
+
+def shape_from_gguf(header: GgufHeader) -> ModelShape:
+    """A ModelShape from a GGUF file's metadata and tensor table."""
+    metadata = header.metadata
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelShapeError("no general.architecture in the GGUF metadata")
+
+    def need(key: str) -> Any:
+        value = metadata.get(f"{arch}.{key}")
+        if value is None:
+            raise ModelShapeError(f"no {arch}.{key} in the GGUF metadata")
+        return _scalar_or_list(value)
+
+    n_layer = int(need("block_count"))
+    n_embd = int(need("embedding_length"))
+    heads = _per_layer(need("attention.head_count"), n_layer, "attention.head_count")
+    kv_heads = _per_layer(_scalar_or_list(metadata.get(f"{arch}.attention.head_count_kv", list(heads))), n_layer, "attention.head_count_kv")
+    n_head = max(heads)
+    key_length = int(_scalar_or_list(metadata.get(f"{arch}.attention.key_length", n_embd // max(n_head, 1))))
+    value_length = int(_scalar_or_list(metadata.get(f"{arch}.attention.value_length", key_length)))
+    ff = _scalar_or_list(metadata.get(f"{arch}.feed_forward_length", 0))
+    n_ff = max(ff) if isinstance(ff, list) else int(ff)
+    n_vocab = int(metadata.get(f"{arch}.vocab_size", header.array_lengths.get("tokenizer.ggml.tokens", 0)))
+
+    blocks = [0] * n_layer
+    repack = [0] * n_layer
+    input_bytes = output_bytes = 0
+    names = {name: size for name, size, _ in header.tensors}
+    if "token_embd.weight" not in names:
+        raise ModelShapeError("no token_embd.weight tensor")
+    for name, size, kind in header.tensors:
+        if name.startswith("blk."):
+            index = int(name.split(".", 2)[1])
+            if index >= n_layer:
+                raise ModelShapeError(f"tensor {name} is past block_count ({n_layer})")
+            blocks[index] += size
+            if kind in REPACKED_TYPES and name.endswith(".weight") and "norm" not in name:
+                repack[index] += size
+        elif name.startswith(("output.", "output_norm.")):
+            output_bytes += size
+        else:
+            input_bytes += size
+    return ModelShape(
+        block_bytes=tuple(blocks),
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+        tied_bytes=0 if "output.weight" in names else names["token_embd.weight"],
+        k_width=tuple(h * key_length for h in kv_heads),
+        v_width=tuple(h * value_length for h in kv_heads),
+        n_vocab=n_vocab,
+        n_embd=n_embd,
+        n_ff=n_ff,
+        n_head=n_head,
+        repack_bytes=tuple(repack),
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _read_shape(path: str, size: int, mtime_ns: int) -> ModelShape:
+    try:
+        header = read_header(Path(path))
+    except GgufError as exc:
+        raise ModelShapeError(str(exc)) from None
+    return shape_from_gguf(header)
+
+
+def read_shape(model_file: Path) -> ModelShape:
+    """The shape of a GGUF model, read from its header (the weights are not read)."""
+    stat = Path(model_file).stat()
+    return _read_shape(str(Path(model_file).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def estimate(model_file: Path, slots: int, context_length: int, kv_type: str = "q8_0", *, kv_type_v: str | None = None,
+             batch_tokens: int = 512, flash_attn: bool = True, kv_unified: bool = False, repack: bool = False) -> MemoryEstimate:
+    """Bytes the model takes when the engine serves `slots` x `context_length` tokens (`repack`:
+    loaded with extra buffers, as batch_invariant = false loads it)."""
+    context = ContextShape(slots, context_length, kv_type, kv_type_v, batch_tokens, flash_attn, kv_unified, repack)
+    return estimate_memory(read_shape(model_file), context)
+
+
+def model_estimate(model: ModelSettings, model_file: Path) -> MemoryEstimate:
+    """The estimate for a configured llama.cpp model, in the context layout its engine makes."""
+    from engines.llamacpp.engine import context_layout
+
+    kv_unified, flash_attn = context_layout(model.batch_invariant, model.kv_cache_type)
+    return estimate(model_file, model.slots, model.context_length, model.kv_cache_type, kv_type_v=model.kv_cache_type_v,
+                    batch_tokens=model.batch_tokens, flash_attn=flash_attn, kv_unified=kv_unified, repack=not model.batch_invariant)
+
+
+def gpu_plan(model: ModelSettings, model_file: Path, gpus: tuple[Device, ...]) -> GpuPlan:
+    """The model's n_gpu_layers given the GPUs this llama.cpp build can use (none: 0)."""
+    if model.gpu_layers == 0:
+        return GpuPlan(0, "configured: all on the CPU")
+    if not gpus:
+        return GpuPlan(0, "no GPU this llama.cpp build can use")
+    try:
+        memory = model_estimate(model, model_file)
+    except ModelShapeError as exc:
+        if model.gpu_layers == "auto":
+            return GpuPlan(0, f"its size cannot be estimated ({exc}); set gpu_layers to a number to offload")
+        return GpuPlan(int(model.gpu_layers), f"configured (its size cannot be estimated: {exc})")
+    return plan_gpu_layers(model.gpu_layers, tuple(d.free for d in gpus), memory)
+
+
+def gpu_layers_for(model: ModelSettings, model_file: Path) -> int:
+    """What the engine passes to llama.cpp as n_gpu_layers, with the free memory as of now."""
+    from engines.llamacpp.devices import gpu_devices
+
+    plan = gpu_plan(model, model_file, gpu_devices() if model.gpu_layers != 0 else ())
+    log.info("%s: gpu_layers = %d (%s)", model.alias, plan.gpu_layers, plan.reason)
+    return plan.gpu_layers
