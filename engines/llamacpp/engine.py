@@ -26,7 +26,6 @@ from engines.base import (
     AdapterInfo,
     SHUTDOWN_RETRY_AFTER_S,
     SHUTTING_DOWN,
-    ContextLengthExceeded,
     EngineClosed,
     EngineError,
     EngineEvent,
@@ -45,6 +44,7 @@ from engines.base import (
     check_context,
 )
 from engines.calls import ModelThreadCall
+from engines.embedding import check_lengths, pack, resolve_pooling
 from engines.llamacpp.drafting import Drafter, DraftModelDrafter, DraftState, PromptLookupDrafter, measure_step_cost
 from engines.llamacpp.runtime import Adapter, Context, ContextShape, Model, Sampler
 from engines.prefix import PrefixIndex
@@ -71,6 +71,7 @@ class LlamaCppConfig:
     batch_invariant: bool = True
     kv_type: str = "q8_0"  # K; V too unless kv_type_v says otherwise
     embeddings: bool = False
+    pooling: str = "auto"  # with embeddings: mean, cls, last, or auto (what the file declares)
     kv_type_v: str | None = None
     prefix_cache: bool = True
     # Host-RAM tier for prefixes evicted from the KV cache; 0 turns it off.
@@ -148,6 +149,8 @@ class LlamaCppEngine:
         self.supports_embeddings = config.embeddings
         self.model = Model(config.path, use_extra_buffers=not config.batch_invariant)
         try:
+            # Embeddings: `slots` sequences share a forward pass, which holds every token of each.
+            self.pooling = resolve_pooling(config.pooling, self.model.pooling()) if config.embeddings else None
             kv_unified, flash_attn = context_layout(config.batch_invariant, config.kv_type)
             shape = ContextShape(
                 n_seq=config.slots,
@@ -159,6 +162,7 @@ class LlamaCppEngine:
                 kv_type=config.kv_type,
                 kv_type_v=config.kv_type_v,
                 embeddings=config.embeddings,
+                pooling=self.pooling or "mean",
             )
             self.ctx = Context(self.model, shape)
         except Exception:
@@ -283,17 +287,16 @@ class LlamaCppEngine:
         self._inbox.put(job)
         return stream
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """Pooled, unnormalised vectors, one row per input."""
         if not self.config.embeddings:
             raise EngineError("this model is not configured for embeddings")
-        for tokens in inputs:
-            if len(tokens) > min(self.context_length, self.config.batch_tokens):
-                raise ContextLengthExceeded(
-                    f"an input has {len(tokens)} tokens; this embedding model takes at most "
-                    f"{min(self.context_length, self.config.batch_tokens)}"
-                )
+        if not inputs:
+            raise EngineError("no inputs to embed")
+        # A pass holds an input whole; absolute positions (BERT) end at the trained length.
+        check_lengths(inputs, min(self.context_length, self.config.batch_tokens, self.model.n_ctx_train))
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[list[float]]] = loop.create_future()
+        future: asyncio.Future[np.ndarray] = loop.create_future()
         self._inbox.put(_EmbedJob(inputs, loop, future))  # type: ignore[arg-type]
         return await future
 
@@ -858,23 +861,27 @@ class LlamaCppEngine:
     # ---- embeddings -----------------------------------------------------------------------------
 
     def _run_embeddings(self, job: _EmbedJob) -> None:
+        """Each group of inputs in one decode, input j as sequence j, pooled by llama.cpp."""
         try:
-            vectors = []
-            for tokens in job.inputs:
-                self.ctx.clear_sequence(0)
-                self.ctx.decode([(t, i, 0, True) for i, t in enumerate(tokens)])
-                vectors.append(self.ctx.sequence_embedding(0).tolist())
-                self.ctx.clear_sequence(0)
+            vectors = np.empty((len(job.inputs), self.model.n_embd), dtype=np.float32)
+            lengths = [len(t) for t in job.inputs]
+            for group in pack(lengths, max_tokens=self.config.batch_tokens, max_rows=self.config.slots, padded=False):
+                for seq in range(len(group)):
+                    self.ctx.clear_sequence(seq)
+                self.ctx.decode([(t, pos, seq, True) for seq, i in enumerate(group) for pos, t in enumerate(job.inputs[i])])
+                for seq, i in enumerate(group):
+                    vectors[i] = self.ctx.sequence_embedding(seq)
+                    self.ctx.clear_sequence(seq)
             job.succeed(vectors)
         except Exception as exc:
             job.fail(exc)
 
 
 class _EmbedJob:
-    def __init__(self, inputs: list[list[int]], loop: asyncio.AbstractEventLoop, future: asyncio.Future[list[list[float]]]) -> None:
+    def __init__(self, inputs: list[list[int]], loop: asyncio.AbstractEventLoop, future: asyncio.Future[np.ndarray]) -> None:
         self.inputs, self.loop, self.future = inputs, loop, future
 
-    def succeed(self, vectors: list[list[float]]) -> None:
+    def succeed(self, vectors: np.ndarray) -> None:
         self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_result(vectors))
 
     def fail(self, exc: Exception) -> None:
