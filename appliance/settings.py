@@ -17,8 +17,10 @@ from appliance.paths import default_data_dir
 from policy.limits import LIMIT_LEVELS, LimitRule
 from policy.router import Calibration
 
-ENGINES = ("llamacpp", "mlx", "auto", "openai")  # openai: a model served by another server (engines/upstream)
+# openai: a model served by another server (engines/upstream); onnx: an embedding model run by onnxruntime
+ENGINES = ("llamacpp", "mlx", "auto", "openai", "onnx")
 KINDS = ("chat", "embedding", "draft")  # a draft model is loaded only inside the models it drafts for
+POOLINGS = ("auto", "mean", "cls", "last")  # auto: what the model file declares (engines/embedding.py)
 SPECULATION = ("auto", "off", "prompt_lookup", "draft")
 TIERS = ("small", "mid", "frontier")
 KV_CACHE_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -130,6 +132,14 @@ class ModelSettings:
     # engine = "openai": the servers that run it, spread by least outstanding requests.
     upstreams: tuple[UpstreamSettings, ...] = ()
     upstream: UpstreamTuning = field(default_factory=UpstreamTuning)
+    # kind = "embedding": how token states become a vector, whether vectors are unit length, and
+    # whether a request's `dimensions` may keep the first n (a model trained Matryoshka-style).
+    pooling: str = "auto"
+    normalize: bool = True
+    matryoshka: bool = False
+    # engine = "onnx": the tokenizer (tokenizer.json or a WordPiece vocab.txt), a path or a package file.
+    tokenizer: Path | None = None
+    tokenizer_package_file: str | None = None
 
     @property
     def speculation_mode(self) -> str:
@@ -515,7 +525,9 @@ _MODEL_KEYS = {
     "slots", "threads", "batch_tokens", "prefills_per_step", "chat_template", "price_input_per_mtok", "price_output_per_mtok",
     "tier", "batch_invariant", "kv_cache_type", "kv_cache_type_k", "kv_cache_type_v", "prefix_cache", "prefix_cache_host_mb",
     "speculation", "draft_model", "speculation_max_tokens", "speculation_fixed_tokens", "adapters",
+    "pooling", "normalize", "matryoshka", "tokenizer", "tokenizer_package_file",
 }
+_EMBEDDING_KEYS = ("pooling", "normalize", "matryoshka", "tokenizer", "tokenizer_package_file")
 # engine = "openai" takes these instead of a file and the local engine's knobs.
 _UPSTREAM_MODEL_KEYS = {
     "alias", "engine", "kind", "context_length", "price_input_per_mtok", "price_output_per_mtok", "tier",
@@ -651,23 +663,36 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
     kv_k = r.string("kv_cache_type_k", kv_both, KV_CACHE_TYPES) or kv_both
     kv_v = r.string("kv_cache_type_v", kv_both, KV_CACHE_TYPES) or kv_both
     invariant = r.boolean("batch_invariant", True)
+    engine = r.string("engine", "llamacpp", ENGINES) or "llamacpp"
+    kind = r.string("kind", "chat", KINDS) or "chat"
+    if engine == "onnx" and kind != "embedding":
+        raise r.fail("engine", "the onnx engine serves embedding models only: add kind = \"embedding\"")
+    if kind != "embedding" and (stray := [k for k in _EMBEDDING_KEYS if k in table]):
+        raise r.fail(stray[0], "applies to models of kind \"embedding\" only")
+    tokenizer_keys = [k for k in ("tokenizer", "tokenizer_package_file") if k in table]
+    if engine == "onnx" and len(tokenizer_keys) != 1:
+        raise r.fail("tokenizer", "an onnx model needs exactly one of `tokenizer` (a tokenizer.json or vocab.txt) or `tokenizer_package_file`")
+    if engine != "onnx" and tokenizer_keys:
+        raise r.fail(tokenizer_keys[0], "applies to engine = \"onnx\" only (a GGUF file carries its tokenizer)")
+    tokenizer_text = r.string("tokenizer")
     # llama.cpp reads a quantized V only inside flash attention, and the invariant layout runs flash
     # attention only with a quantized cache (docs/architecture.md#batch-invariance).
     if invariant and (kv_k in UNQUANTIZED_KV) != (kv_v in UNQUANTIZED_KV):
         raise r.fail("kv_cache_type_v", f"with batch_invariant = true, K and V must both be quantized or both unquantized (got {kv_k} and {kv_v})")
     return ModelSettings(
         alias=alias,
-        engine=r.string("engine", "llamacpp", ENGINES) or "llamacpp",
-        kind=r.string("kind", "chat", KINDS) or "chat",
+        engine=engine,
+        kind=kind,
         path=path,
         package_file=r.string("package_file"),
         hf_repo=r.string("hf_repo"),
         hf_file=r.string("hf_file"),
         sha256=sha.lower() if sha else None,
-        context_length=r.integer("context_length", 4096, minimum=64),
+        # An onnx model (BERT-like) has 512 learned positions; its passes are padded, inputs x longest.
+        context_length=r.integer("context_length", 512 if engine == "onnx" else 4096, minimum=64),
         slots=slots,
         threads=r.integer("threads", max(1, os.cpu_count() or 1), maximum=1024),
-        batch_tokens=r.integer("batch_tokens", 512, minimum=slots),
+        batch_tokens=r.integer("batch_tokens", 8192 if engine == "onnx" else 512, minimum=slots),
         # An embedding request has no first token to hurry: its inputs share steps.
         prefills_per_step=r.integer("prefills_per_step", 0 if table.get("kind") == "embedding" else 1, minimum=0),
         chat_template=template,
@@ -684,6 +709,11 @@ def _model(file: str, index: int, table: dict[str, Any], base: Path) -> ModelSet
         speculation_max_tokens=r.integer("speculation_max_tokens", 8, minimum=1, maximum=64),
         speculation_fixed_tokens=r.integer("speculation_fixed_tokens", 0, minimum=0, maximum=64),
         adapters=_adapters(file, index, table.get("adapters", []), base),
+        pooling=r.string("pooling", "auto", POOLINGS) or "auto",
+        normalize=r.boolean("normalize", True),
+        matryoshka=r.boolean("matryoshka", False),
+        tokenizer=(base / os.path.expanduser(tokenizer_text)).resolve() if tokenizer_text else None,
+        tokenizer_package_file=r.string("tokenizer_package_file"),
     )
 
 
