@@ -31,6 +31,25 @@ def shipped_files() -> tuple[Path, Path]:
     return onnx_file, vocab
 
 
+def reference_vectors(texts: list[str]) -> np.ndarray:
+    """sentence-transformers' recipe for this model, computed apart from the appliance: the ONNX file
+    run on one text at a time (no padding, tokenized by `tokenizers` with the model's vocabulary),
+    mean over its tokens, unit length."""
+    import onnxruntime
+    from tokenizers import BertWordPieceTokenizer
+
+    onnx_file, vocab = shipped_files()
+    session = onnxruntime.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    tokenizer = BertWordPieceTokenizer(str(vocab), lowercase=True)
+    out = []
+    for text in texts:
+        ids = np.array([tokenizer.encode(text).ids], dtype=np.int64)
+        hidden = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)})[0]
+        vector = hidden[0].mean(axis=0)
+        out.append(vector / np.linalg.norm(vector))
+    return np.stack(out).astype(np.float32)
+
+
 def onnx_weights(path: Path) -> dict[str, np.ndarray]:
     """The model's weights under Hugging Face BertModel names, float32, linear layers as [out, in]."""
     import onnx

@@ -1,6 +1,6 @@
 """Real embedding models through /v1/embeddings with the official SDK: all-MiniLM-L6-v2 on the onnx
 engine (the file the cache ships) and the same weights as a BERT GGUF on llama.cpp (written by
-tests/minilm_gguf.py), checked against a reference computed here straight from the ONNX file.
+tests/minilm_gguf.py), checked against sentence-transformers' recipe run straight on the ONNX file.
 Then the shared pieces (packing, pooling, finishing, input reading, settings) without IO."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from appliance.settings import ConfigError, parse_settings
 from engines.base import ContextLengthExceeded, EngineError
 from engines.embedding import check_lengths, finish, pack, pool, resolve_pooling
 from tests.conftest import Server, start_server, stop_server
-from tests.minilm_gguf import shipped_files, write_minilm_gguf
+from tests.minilm_gguf import reference_vectors, shipped_files, write_minilm_gguf
 
 ONNX = "minilm-onnx"
 GGUF = "minilm-gguf"
@@ -60,22 +60,8 @@ def client(server: Server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, np.ndarray]:
-    """sentence-transformers' recipe for this model, computed apart from the server: the ONNX file
-    run on one input at a time (no padding), mean over its tokens, unit length."""
-    import onnxruntime
-    from tokenizers import BertWordPieceTokenizer
-
-    onnx_file, vocab = shipped_files()
-    session = onnxruntime.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
-    tokenizer = BertWordPieceTokenizer(str(vocab), lowercase=True)
-    out = {}
-    for text in TEXTS:
-        ids = np.array([tokenizer.encode(text).ids], dtype=np.int64)
-        hidden = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)})[0]
-        vector = hidden[0].mean(axis=0)
-        out[text] = vector / np.linalg.norm(vector)
-    return out
+def reference() -> np.ndarray:
+    return reference_vectors(TEXTS)
 
 
 def _vectors(client: openai.OpenAI, model: str, inputs: list, **kwargs: object) -> np.ndarray:
@@ -96,13 +82,12 @@ def _bad(call: object, param: str) -> openai.BadRequestError:
 # ---- through the server ----------------------------------------------------------------------------
 
 
-def test_both_engines_match_the_reference(client: openai.OpenAI, reference: dict[str, np.ndarray]) -> None:
-    expected = np.stack([reference[t] for t in TEXTS])
+def test_both_engines_match_the_reference(client: openai.OpenAI, reference: np.ndarray) -> None:
     for model in (ONNX, GGUF):
         got = _vectors(client, model, TEXTS)
         assert got.shape == (len(TEXTS), 384)
         assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
-        cosines = (got * expected).sum(axis=1)
+        cosines = (got * reference).sum(axis=1)
         assert cosines.min() > 0.9999, (model, cosines)
     # and the geometry is a sentence embedder's: a paraphrase is nearer than an unrelated text
     a, b, c = _vectors(client, GGUF, ["How do I reset my password?", "I forgot my password, how can I change it?", "The cat sat on the mat."])
