@@ -19,12 +19,13 @@ from appliance.api.errors import APIError
 from appliance.settings import ConfigError, parse_settings
 from engines.base import ContextLengthExceeded, EngineError
 from engines.embedding import check_lengths, finish, pack, pool, resolve_pooling
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import MODEL_FILE, Server, start_server, stop_server
 from tests.minilm_gguf import reference_vectors, shipped_files, write_minilm_gguf
 
 ONNX = "minilm-onnx"
 GGUF = "minilm-gguf"
 MATRYOSHKA = "minilm-matryoshka"  # the same file declared Matryoshka-trained, to exercise `dimensions`
+CAUSAL = "smollm2-embed"  # a chat model's GGUF, which declares no pooling: mean, several sequences a pass
 
 TEXTS = [
     "How do I reset my password?",
@@ -48,7 +49,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = ('[server]\n[auth]\nmode = "open"\n[cache]\nenabled = false\n'
               + _model(ONNX, onnx)
               + _model(GGUF, f'path = "{gguf}"\ncontext_length = 512\nslots = 16\nbatch_tokens = 2048')
-              + _model(MATRYOSHKA, onnx + "matryoshka = true\n"))
+              + _model(MATRYOSHKA, onnx + "matryoshka = true\n")
+              + _model(CAUSAL, f'package_file = "{MODEL_FILE}"\ncontext_length = 256\nslots = 4'))
     srv = start_server(work, config)
     yield srv
     stop_server(srv)
@@ -95,7 +97,7 @@ def test_both_engines_match_the_reference(client: openai.OpenAI, reference: np.n
 
 
 def test_a_batch_gives_each_input_what_it_gets_alone(client: openai.OpenAI) -> None:
-    for model in (ONNX, GGUF):
+    for model in (ONNX, GGUF, CAUSAL):
         together = _vectors(client, model, TEXTS)
         alone = np.vstack([_vectors(client, model, [t]) for t in TEXTS])
         assert ((together * alone).sum(axis=1)).min() > 0.99999, model

@@ -152,6 +152,9 @@ class LlamaCppEngine:
             # Embeddings: `slots` sequences share a forward pass, which holds every token of each.
             self.pooling = resolve_pooling(config.pooling, self.model.pooling()) if config.embeddings else None
             kv_unified, flash_attn = context_layout(config.batch_invariant, config.kv_type)
+            # With a KV stream per sequence llama.cpp splits a pass into equal shares of each
+            # sequence, and pools a sequence over its last share only: one stream keeps a pass whole.
+            kv_unified = kv_unified or config.embeddings
             shape = ContextShape(
                 n_seq=config.slots,
                 n_ctx_per_seq=config.context_length,
