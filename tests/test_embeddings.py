@@ -155,6 +155,14 @@ def test_bad_input_is_a_400_naming_input(client: openai.OpenAI, server: Server) 
     assert _vectors(client, ONNX, ["still here"]).shape == (1, 384)
 
 
+def test_the_models_are_listed_and_reported(client: openai.OpenAI, server: Server) -> None:
+    assert {ONNX, GGUF, MATRYOSHKA, CAUSAL} <= {m.id for m in client.models.list().data}
+    health = server.health()["models"]
+    assert health[ONNX]["slots_busy"] == 0 and health[GGUF]["queue_depth"] == 0
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=30)
+    assert metrics.status_code == 200 and f'model="{ONNX}"' in metrics.text
+
+
 # ---- the shared pieces, without IO ---------------------------------------------------------------
 
 
@@ -223,3 +231,4 @@ def test_embedding_settings_defaults(tmp_path: Path) -> None:
     model = onnx.models[0]
     assert (model.pooling, model.normalize, model.matryoshka, model.context_length) == ("auto", True, False, 512)
     assert model.tokenizer == (tmp_path / "t.json").resolve()
+
