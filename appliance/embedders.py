@@ -70,7 +70,8 @@ class EngineEmbedder:
         return out if limit is None else [t if len(t) <= limit else t[:limit - 1] + t[-1:] for t in out]
 
     async def embed(self, texts: list[str]) -> np.ndarray:
-        return finish(await self.engine.embed(self._tokens(texts)), normalize=True)
+        tokens = await asyncio.to_thread(self._tokens, texts)  # a long question takes milliseconds
+        return finish(await self.engine.embed(tokens), normalize=True)
 
     def close(self) -> None:
         pass  # the registry owns the engine
