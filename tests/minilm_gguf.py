@@ -31,10 +31,10 @@ def shipped_files() -> tuple[Path, Path]:
     return onnx_file, vocab
 
 
-def reference_vectors(texts: list[str]) -> np.ndarray:
+def reference_vectors(texts: list[str], pooling: str = "mean") -> np.ndarray:
     """sentence-transformers' recipe for this model, computed apart from the appliance: the ONNX file
     run on one text at a time (no padding, tokenized by `tokenizers` with the model's vocabulary),
-    mean over its tokens, unit length."""
+    mean over its tokens (or its [CLS] state), unit length."""
     import onnxruntime
     from tokenizers import BertWordPieceTokenizer
 
@@ -45,7 +45,7 @@ def reference_vectors(texts: list[str]) -> np.ndarray:
     for text in texts:
         ids = np.array([tokenizer.encode(text).ids], dtype=np.int64)
         hidden = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)})[0]
-        vector = hidden[0].mean(axis=0)
+        vector = hidden[0].mean(axis=0) if pooling == "mean" else hidden[0][0]
         out.append(vector / np.linalg.norm(vector))
     return np.stack(out).astype(np.float32)
 
@@ -74,12 +74,12 @@ def onnx_weights(path: Path) -> dict[str, np.ndarray]:
         return init[cast.input[0]].astype(np.float32) * init[mul.input[1]].astype(np.float32)
 
     out: dict[str, np.ndarray] = {}
-    for name in init:
+    for name, array in init.items():
         if name.startswith("inner.") and not name.endswith(("_q", "_scale", "position_ids")):
-            out[name.removeprefix("inner.")] = init[name].astype(np.float32)
+            out[name.removeprefix("inner.")] = array.astype(np.float32)
         elif name.startswith("inner.") and name.endswith("_q"):
             base = name.removesuffix("_q")
-            out[base.removeprefix("inner.")] = init[name].astype(np.float32) * init[base + "_scale"].astype(np.float32)
+            out[base.removeprefix("inner.")] = array.astype(np.float32) * init[base + "_scale"].astype(np.float32)
     # A linear layer is MatMul(x, W) then Add(bias), W a weight; the bias initializer names the layer.
     for node in graph.node:
         matrix = weight(node.input[1]) if node.op_type == "MatMul" else None
@@ -92,7 +92,9 @@ def onnx_weights(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def write_minilm_gguf(dst: Path, onnx_file: Path | None = None, vocab_file: Path | None = None) -> Path:
+def write_minilm_gguf(dst: Path, onnx_file: Path | None = None, vocab_file: Path | None = None,
+                      pooling: gguf.PoolingType = gguf.PoolingType.MEAN) -> Path:
+    """`pooling`: what the file declares; the model was trained with mean (another tests the reading)."""
     shipped_onnx, shipped_vocab = shipped_files()
     weights = onnx_weights(onnx_file or shipped_onnx)
     tokens = (vocab_file or shipped_vocab).read_text(encoding="utf-8").splitlines()
@@ -108,7 +110,7 @@ def write_minilm_gguf(dst: Path, onnx_file: Path | None = None, vocab_file: Path
     writer.add_head_count(HEADS)
     writer.add_layer_norm_eps(LAYER_NORM_EPS)
     writer.add_causal_attention(False)
-    writer.add_pooling_type(gguf.PoolingType.MEAN)  # sentence-transformers' Pooling module for this model
+    writer.add_pooling_type(pooling)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_token_type_count(weights["embeddings.token_type_embeddings.weight"].shape[0])
 

