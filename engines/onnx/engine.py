@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from engines.base import AdapterInfo, EngineClosed, EngineError, EngineOverloaded, EngineStats, GenerationRequest
-from engines.embedding import check_lengths, pack, pool
+from engines.embedding import check_lengths, pack, pool, resolve_pooling
 from engines.stream import EventStream
 
 log = logging.getLogger("appliance.onnx")
@@ -31,7 +31,7 @@ class OnnxConfig:
     batch_tokens: int  # padded tokens (inputs x longest) one forward pass holds
     threads: int
     max_queue: int
-    pooling: str = "mean"  # mean, cls or last ("auto" reads as mean: sentence-transformers' usual)
+    pooling: str = "auto"  # mean, cls or last; auto: mean
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -64,7 +64,7 @@ class OnnxEngine:
         import onnxruntime
 
         self.config = config
-        self.pooling = "mean" if config.pooling == "auto" else config.pooling
+        self.pooling = resolve_pooling(config.pooling, None)  # an ONNX file declares none: mean, sentence-transformers' usual
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = config.threads
         options.inter_op_num_threads = 1
