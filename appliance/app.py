@@ -15,7 +15,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from appliance import __version__
-from appliance.api import admin_routes, cache_routes, model_routes, openai_routes, responses_routes
+from appliance.api import admin_routes, cache_routes, embeddings, model_routes, openai_routes, responses_routes
 from appliance.api.common import authenticate
 from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from appliance.api.headers import response_headers
@@ -107,7 +107,7 @@ def create_app(services: Services) -> Litestar:
         route_handlers=[
             health, metrics,
             openai_routes.list_models, openai_routes.retrieve_model, openai_routes.chat_completions,
-            openai_routes.completions, openai_routes.embeddings, *responses_routes.ROUTES, *admin_routes.ROUTES, *cache_routes.ROUTES, *model_routes.ROUTES,
+            openai_routes.completions, embeddings.embeddings, *responses_routes.ROUTES, *admin_routes.ROUTES, *cache_routes.ROUTES, *model_routes.ROUTES,
         ],
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},

@@ -1,16 +1,19 @@
-"""Sentence embedders for the semantic cache, behind one small interface: `embed(texts)` gives
-L2-normalised float32 rows. Each embedder's model is owned by one thread."""
+"""Sentence embedders for the semantic cache and the learned router, behind one small interface:
+`embed(texts)` gives L2-normalised float32 rows. Each runs an embedding engine (engines/), whose
+model one thread owns: a fleet model of kind "embedding", or the bundled MiniLM on onnxruntime."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from appliance.registry import LoadedModel
+from engines.base import Engine
+from engines.embedding import finish
 
 
 class Embedder(Protocol):
@@ -43,72 +46,52 @@ class OnDemand:
             self._loaded = None
 
 
-def _normalise(rows: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(rows, axis=1, keepdims=True)
-    return (rows / np.maximum(norms, 1e-12)).astype(np.float32)
-
-
 class EngineEmbedder:
-    """An embedding model served by one of the appliance's own engines (`kind = "embedding"`)."""
+    """Texts in, unit vectors out, through an engine's `embed`. `max_tokens` cuts a long text
+    (keeping the tokenizer's closing special token) where the API would refuse it."""
 
-    def __init__(self, model: LoadedModel) -> None:
-        self.model = model
-        self.name = f"engine-{model.settings.alias}"
+    def __init__(self, name: str, engine: Engine, max_tokens: int | None = None) -> None:
+        self.name = name
+        self.engine = engine
+        self.max_tokens = max_tokens
         self.dimension = 0  # known after `start()`
+
+    @classmethod
+    def of_model(cls, model: LoadedModel) -> EngineEmbedder:
+        """A model of kind "embedding" in the fleet; the registry owns its engine."""
+        return cls(f"engine-{model.settings.alias}", model.engine)
 
     async def start(self) -> None:
         self.dimension = int((await self.embed(["probe"])).shape[1])
 
+    def _tokens(self, texts: list[str]) -> list[list[int]]:
+        out = [self.engine.tokenize(t, add_special=True, parse_special=False) for t in texts]
+        limit = self.max_tokens
+        return out if limit is None else [t if len(t) <= limit else t[:limit - 1] + t[-1:] for t in out]
+
     async def embed(self, texts: list[str]) -> np.ndarray:
-        engine = self.model.engine
-        tokens = [engine.tokenize(t, add_special=engine.add_bos(), parse_special=False) for t in texts]
-        return _normalise(np.asarray(await engine.embed(tokens), dtype=np.float32))
+        tokens = await asyncio.to_thread(self._tokens, texts)  # a long question takes milliseconds
+        return finish(await self.engine.embed(tokens), normalize=True)
 
     def close(self) -> None:
         pass  # the registry owns the engine
 
 
-class OnnxSentenceEmbedder:
-    """A sentence-transformers model exported to ONNX, run by onnxruntime on its own thread:
-    WordPiece tokens in, mean-pooled over the attention mask, L2-normalised."""
+class OnnxEmbedder(EngineEmbedder):
+    """A sentence-transformers model on the onnx engine, owned by this embedder (the bundled MiniLM)."""
 
-    def __init__(self, name: str, model_path: str, vocab_path: str, threads: int = 1, max_tokens: int = 128) -> None:
-        """`vocab_path`: the model's WordPiece vocabulary (uncased). One thread: beside llama.cpp's
-        threads on a small box, a second one made embedding slower, not faster."""
-        import onnxruntime
-        from tokenizers import BertWordPieceTokenizer
+    def __init__(self, name: str, model_path: Path, tokenizer: Path, threads: int = 1, max_tokens: int = 128) -> None:
+        """One thread: beside llama.cpp's threads on a small box, a second one made embedding
+        slower, not faster. 128 tokens: what the cache's thresholds were tuned with."""
+        from engines.onnx.engine import OnnxConfig, OnnxEngine
 
-        self.name = name
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        self._session = onnxruntime.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
-        self._inputs = {i.name for i in self._session.get_inputs()}
-        self._tokenizer = BertWordPieceTokenizer(vocab_path, lowercase=True)
-        self._tokenizer.enable_truncation(max_tokens)
-        self._tokenizer.enable_padding()  # to the longest input of a batch
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"embedder-{name}")
-        self.dimension = int(self._run(["probe"]).shape[1])
-
-    def _run(self, texts: list[str]) -> np.ndarray:
-        encodings = self._tokenizer.encode_batch(texts)
-        ids = np.array([e.ids for e in encodings], dtype=np.int64)
-        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        if "token_type_ids" in self._inputs:
-            feeds["token_type_ids"] = np.zeros_like(ids)
-        hidden = self._session.run(None, feeds)[0]
-        if hidden.ndim == 3:  # token states: mean over the real tokens
-            weights = mask[:, :, None].astype(np.float32)
-            hidden = (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
-        return _normalise(hidden)
+        self.onnx = OnnxEngine(OnnxConfig(model_path, tokenizer, context_length=max_tokens, batch_tokens=8192, threads=threads, max_queue=1 << 16))
+        super().__init__(name, self.onnx, max_tokens)
+        self.dimension = int(self.embed_now(["probe"]).shape[1])
 
     def embed_now(self, texts: list[str]) -> np.ndarray:
         """On the caller's thread: for tools and benches, not the event loop."""
-        return self._thread.submit(self._run, texts).result()
-
-    async def embed(self, texts: list[str]) -> np.ndarray:
-        return await asyncio.wrap_future(self._thread.submit(self._run, texts))
+        return finish(self.onnx.embed_now(self._tokens(texts)), normalize=True)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        self.onnx.close()

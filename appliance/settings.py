@@ -28,7 +28,9 @@ from policy.router import Calibration
 
 __all__ = ["ConfigError", "LocalModel", "ModelSettings", "Settings", "UpstreamModel", "find_config", "load_settings", "parse_settings"]
 
-Engine = Literal["llamacpp", "mlx", "auto"]  # "auto": MLX on Apple silicon, llama.cpp elsewhere
+# "auto": MLX on Apple silicon, llama.cpp elsewhere; "onnx": an embedding model run by onnxruntime
+Engine = Literal["llamacpp", "mlx", "auto", "onnx"]
+Pooling = Literal["auto", "mean", "cls", "last"]  # auto: what the model file declares (engines/embedding.py)
 Kind = Literal["chat", "embedding", "draft"]  # a draft model is loaded only inside the models it drafts for
 Tier = Literal["small", "mid", "frontier"]
 KvType = Literal["f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
@@ -168,6 +170,13 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
     preload: Annotated[bool, Meta(description="load at start and never unload for another model")] = False
     gpu_layers: Annotated[Literal["auto"] | Annotated[int, Meta(ge=0)], Meta(
         description="layers offloaded to a GPU; \"auto\": as many as fit its free memory (none on a CPU build); 0: all on the CPU")] = "auto"
+    # kind = "embedding": how token states become a vector, whether vectors are unit length, and
+    # whether a request's `dimensions` may keep the first n (a model trained Matryoshka-style).
+    pooling: Annotated[Pooling, Meta(description="embedding models: how token states become one vector; \"auto\": what the file declares")] = "auto"
+    normalize: Annotated[bool, Meta(description="embedding models: vectors scaled to unit length")] = True
+    matryoshka: Annotated[bool, Meta(description="embedding models: trained so that a request's `dimensions` may keep the first n")] = False
+    tokenizer: Annotated[Path | None, Meta(description="engine \"onnx\": a tokenizer.json or WordPiece vocab.txt (or tokenizer_package_file)")] = None
+    tokenizer_package_file: Annotated[str | None, Meta(description="engine \"onnx\": the tokenizer as a file inside an installed Python package")] = None
 
     @property
     def speculation_mode(self) -> str:
@@ -345,6 +354,7 @@ def table_type(section: str, table: dict[str, Any]) -> type:
 
 _MODEL_KEYS = table_keys(LocalModel)  # the keys of a local model's table
 _UPSTREAM_MODEL_KEYS = table_keys(UpstreamModel)
+_EMBEDDING_KEYS = ("pooling", "normalize", "matryoshka", "tokenizer", "tokenizer_package_file")
 
 
 @dataclass(frozen=True)
@@ -400,7 +410,22 @@ def _array(raw: dict[str, Any], name: str, where: Where) -> list[dict[str, Any]]
 
 def _local_model(table: dict[str, Any], key: str, where: Where) -> LocalModel:
     # An embedding request has no first token to hurry: its inputs share steps.
-    m = decode(LocalModel, table, key, where, {"prefills_per_step": 0} if table.get("kind") == "embedding" else None)
+    defaults: dict[str, Any] = {}
+    if table.get("kind") == "embedding":
+        defaults["prefills_per_step"] = 0
+    if table.get("engine") == "onnx":
+        # An onnx model (BERT-like) has 512 learned positions; its passes are padded, inputs x longest.
+        defaults.update(context_length=512, batch_tokens=8192)
+    m = decode(LocalModel, table, key, where, defaults or None)
+    if m.engine == "onnx" and m.kind != "embedding":
+        raise where.fail(f"{key}.engine", "the onnx engine serves embedding models only: add kind = \"embedding\"")
+    if m.kind != "embedding" and (stray := [k for k in _EMBEDDING_KEYS if k in table]):
+        raise where.fail(f"{key}.{stray[0]}", "applies to models of kind \"embedding\" only")
+    tokenizer_keys = [k for k in ("tokenizer", "tokenizer_package_file") if k in table]
+    if m.engine == "onnx" and len(tokenizer_keys) != 1:
+        raise where.fail(f"{key}.tokenizer", "an onnx model needs exactly one of `tokenizer` (a tokenizer.json or vocab.txt) or `tokenizer_package_file`")
+    if m.engine != "onnx" and tokenizer_keys:
+        raise where.fail(f"{key}.{tokenizer_keys[0]}", "applies to engine = \"onnx\" only (a GGUF file carries its tokenizer)")
     if sum(k in table for k in ("path", "package_file", "hf_repo")) != 1:
         raise where.fail(f"{key}.path", "give exactly one source: `path`, `package_file`, or `hf_repo` with `hf_file`")
     if ("hf_repo" in table) != ("hf_file" in table):

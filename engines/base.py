@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from engines.stream import EventStream
 
 
@@ -236,7 +238,10 @@ class Engine(Protocol):
         and closing it early cancels the request and frees its slot at the next step."""
         ...
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]: ...
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """One forward pass per group of inputs that fits (not one per input): pooled vectors, one
+        float32 row per input, before any normalisation. Raises ContextLengthExceeded."""
+        ...
 
     def adapters(self) -> list[AdapterInfo]:
         """The loaded adapters (none where adapters are not supported)."""

@@ -206,7 +206,7 @@ class LocalEngine:
     def _forget_holder(self, holder: Hashable) -> None:
         """Drops the KV a non-host prefix holder (a slot) keeps, computed under an adapter now gone."""
 
-    def _embed(self, inputs: list[list[int]]) -> list[list[float]]:
+    def _embed(self, inputs: list[list[int]]) -> Any:
         raise EngineError("this model is not configured for embeddings")
 
     def _on_thread_end(self) -> None:
@@ -259,7 +259,7 @@ class LocalEngine:
         self._inbox.put(job)
         return stream
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+    async def embed(self, inputs: list[list[int]]) -> Any:
         """Embeddings run on the model thread like requests, and keep the model busy meanwhile."""
         if not self.supports_embeddings:
             raise EngineError("this model is not configured for embeddings")

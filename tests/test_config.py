@@ -21,6 +21,8 @@ def test_repository_models_toml_is_valid() -> None:
     assert settings.model("smollm2-135m-embed").kind == "embedding"
     # A chat model finishes prompts one a step; an embedding model's inputs share steps.
     assert chat.prefills_per_step == 1 and settings.model("smollm2-135m-embed").prefills_per_step == 0
+    minilm = settings.model("all-minilm-l6-v2")
+    assert (minilm.engine, minilm.kind, minilm.pooling, minilm.normalize) == ("onnx", "embedding", "auto", True)
 
 
 def test_defaults_fill_what_is_missing(data_dir: Path) -> None:

@@ -98,7 +98,7 @@ def test_the_new_model_settings_default_and_parse() -> None:
     assert isinstance(model, LocalModel)
     assert (model.keep_alive_s, model.preload, model.gpu_layers) == (300.0, False, "auto")
     model = parse_settings(MODEL + 'preload = true\ngpu_layers = "auto"\n', "m.toml").models[0]
-    assert (model.preload, model.gpu_layers) == (True, 0)
+    assert (model.preload, model.gpu_layers) == (True, "auto")
     assert parse_settings(MODEL + "gpu_layers = 28\n", "m.toml").models[0].gpu_layers == 28
     for bad in ("-1", '"all"', "1.5"):
         error = _error(MODEL + f"gpu_layers = {bad}\n")

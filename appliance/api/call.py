@@ -80,18 +80,24 @@ def failure_error(finish: FinishEvent) -> APIError:
 def _engine_start(model: LoadedModel, request: GenerationRequest) -> EventStream:
     try:
         return model.engine.generate(request)
-    except ContextLengthExceeded as exc:
-        raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
-    except EngineOverloaded as exc:
-        raise APIError(503, f"The server is overloaded: {exc}. Retry shortly.", type="server_error", code="overloaded", retry_after_s=exc.retry_after_s) from None
-    except EngineClosed as exc:
-        raise APIError(503, str(exc), type="server_error", code="unavailable", retry_after_s=5) from None
-    except UnknownAdapter as exc:
-        raise APIError(404, str(exc), param="model", code="model_not_found") from None
-    except UpstreamUnavailable as exc:
-        raise APIError(503, str(exc), type="server_error", code="upstream_unavailable", retry_after_s=exc.retry_after_s) from None
     except EngineError as exc:
-        raise invalid(str(exc)) from None
+        raise engine_refusal(exc, "messages") from None
+
+
+def engine_refusal(exc: EngineError, prompt_param: str) -> APIError:
+    """The API error for an engine's refusal to run a request; `prompt_param` names the field
+    that was too long."""
+    if isinstance(exc, ContextLengthExceeded):
+        return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, EngineOverloaded):
+        return APIError(503, f"The server is overloaded: {exc}. Retry shortly.", type="server_error", code="overloaded", retry_after_s=exc.retry_after_s)
+    if isinstance(exc, EngineClosed):
+        return APIError(503, str(exc), type="server_error", code="unavailable", retry_after_s=5)
+    if isinstance(exc, UnknownAdapter):
+        return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, UpstreamUnavailable):
+        return APIError(503, str(exc), type="server_error", code="upstream_unavailable", retry_after_s=exc.retry_after_s)
+    return invalid(str(exc))
 
 
 async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:

@@ -153,12 +153,12 @@ def model_list(models: list[LoadedModel], created: int) -> dict[str, Any]:
     return {"object": "list", "data": [model_entry(m, created) for m in models]}
 
 
-def _encode_vector(vector: list[float], encoding: str) -> list[float] | str:
+def _encode_vector(vector: np.ndarray, encoding: str) -> list[float] | str:
     # base64 of little-endian float32, which the OpenAI SDK asks for by default
-    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode() if encoding == "base64" else vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode() if encoding == "base64" else vector.tolist()
 
 
-def embedding_list(vectors: list[list[float]], model: str, prompt_tokens: int, encoding: str = "float") -> bytes:
+def embedding_list(vectors: np.ndarray, model: str, prompt_tokens: int, encoding: str = "float") -> bytes:
     data = [{"object": "embedding", "index": i, "embedding": _encode_vector(v, encoding)} for i, v in enumerate(vectors)]
     return _encoder.encode({"object": "list", "data": data, "model": model,
                             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})

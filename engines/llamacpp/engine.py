@@ -18,8 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.base import ContextLengthExceeded, EngineError, EngineEvent, FinishReason, GenerationRequest
+import numpy as np
+
+from engines.base import EngineError, EngineEvent, FinishReason, GenerationRequest
 from engines.core import AdapterKey, Job, LocalEngine
+from engines.embedding import check_lengths, pack, resolve_pooling
 from engines.llamacpp.drafting import Drafter, DraftModelDrafter, DraftState, PromptLookupDrafter, measure_step_cost
 from engines.llamacpp.runtime import Adapter, Context, ContextShape, Model, Sampler
 from engines.logprobs import log_softmax
@@ -43,6 +46,7 @@ class LlamaCppConfig:
     batch_invariant: bool = True
     kv_type: str = "q8_0"  # K; V too unless kv_type_v says otherwise
     embeddings: bool = False
+    pooling: str = "auto"  # with embeddings: mean, cls, last, or auto (what the file declares)
     kv_type_v: str | None = None
     prefix_cache: bool = True
     # Host-RAM tier for prefixes evicted from the KV cache; 0 turns it off.
@@ -104,7 +108,12 @@ class LlamaCppEngine(LocalEngine):
         self.supports_embeddings = config.embeddings
         self.model = Model(config.path, use_extra_buffers=not config.batch_invariant, gpu_layers=config.gpu_layers)
         try:
+            # Embeddings: `slots` sequences share a forward pass, which holds every token of each.
+            self.pooling = resolve_pooling(config.pooling, self.model.pooling()) if config.embeddings else None
             kv_unified, flash_attn = context_layout(config.batch_invariant, config.kv_type)
+            # With a KV stream per sequence llama.cpp splits a pass into equal shares of each
+            # sequence, and pools a sequence over its last share only: one stream keeps a pass whole.
+            kv_unified = kv_unified or config.embeddings
             shape = ContextShape(
                 n_seq=config.slots,
                 n_ctx_per_seq=config.context_length,
@@ -115,6 +124,7 @@ class LlamaCppEngine(LocalEngine):
                 kv_type=config.kv_type,
                 kv_type_v=config.kv_type_v,
                 embeddings=config.embeddings,
+                pooling=self.pooling or "mean",
             )
             self.ctx = Context(self.model, shape)
         except Exception:
@@ -223,17 +233,19 @@ class LlamaCppEngine(LocalEngine):
     def _forget_holder(self, holder: Hashable) -> None:
         self.ctx.clear_sequence(holder[1])  # type: ignore[index]
 
-    def _embed(self, inputs: list[list[int]]) -> list[list[float]]:
-        limit = min(self.context_length, self.config.batch_tokens)
-        for tokens in inputs:
-            if len(tokens) > limit:
-                raise ContextLengthExceeded(f"an input has {len(tokens)} tokens; this embedding model takes at most {limit}")
-        vectors = []
-        for tokens in inputs:
-            self.ctx.clear_sequence(0)
-            self.ctx.decode([(t, i, 0, True) for i, t in enumerate(tokens)])
-            vectors.append(self.ctx.sequence_embedding(0).tolist())
-            self.ctx.clear_sequence(0)
+    def _embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """Pooled, unnormalised vectors, one row per input: each packed group of inputs in one
+        decode, input j as sequence j, pooled by llama.cpp."""
+        # A pass holds an input whole; absolute positions (BERT) end at the trained length.
+        check_lengths(inputs, min(self.context_length, self.config.batch_tokens, self.model.n_ctx_train))
+        vectors = np.empty((len(inputs), self.model.n_embd), dtype=np.float32)
+        for group in pack([len(t) for t in inputs], max_tokens=self.config.batch_tokens, max_rows=self.config.slots, padded=False):
+            for seq in range(len(group)):
+                self.ctx.clear_sequence(seq)
+            self.ctx.decode([(t, pos, seq, True) for seq, i in enumerate(group) for pos, t in enumerate(inputs[i])])
+            for seq, i in enumerate(group):
+                vectors[i] = self.ctx.sequence_embedding(seq)
+                self.ctx.clear_sequence(seq)
         return vectors
 
     def _free_model(self) -> None:

@@ -74,6 +74,11 @@ class Model:
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
         self._controls: dict[str, int] | None = None
 
+    def pooling(self) -> str | None:
+        """The pooling the file declares for embeddings (`<arch>.pooling_type`), if any."""
+        value = self.meta(f"{self.meta('general.architecture')}.pooling_type")
+        return _POOLING_NAMES.get(int(value)) if value is not None and value.lstrip("-").isdigit() else None
+
     def meta(self, key: str) -> str | None:
         size = 4096
         while True:
@@ -159,6 +164,10 @@ class Adapter:
             self.ptr = None
 
 
+# llama.cpp's pooling types (llama_pooling_type) by name
+_POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+_POOLING_TYPES = {name: value for value, name in _POOLING_NAMES.items()}
+
 # ggml type ids of the KV cache types we offer
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
@@ -174,6 +183,7 @@ class ContextShape:
     kv_type: str = "f16"  # K's type, a KV_TYPES name
     kv_type_v: str | None = None  # V's type; None: the same as K
     embeddings: bool = False
+    pooling: str = "mean"  # with embeddings: how a sequence's token states become one vector
 
 
 class Context:
@@ -194,7 +204,7 @@ class Context:
         params.no_perf = True
         if shape.embeddings:
             params.embeddings = True
-            params.pooling_type = L.LLAMA_POOLING_TYPE_MEAN
+            params.pooling_type = _POOLING_TYPES[shape.pooling]
         self.ptr = L.llama_init_from_model(model.ptr, params)
         if not self.ptr:
             raise EngineError(f"llama.cpp could not create a context for {model.path} with {shape}")

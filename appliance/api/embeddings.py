@@ -1,0 +1,112 @@
+"""POST /v1/embeddings: every input of a request tokenized, checked, and embedded together by the
+model's engine (one forward pass per group that fits, engines/embedding.py), then shortened and
+normalised as the model's settings say."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from litestar import Request, Response, post
+
+from appliance.api import render
+from appliance.api.call import engine_refusal
+from appliance.api.common import authenticate, decode_body
+from appliance.api.errors import invalid
+from appliance.api.flow import annotate_principal, resolve_model
+from appliance.api.headers import new_request_id, request_id_of
+from appliance.api.schemas import EmbeddingRequest
+from appliance.api.translate import check_token_ids
+from appliance.registry import LoadedModel
+from appliance.services import Services, price_of
+from appliance.settings import ModelSettings
+from appliance.tracing import RequestTrace
+from engines.base import EngineError
+from engines.embedding import finish
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+def inputs_of(raw: str | list[Any]) -> list[str | list[int]]:
+    """The request's inputs: a string, a list of strings, one token array, or a list of token
+    arrays, as OpenAI takes them. Refuses an empty or mixed list, an empty input, too many inputs."""
+    if isinstance(raw, str):
+        inputs: list[Any] = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        inputs = [list(raw)]
+    elif all(isinstance(x, str) for x in raw) or all(isinstance(x, list) for x in raw):
+        inputs = list(raw)
+    else:
+        raise invalid("'input' must be a string, a list of strings, a list of token ids, or a list of token-id lists.", "input")
+    if not inputs:
+        raise invalid("'input' must not be an empty list.", "input")
+    if len(inputs) > MAX_INPUTS:
+        raise invalid(f"'input' has {len(inputs)} items; at most {MAX_INPUTS} are taken in one request.", "input")
+    empty = next((i for i, x in enumerate(inputs) if len(x) == 0), None)
+    if empty is not None:
+        where = f"input[{empty}]" if len(inputs) > 1 else "input"
+        raise invalid(f"'{where}' is empty; every input needs at least one character or token.", "input")
+    return inputs
+
+
+def check_dimensions(dimensions: int | None, model: ModelSettings) -> None:
+    """`dimensions` before the model runs: only a model declared Matryoshka-trained may shorten its vectors."""
+    if dimensions is None:
+        return
+    if not model.matryoshka:
+        raise invalid(f"The model '{model.alias}' does not support 'dimensions': its vectors cannot be shortened.", "dimensions")
+    if dimensions < 1:
+        raise invalid("'dimensions' must be at least 1.", "dimensions")
+
+
+def _tokens(model: LoadedModel, inputs: list[str | list[int]]) -> list[list[int]]:
+    """Token arrays as given; text with the model's own special tokens (BERT's [CLS] and [SEP])."""
+    engine = model.engine
+    out = [x if isinstance(x, list) else engine.tokenize(x, add_special=True, parse_special=False) for x in inputs]
+    for tokens in out:
+        check_token_ids(tokens, engine.vocab_size(), "input")
+    return out
+
+
+@post("/v1/embeddings", status_code=200)
+async def embeddings(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
+    traced = RequestTrace(services.tracing, "embeddings", request.headers, request__id=new_request_id(request, "emb"))
+    try:
+        response = await _embeddings(request, services, traced)
+    except BaseException as exc:
+        traced.fail(exc)
+        raise
+    finally:
+        traced.end()
+    return traced.stamp(response)
+
+
+async def _embeddings(request: Request[Any, Any, Any], services: Services, traced: RequestTrace) -> Response[Any]:
+    principal = await authenticate(request, services)
+    annotate_principal(traced, principal)
+    body = decode_body(await request.body(), EmbeddingRequest)
+    traced.requested(body)
+    model = resolve_model(services, body.model, "embedding", "embeddings")
+    check_dimensions(body.dimensions, model.settings)
+    inputs = inputs_of(body.input)
+    token_lists = await asyncio.to_thread(_tokens, model, inputs)  # thousands of inputs take a while
+    prompt_tokens = sum(len(t) for t in token_lists)
+    request_id = request_id_of(request.scope)
+    alias = model.settings.alias
+    traced.annotate(model=alias, inputs=len(inputs))
+    traced.answered(request_id, alias, None, prompt_tokens)
+    admission = await services.gate.admit(principal, request_id, alias, price_of(model), prompt_tokens, 0)
+    outcome = "refused"
+    try:
+        rows = await model.engine.embed(token_lists)
+        if body.dimensions is not None and body.dimensions > rows.shape[1]:
+            raise invalid(f"'dimensions' must be at most {rows.shape[1]} for the model '{alias}'.", "dimensions")
+        outcome = "stop"
+    except EngineError as exc:
+        raise engine_refusal(exc, "input") from None
+    finally:
+        services.gate.settle(admission, prompt_tokens if outcome == "stop" else 0, 0, outcome)
+    vectors = finish(rows, normalize=model.settings.normalize, dimensions=body.dimensions)
+    services.metrics.prompt_tokens.labels(alias).inc(prompt_tokens)
+    services.metrics.requests.labels(alias, "embeddings", "ok").inc()
+    return Response(render.embedding_list(vectors, alias, prompt_tokens, body.encoding_format), media_type="application/json")
