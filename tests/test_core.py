@@ -146,7 +146,7 @@ def test_embeddings_run_on_the_model_thread_and_count_as_busy(tmp_path) -> None:
             await asyncio.sleep(0)
             assert engine.busy == 1
             vectors = await pending
-            assert len(vectors) == 4 and vectors[0] == vectors[-1] and len(vectors[0]) > 100
+            assert len(vectors) == 4 and (vectors[0] == vectors[-1]).all() and len(vectors[0]) > 100
             assert engine.busy == 0
             assert await engine.drain() is True
             with pytest.raises(EngineClosed):
