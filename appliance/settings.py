@@ -75,7 +75,9 @@ class ServerSettings(_Table, frozen=True, kw_only=True):
     metrics_auth: Annotated[Literal["none", "admin"], Meta(
         description="who may read /metrics: \"none\" (anyone who reaches the port) or \"admin\" keys once others can reach it")] = "none"
     memory_budget: Annotated[MemoryBudget | None, Meta(
-        description="the memory loaded models may hold together; none: no budget")] = None
+        description="the memory loaded models may hold together: loading one unloads the least recently used idle ones; none: no budget")] = None
+    load_timeout_s: Annotated[float, Meta(ge=0.1, le=3600.0, description=(
+        "how long a request waits for its model to load, and for room in the memory budget, before a 503 with Retry-After"))] = 120.0
 
     @property
     def api_path_roots(self) -> tuple[Path, ...]:
@@ -165,9 +167,13 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
     speculation_max_tokens: Annotated[int, Meta(ge=1, le=64, description="the most tokens drafted at once")] = 8
     speculation_fixed_tokens: Annotated[int, Meta(ge=0, le=64, description="tokens drafted every step; 0: as many as pay, measured per slot")] = 0
     adapters: Annotated[tuple[AdapterSettings, ...], Meta(description="LoRA adapters loaded at start")] = ()
-    keep_alive: Annotated[KeepAlive, Meta(description="how long the model stays loaded after its last request")] = \
+    keep_alive: Annotated[KeepAlive, Meta(description="how long a model not preloaded stays loaded after its last request")] = \
         KeepAlive.from_toml("5m")
-    preload: Annotated[bool, Meta(description="load at start and never unload for another model")] = False
+    # None: whether a budget exists decides. Without one nothing needs making room for, so models
+    # load at start as they always did; with one they load on demand and take turns.
+    preload: Annotated[bool | None, Meta(
+        description="load at start and never unload; false: load on the first request and unload after keep_alive",
+        extra={"default_doc": "true without [server] memory_budget, false with one"})] = None
     gpu_layers: Annotated[Literal["auto"] | Annotated[int, Meta(ge=0)], Meta(
         description="layers offloaded to a GPU; \"auto\": as many as fit its free memory (none on a CPU build); 0: all on the CPU")] = "auto"
     # kind = "embedding": how token states become a vector, whether vectors are unit length, and
@@ -188,6 +194,10 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
     def keep_alive_s(self) -> float | None:
         """Seconds an idle model stays loaded; None: until the server stops."""
         return self.keep_alive.seconds
+
+    def loads_at_start(self, server: ServerSettings) -> bool:
+        """`preload` as given, else whether the server has no memory budget."""
+        return self.preload if self.preload is not None else server.memory_budget is None
 
 
 class UpstreamModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="upstream"):

@@ -96,7 +96,7 @@ def test_a_bad_keep_alive_names_the_key_and_the_forms(value: str) -> None:
 def test_the_new_model_settings_default_and_parse() -> None:
     model = parse_settings(MODEL, "m.toml").models[0]
     assert isinstance(model, LocalModel)
-    assert (model.keep_alive_s, model.preload, model.gpu_layers) == (300.0, False, "auto")
+    assert (model.keep_alive_s, model.preload, model.gpu_layers) == (300.0, None, "auto")
     model = parse_settings(MODEL + 'preload = true\ngpu_layers = "auto"\n', "m.toml").models[0]
     assert (model.preload, model.gpu_layers) == (True, "auto")
     assert parse_settings(MODEL + "gpu_layers = 28\n", "m.toml").models[0].gpu_layers == 28

@@ -185,7 +185,7 @@ class LlamaCppEngine(LocalEngine):
         return self.model.n_vocab
 
     def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self.model.piece(t, special=True) for t in tokens).decode("utf-8", errors="replace")
+        return self.model.detokenize(tokens)
 
     # ---- the core's hooks -------------------------------------------------------------------------
 

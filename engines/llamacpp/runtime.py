@@ -115,6 +115,9 @@ class Model:
                 return data
             size = -n
 
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t, special=True) for t in tokens).decode("utf-8", errors="replace")
+
     def token_text(self, token: int) -> str:
         return self.piece(token, special=True).decode("utf-8", errors="replace")
 
