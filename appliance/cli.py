@@ -414,15 +414,65 @@ def cmd_budgets_show(args: argparse.Namespace) -> int:
 def cmd_tui(args: argparse.Namespace) -> int:
     from tui.app import run
 
+    run(_server_url(args), args.key)
+    return 0
+
+
+def _server_url(args: argparse.Namespace) -> str:
+    """--url, else the config's host and port (what `serve` listens on)."""
     if args.url:
-        url = args.url
-    else:
+        return str(args.url)
+    try:
+        server = settings_of(args.config).server
+        return f"http://{server.host}:{server.port}"
+    except ConfigError:
+        return "http://127.0.0.1:8080"
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    """The models of a running server, loaded or not, from GET /admin/models/loaded."""
+    import json
+
+    import httpx
+
+    url = _server_url(args).rstrip("/")
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    try:
+        response = httpx.get(f"{url}/admin/models/loaded", headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach the server at {url}: {exc}", file=sys.stderr)
+        return 1
+    if response.status_code != 200:
         try:
-            server = settings_of(args.config).server
-            url = f"http://{server.host}:{server.port}"
-        except ConfigError:
-            url = "http://127.0.0.1:8080"
-    run(url, args.key)
+            message = response.json()["error"]["message"]
+        except Exception:
+            message = response.text[:200]
+        print(f"error: {url} answered {response.status_code}: {message}", file=sys.stderr)
+        return 1
+    data = response.json()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+
+    def mib(n: int | None) -> str:
+        return "-" if not n else f"{n / 2**20:.0f} MiB"
+
+    def seconds(s: float | None) -> str:
+        return "-" if s is None else f"{s:.0f}s"
+
+    def until(m: dict) -> str:  # type: ignore[type-arg]
+        if not m["loaded"]:
+            return "loading" if m["loading"] else "-"
+        if m["preload"] or m["keep_alive_s"] is None:
+            return "never"
+        return seconds(m["unloads_in_s"]) if m["unloads_in_s"] is not None else "when idle"
+
+    print_rows(("model", "loaded", "memory", "slots_busy", "queued", "idle", "unloads_in"), [
+        (m["alias"], "yes" if m["loaded"] else "no", mib(m["memory_bytes"]), f"{m['slots_busy']}/{m['slots_total']}",
+         str(m["queue_depth"] + m["waiting_for_load"]), seconds(m["idle_s"]), until(m)) for m in data["models"]
+    ])
+    budget = data["memory_budget_bytes"]
+    print(f"memory in use: {mib(data['loaded_bytes'])}" + (f" of a {mib(budget)} budget" if budget else " (no budget)"))
     return 0
 
 
@@ -534,6 +584,13 @@ def build_parser() -> argparse.ArgumentParser:
     tui.add_argument("--key", help="an admin key (not needed when the open principal is admin)")
     tui.add_argument("--config", type=Path)
     tui.set_defaults(func=cmd_tui)
+
+    ps = sub.add_parser("ps", help="a running server's models: loaded or not, memory, slots in use, time to unload")
+    ps.add_argument("--url", help="the appliance (default: the config's host and port)")
+    ps.add_argument("--key", help="an admin key (not needed when the open principal is admin)")
+    ps.add_argument("--json", action="store_true")
+    ps.add_argument("--config", type=Path)
+    ps.set_defaults(func=cmd_ps)
 
     doctor = sub.add_parser("doctor", help="check this machine, the engines and the models")
     doctor.add_argument("--config", type=Path)

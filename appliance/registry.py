@@ -14,8 +14,9 @@ from typing import Any
 from appliance.chat_prompt import chat_prompt
 from appliance.chat_template import CHATML, ChatTemplate, TemplateError
 from appliance.model_files import package_file, resolve, sha256
-from appliance.settings import ModelSettings, Settings
-from engines.base import Engine
+from appliance.model_manager import ModelManager, total_ram
+from appliance.settings import LocalModel, ModelSettings, Settings
+from engines.base import Engine, EngineError
 
 log = logging.getLogger("appliance.registry")
 
@@ -166,8 +167,9 @@ def _build_upstream(model: ModelSettings, settings: Settings) -> Engine:
     ))
 
 
-def load_model(model: ModelSettings, settings: Settings) -> LoadedModel:
-    engine = build_engine(model, settings)
+def load_model(model: ModelSettings, settings: Settings, engine: Engine | None = None) -> LoadedModel:
+    """The model with its template; `engine`: one made already (a model loaded on demand)."""
+    engine = engine or build_engine(model, settings)
     template = None
     if model.kind == "chat" and not engine.takes_messages:
         source = model.chat_template or engine.chat_template() or CHATML
@@ -179,9 +181,38 @@ def load_model(model: ModelSettings, settings: Settings) -> LoadedModel:
     return LoadedModel(model, engine, template)
 
 
+def loads_on_demand(model: ModelSettings, settings: Settings) -> bool:
+    """llama.cpp models may load on demand (their vocabulary loads alone); other engines load at start."""
+    return isinstance(model, LocalModel) and model.kind != "draft" and engine_for(model) == "llamacpp" \
+        and not model.loads_at_start(settings.server)
+
+
+def memory_need(model: ModelSettings, settings: Settings) -> int:
+    """Estimated bytes of a local llama.cpp model loaded with its draft; a file's size when it cannot be estimated; 0 upstream."""
+    if not isinstance(model, LocalModel):
+        return 0
+    from appliance.model_memory import ModelShapeError, estimate, model_estimate
+
+    path = resolve(model, settings.server.data_dir, allow_download=True)
+    if engine_for(model) != "llamacpp" or model.engine == "onnx":
+        return path.stat().st_size if path.is_file() else 0
+    try:
+        need = model_estimate(model, path).total
+        if model.speculation_mode == "draft":
+            draft = settings.model(model.draft_model or "")
+            assert draft is not None  # checked when the config was parsed
+            need += estimate(resolve(draft, settings.server.data_dir, allow_download=True), model.slots, model.context_length,
+                             model.kv_cache_type).total
+        return need
+    except ModelShapeError as exc:
+        log.warning("%s: its memory cannot be estimated (%s); counting its file's size", model.alias, exc)
+        return path.stat().st_size
+
+
 class Registry:
-    def __init__(self, models: dict[str, LoadedModel]) -> None:
+    def __init__(self, models: dict[str, LoadedModel], manager: ModelManager) -> None:
         self._models = models
+        self.manager = manager  # which models are in memory
 
     @classmethod
     def load(cls, settings: Settings) -> Registry:
@@ -190,15 +221,35 @@ class Registry:
             from engines.llamacpp.kernels import choose_matmul_kernels
 
             choose_matmul_kernels(invariant=True)  # for the whole process, before any model computes
+        server = settings.server
+        budget = server.memory_budget.bytes_of(total_ram()) if server.memory_budget is not None else None
+        manager = ModelManager(budget, server.load_timeout_s, lambda m: build_engine(m, settings))
         try:
             for model in settings.models:
-                if model.kind != "draft":
-                    loaded[model.alias] = load_model(model, settings)
+                if model.kind == "draft":
+                    continue
+                need = memory_need(model, settings) if budget is not None or loads_on_demand(model, settings) else 0
+                if loads_on_demand(model, settings):
+                    from appliance.on_demand import OnDemandEngine
+
+                    path = resolve(model, server.data_dir, allow_download=True)  # downloads now, not on a first request
+                    assert isinstance(model, LocalModel)
+                    loaded[model.alias] = load_model(model, settings, OnDemandEngine(model, path, manager, need))
+                    log.info("%s loads on its first request (about %.0f MiB)", model.alias, need / 2**20)
+                    continue
+                held = sum(e.need for e in manager.entries() if e.pinned)
+                if budget is not None and held + need > budget:
+                    raise EngineError(f"{settings.file}: model {model.alias!r} is loaded at start (preload) and needs about "
+                                      f"{need / 2**30:.2f} GiB; with the models loaded before it that is more than [server] "
+                                      f"memory_budget ({budget / 2**30:.2f} GiB)")
+                loaded[model.alias] = load_model(model, settings)
+                manager.add(model, need, loaded[model.alias].engine)
         except BaseException:
             for done in loaded.values():
                 done.engine.close()
+            manager.close()
             raise
-        return cls(loaded)
+        return cls(loaded, manager)
 
     def get(self, alias: str) -> LoadedModel | None:
         return self._models.get(alias)
@@ -212,7 +263,9 @@ class Registry:
     async def start(self) -> None:
         for model in self._models.values():
             await model.engine.start()
+        await self.manager.start()
 
     def close(self) -> None:
+        self.manager.close()  # the engines loaded on demand
         for model in self._models.values():
-            model.engine.close()
+            model.engine.close()  # those loaded at start; an on-demand model's vocabulary

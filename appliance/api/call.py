@@ -25,6 +25,7 @@ from appliance.api.choices import ChoiceStreams, Collected, choice_request, tota
 from appliance.api.errors import APIError, invalid
 from appliance.api.translate import Prepared
 from appliance.gate import Admission
+from appliance.model_manager import ModelUnavailable
 from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
 from appliance.tool_calls import StreamParser, ToolCall, ToolPlan
@@ -95,6 +96,8 @@ def engine_refusal(exc: EngineError, prompt_param: str) -> APIError:
         return APIError(503, str(exc), type="server_error", code="unavailable", retry_after_s=5)
     if isinstance(exc, UnknownAdapter):
         return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, ModelUnavailable):  # not loaded in time, or can never fit the memory budget
+        return APIError(exc.status, str(exc), type="server_error", code=exc.code, retry_after_s=exc.retry_after_s)
     if isinstance(exc, UpstreamUnavailable):
         return APIError(503, str(exc), type="server_error", code="upstream_unavailable", retry_after_s=exc.retry_after_s)
     return invalid(str(exc))
@@ -235,6 +238,8 @@ async def respond(request: Request[Any, Any, Any], services: Services, principal
     streamed. `remember_for` gives what to do with a finished answer (the semantic cache's store)."""
     created = int(time.time())
     asked = prepared.request.max_tokens
+    # A model not loaded yet: the stream's headers wait for its first event too (a load that times out is a 503).
+    cold = getattr(model.engine, "loaded", True) is False
     call = await start(services, principal, model, prepared, kind, traced)
     headers = dict(headers or {})
     if call.admission.max_tokens != asked:
@@ -244,7 +249,7 @@ async def respond(request: Request[Any, Any, Any], services: Services, principal
     # The cache keeps one answer to a question: n > 1 bypasses it (policy/cache.py), so only one choice is remembered.
     remember = remember_for(call.prepared) if remember_for is not None and call.prepared.choices == 1 else None
     if stream:
-        if model.engine.takes_messages:
+        if model.engine.takes_messages or cold:
             await _first_event_or_error(request, call)
         return Stream(_sse(call, wire, remember), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     collected: list[Collected] = []

@@ -72,6 +72,15 @@ async def list_loaded_models(request: Request[Any, Any, Any], services: Services
     return {"models": [_model_view(m) for m in services.registry.all()]}
 
 
+@get("/admin/models/loaded")
+async def models_in_memory(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    """Every model, loaded or not: its memory estimate, slots in use, idle time, time to unload
+    (what `appliance ps` prints)."""
+    await _admin(request, services)
+    manager = services.registry.manager
+    return {"memory_budget_bytes": manager.budget, "loaded_bytes": manager.loaded_bytes(), "models": manager.view()}
+
+
 @get("/admin/models/{alias:str}/adapters")
 async def list_adapters(request: Request[Any, Any, Any], services: Services, alias: str) -> dict[str, Any]:
     await _admin(request, services)
@@ -221,4 +230,4 @@ async def list_jobs(request: Request[Any, Any, Any], services: Services) -> dict
     return {"jobs": services.jobs.list()}
 
 
-ROUTES = [list_loaded_models, list_adapters, load_adapter, unload_adapter, quantize_model, pull_model, list_jobs]
+ROUTES = [list_loaded_models, models_in_memory, list_adapters, load_adapter, unload_adapter, quantize_model, pull_model, list_jobs]

@@ -1,0 +1,180 @@
+"""A llama.cpp model loaded on its first request: the Engine the rest of the appliance sees for it.
+
+It keeps the model's vocabulary alone (a vocab_only load, a few MB) so templating, tokenizing and
+the API's checks never need the weights. A request while the model is loaded goes straight to its
+engine, with that engine's own checks and stream. A request while it is not gets a stream at once;
+a task asks the manager to load the model (or to wait for room), then hands the request to the
+engine and relays its events. Whatever goes wrong before the first event (the load timed out, the
+model can never fit, the engine refused the request) ends that stream with an error event carrying
+the status the API answers with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from appliance.model_manager import Entry, ModelManager, ModelUnavailable
+from appliance.settings import AdapterSettings, LocalModel
+from engines.base import (
+    AdapterInfo,
+    ContextLengthExceeded,
+    EngineError,
+    EngineOverloaded,
+    EngineStats,
+    FinishEvent,
+    GenerationRequest,
+    UnknownAdapter,
+    Usage,
+    check_context,
+)
+from engines.llamacpp.runtime import Model
+from engines.stream import EventStream
+
+
+def _error_event(request: GenerationRequest, exc: EngineError) -> FinishEvent:
+    """The error event for a refusal the engine would have raised had it been loaded."""
+    status, code, retry = 400, None, None
+    if isinstance(exc, ModelUnavailable):
+        status, code, retry = exc.status, exc.code, exc.retry_after_s
+    elif isinstance(exc, ContextLengthExceeded):
+        code = "context_length_exceeded"
+    elif isinstance(exc, EngineOverloaded):
+        status, code, retry = 503, "overloaded", exc.retry_after_s
+    elif isinstance(exc, UnknownAdapter):
+        status, code = 404, "model_not_found"
+    return FinishEvent("error", Usage(len(request.prompt_tokens), 0), error=str(exc), error_status=status, error_code=code,
+                       retry_after_s=retry)
+
+
+class OnDemandEngine:
+    name = "llamacpp"
+    supports_grammar = True
+    supports_logprobs = True
+    supports_adapters = True
+    takes_messages = False
+
+    def __init__(self, settings: LocalModel, path: Path, manager: ModelManager, need: int) -> None:
+        self._vocab = Model(path, vocab_only=True)
+        self._manager = manager
+        self.entry: Entry = manager.add(settings, need, None)
+        self.supports_embeddings = settings.kind == "embedding"
+        self._context_length = settings.context_length  # until a load says what llama.cpp made of it
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def loaded(self) -> bool:
+        return self.entry.real is not None
+
+    @property
+    def context_length(self) -> int:
+        if self.entry.real is not None:
+            self._context_length = self.entry.real.context_length
+        return self._context_length
+
+    # ---- the vocabulary: no weights needed ---------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return self._vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self._vocab.detokenize(tokens)
+
+    def vocab_size(self) -> int:
+        return self._vocab.n_vocab
+
+    def add_bos(self) -> bool:
+        return self._vocab.add_bos
+
+    def chat_template(self) -> str | None:
+        return self._vocab.meta("tokenizer.chat_template")
+
+    def special_tokens(self) -> dict[str, str]:
+        return self._vocab.special_tokens()
+
+    def control_tokens(self) -> dict[str, int]:
+        return self._vocab.control_tokens()
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest) -> EventStream:
+        real = self.entry.real
+        if real is not None:
+            return real.generate(request)  # loaded: the engine's own checks and stream
+        # What the engine would refuse at once, refused at once here too.
+        if self.supports_embeddings:
+            raise EngineError("this model is configured for embeddings only")
+        check_context(request, self.context_length)
+        if not request.prompt_tokens:
+            raise EngineError("the prompt is empty")
+        known = {a.name for a in self.entry.settings.adapters}  # type: ignore[union-attr]
+        missing = [name for name, _ in request.adapters if name not in known]
+        if missing:
+            raise UnknownAdapter(f"no adapter named {missing[0]!r} is loaded on this model")
+        out = EventStream(asyncio.get_running_loop())
+        task = asyncio.create_task(self._cold(request, out))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        out.on_close = task.cancel  # a client gone stops the wait, or the relay (which cancels the engine's request)
+        return out
+
+    async def _cold(self, request: GenerationRequest, out: EventStream) -> None:
+        try:
+            async with self._manager.hold(self.entry) as real:
+                inner = real.generate(request)
+        except EngineError as exc:
+            out.push(_error_event(request, exc))
+            return
+        async for event in inner:  # cancelled here, the inner stream closes and the engine drops the request
+            out.push(event)
+
+    async def embed(self, inputs: list[list[int]]) -> Any:
+        if not self.supports_embeddings:
+            raise EngineError("this model is not configured for embeddings")
+        async with self._manager.hold(self.entry) as real:
+            return await real.embed(inputs)
+
+    # ---- adapters: loaded on the model; remembered so a reload brings them back ------------------
+
+    def adapters(self) -> list[AdapterInfo]:
+        if self.entry.real is not None:
+            return self.entry.real.adapters()
+        return [AdapterInfo(a.name, str(a.path), a.scale) for a in sorted(self.entry.settings.adapters, key=lambda a: a.name)]  # type: ignore[union-attr]
+
+    async def load_adapter(self, name: str, path: Path, scale: float = 1.0) -> AdapterInfo:
+        async with self._manager.hold(self.entry) as real:
+            info = await real.load_adapter(name, path, scale)  # type: ignore[attr-defined]
+        self._remember_adapters([*(a for a in self._adapter_settings() if a.name != name), AdapterSettings(name=name, path=path, scale=scale)])
+        return info
+
+    async def unload_adapter(self, name: str) -> None:
+        async with self._manager.hold(self.entry) as real:
+            await real.unload_adapter(name)  # type: ignore[attr-defined]
+        self._remember_adapters([a for a in self._adapter_settings() if a.name != name])
+
+    def _adapter_settings(self) -> tuple[AdapterSettings, ...]:
+        return self.entry.settings.adapters  # type: ignore[union-attr]
+
+    def _remember_adapters(self, adapters: list[AdapterSettings]) -> None:
+        self.entry.settings = msgspec.structs.replace(self.entry.settings, adapters=tuple(adapters))  # type: ignore[arg-type]
+
+    # ---- the rest of the protocol ----------------------------------------------------------------
+
+    def abort_all(self, message: str) -> None:
+        if self.entry.real is not None:
+            self.entry.real.abort_all(message)
+
+    def stats(self) -> EngineStats:
+        if self.entry.real is not None:
+            return self.entry.real.stats()
+        return EngineStats(self.entry.settings.slots, 0, self.entry.pending)  # requests waiting for the load are queued
+
+    async def start(self) -> None:
+        pass  # the manager starts the engine when it loads
+
+    def close(self) -> None:
+        """The manager closes the engine; this closes the vocabulary."""
+        self._vocab.close()
