@@ -189,13 +189,13 @@ def loads_on_demand(model: ModelSettings, settings: Settings) -> bool:
 
 def memory_need(model: ModelSettings, settings: Settings) -> int:
     """Estimated bytes of a local llama.cpp model loaded with its draft; a file's size when it cannot be estimated; 0 upstream."""
-    if not isinstance(model, LocalModel):
-        return 0
+    if not isinstance(model, LocalModel) or engine_for(model) == "mlx":
+        return 0  # an upstream holds nothing here; an MLX model is not estimated (yet)
     from appliance.model_memory import ModelShapeError, estimate, model_estimate
 
     path = resolve(model, settings.server.data_dir, allow_download=True)
-    if engine_for(model) != "llamacpp" or model.engine == "onnx":
-        return path.stat().st_size if path.is_file() else 0
+    if model.engine == "onnx":
+        return path.stat().st_size
     try:
         need = model_estimate(model, path).total
         if model.speculation_mode == "draft":
@@ -228,7 +228,12 @@ class Registry:
             for model in settings.models:
                 if model.kind == "draft":
                     continue
-                need = memory_need(model, settings) if budget is not None or loads_on_demand(model, settings) else 0
+                try:
+                    need = memory_need(model, settings)
+                except Exception:
+                    if budget is not None:
+                        raise
+                    need = 0  # shown as unknown; without a budget nothing depends on it
                 if loads_on_demand(model, settings):
                     from appliance.on_demand import OnDemandEngine
 

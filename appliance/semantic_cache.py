@@ -252,8 +252,8 @@ class SemanticCache:
         checked = drifted = agreed = 0
         for entry in sample:
             model = self.registry.get(entry.model)
-            if model is None or model.template is None:
-                continue
+            if model is None or model.template is None or getattr(model.engine, "loaded", True) is False:
+                continue  # a sweep never loads a model on demand (nor keeps one loaded past its keep_alive)
             fresh = await self._reask(model, entry)
             if fresh is None:
                 continue

@@ -407,3 +407,56 @@ def test_kill_9_mid_stream_with_limits_and_budgets_set(tmp_path: Path) -> None:
         assert call(restarted, key, "/v1/chat/completions", chat(max_tokens=2)).status_code == 200  # not locked out
     finally:
         stop_server(restarted)
+
+
+def test_a_burst_for_many_cold_models_stays_inside_the_memory_budget(tmp_path: Path) -> None:
+    """Twelve requests at once for three models that each load on demand, under a budget that holds
+    one: each is answered (or told to retry with a 503 and Retry-After), never more than the budget
+    is loaded, and the server still answers afterwards."""
+    import asyncio
+
+    import openai
+
+    from tests.conftest import MODEL_FILE
+
+    aliases = ("burst-a", "burst-b", "burst-c")
+    budget = 350 * 2**20  # one of them at 2 x 512 tokens (about 227 MiB)
+    config = '[server]\nmemory_budget = "350MiB"\nload_timeout_s = 60\n\n[auth]\nmode = "open"\n\n[auth.open_principal]\nadmin = true\n'
+    config += "\n[cache]\nenabled = false\n" + "".join(
+        f'\n[[models]]\nalias = "{a}"\npackage_file = "{MODEL_FILE}"\ncontext_length = 512\nslots = 2\nthreads = 2\n' for a in aliases)
+    srv = start_server(tmp_path / "burst", config)
+    peak = 0
+    done = False
+
+    async def watch() -> None:
+        nonlocal peak
+        async with httpx.AsyncClient(base_url=srv.base_url) as http:
+            while not done:
+                peak = max(peak, (await http.get("/admin/models/loaded")).json()["loaded_bytes"])
+                await asyncio.sleep(0.02)
+
+    async def one(client: openai.AsyncOpenAI, alias: str) -> int:
+        try:
+            await client.chat.completions.create(model=alias, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+            return 200
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and exc.response.headers.get("retry-after"), exc
+            return 503
+
+    async def burst() -> list[int]:
+        nonlocal done
+        watcher = asyncio.create_task(watch())
+        client = srv.async_client(timeout=120)
+        try:
+            return list(await asyncio.gather(*(one(client, aliases[i % 3]) for i in range(12))))
+        finally:
+            done = True
+            await watcher
+
+    try:
+        statuses = asyncio.run(burst())
+        assert statuses.count(200) + statuses.count(503) == 12 and statuses.count(200) >= 9, statuses
+        assert 0 < peak <= budget
+        assert httpx.get(f"{srv.base_url}/health", timeout=10).json()["status"] == "ok"
+    finally:
+        stop_server(srv)
