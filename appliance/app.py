@@ -15,7 +15,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from appliance import __version__
-from appliance.api import admin_routes, cache_routes, embeddings, model_routes, openai_routes, responses_routes
+from appliance.api import admin_routes, cache_routes, embeddings, fleet_routes, model_routes, openai_routes, responses_routes
 from appliance.api.common import authenticate
 from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from appliance.api.headers import response_headers
@@ -71,7 +71,7 @@ def count_responses(metrics_: Metrics) -> Callable[[Message, Scope], Awaitable[N
     return hook
 
 
-def build_services(settings: Settings, registry: Registry) -> Services:
+def build_services(settings: Settings, registry: Registry, read_at_start: Settings | None = None) -> Services:
     db_path = database_path(settings.server.data_dir)
     db = connect(db_path)
     try:
@@ -83,7 +83,8 @@ def build_services(settings: Settings, registry: Registry) -> Services:
     gate = Gate(settings, store, metrics_)
     tracing = Tracing(settings.tracing, db_path, settings.server.sqlite_synchronous)
     cache = SemanticCache(settings.cache, db_path, registry, metrics_, settings.server.sqlite_synchronous, tracing)
-    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate, cache, tracing)
+    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate, cache, tracing,
+                    read_at_start=read_at_start)
 
 
 def create_app(services: Services) -> Litestar:
@@ -108,6 +109,7 @@ def create_app(services: Services) -> Litestar:
             health, metrics,
             openai_routes.list_models, openai_routes.retrieve_model, openai_routes.chat_completions,
             openai_routes.completions, embeddings.embeddings, *responses_routes.ROUTES, *admin_routes.ROUTES, *cache_routes.ROUTES, *model_routes.ROUTES,
+            *fleet_routes.ROUTES,
         ],
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},

@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from appliance import cli_eval
+from appliance import cli_eval, cli_fleet
+from appliance.cli_fleet import add_server_options, server_url, tell_server
 from appliance.cli_support import config_in_use, data_dir, ledger_db, ledger_of, print_rows, settings_of, when
 from appliance.settings import ConfigError, find_config, load_settings
 
@@ -29,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = msgspec.structs.replace(server, host=args.host)
     if args.port is not None:
         server = msgspec.structs.replace(server, port=args.port)
-    return serve(dataclasses.replace(settings, server=server))
+    return serve(dataclasses.replace(settings, server=server), read_at_start=settings)
 
 
 def cmd_config_docs(args: argparse.Namespace) -> int:
@@ -131,12 +132,13 @@ def _pull_hub_file(args: argparse.Namespace, repo: str, filename: str) -> int:
         alias = check_alias(args.register_alias or alias_for(Path(filename)))
         settings = load_settings(config)
         path, digest = download(repo, filename, settings.server.data_dir)
+        before = config.read_text()
         register(config, alias, path, digest)
-    except (ModelFileError, ModelAdminError) as exc:
+    except (ModelFileError, ModelAdminError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"{path}\nsha256 {digest}\nregistered as {alias!r} in {config}")
-    return 0
+    return tell_server(args, config, before)
 
 
 def cmd_models_add(args: argparse.Namespace) -> int:
@@ -151,12 +153,13 @@ def cmd_models_add(args: argparse.Namespace) -> int:
             raise ModelAdminError(f"{path}: no such file")
         kind = file_type(path)
         digest = sha256(path)
+        before = config.read_text()
         register(config, alias, path, digest)
-    except ModelAdminError as exc:
+    except (ModelAdminError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"{path} ({kind})\nsha256 {digest}\nregistered as {alias!r} in {config}")
-    return 0
+    return tell_server(args, config, before)
 
 
 def cmd_models_quantize(args: argparse.Namespace) -> int:
@@ -194,8 +197,10 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
         print(f"{dst}\nsha256 {digest}\nsize {dst.stat().st_size / 1e6:.1f} MB (source {src.stat().st_size / 1e6:.1f} MB)")
         if not args.no_register:
             alias = args.alias or (f"{like}-{args.type.lower()}" if like else alias_for(dst))
+            before = config.read_text()
             register(config, alias, dst, digest, like=like)
             print(f"registered as {alias!r} in {config}")
+            return tell_server(args, config, before)
     except (ModelAdminError, ModelFileError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -224,8 +229,10 @@ def _quantize_mlx(args: argparse.Namespace, config: Path, src: Path, like: str |
         print(f"{done.folder}\nweights {done.bytes / 1e6:.1f} MB, {done.bits}-bit, group {done.group_size}")
         if not args.no_register:
             alias = args.alias or (f"{like}-mlx-{args.bits}bit" if like else alias_for(dst))
+            before = config.read_text()
             register(config, alias, dst, None, like=like, engine="mlx")
             print(f"registered as {alias!r} in {config}")
+            return tell_server(args, config, before)
     except (ConversionError, ModelAdminError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -414,19 +421,8 @@ def cmd_budgets_show(args: argparse.Namespace) -> int:
 def cmd_tui(args: argparse.Namespace) -> int:
     from tui.app import run
 
-    run(_server_url(args), args.key)
+    run(server_url(args), args.key)
     return 0
-
-
-def _server_url(args: argparse.Namespace) -> str:
-    """--url, else the config's host and port (what `serve` listens on)."""
-    if args.url:
-        return str(args.url)
-    try:
-        server = settings_of(args.config).server
-        return f"http://{server.host}:{server.port}"
-    except ConfigError:
-        return "http://127.0.0.1:8080"
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
@@ -435,7 +431,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
     import httpx
 
-    url = _server_url(args).rstrip("/")
+    url = server_url(args).rstrip("/")
     headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
     try:
         response = httpx.get(f"{url}/admin/models/loaded", headers=headers, timeout=10)
@@ -507,11 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("alias", nargs="*", help="aliases from the config, or a hub repo and a .gguf file in it")
     pull.add_argument("--alias", dest="register_alias", help="the alias to register REPO FILE under")
     pull.add_argument("--config", type=Path)
+    add_server_options(pull)
     pull.set_defaults(func=cmd_models_pull)
     add = models.add_parser("add", help="register a local GGUF file in the config")
     add.add_argument("path", type=Path)
     add.add_argument("--alias")
     add.add_argument("--config", type=Path)
+    add_server_options(add)
     add.set_defaults(func=cmd_models_add)
     quant = models.add_parser("quantize", help="quantize a model (a path or a configured alias) with llama.cpp or mlx-lm and register it")
     quant.add_argument("source", type=Path)
@@ -528,7 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--no-register", action="store_true", help="write the file only")
     quant.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     quant.add_argument("--config", type=Path)
+    add_server_options(quant)
     quant.set_defaults(func=cmd_models_quantize)
+    cli_fleet.add_commands(models, config)
     convert = models.add_parser("convert", help="write an MLX model folder from a llama-architecture GGUF (no second download)")
     convert.add_argument("source", type=Path)
     convert.add_argument("--to", choices=["mlx"], required=True)

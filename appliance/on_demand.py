@@ -57,10 +57,10 @@ class OnDemandEngine:
     supports_adapters = True
     takes_messages = False
 
-    def __init__(self, settings: LocalModel, path: Path, manager: ModelManager, need: int) -> None:
-        self._vocab = Model(path, vocab_only=True)
+    def __init__(self, settings: LocalModel, vocab: Model, manager: ModelManager, need: int, *, pinned: bool = False) -> None:
+        self._vocab = vocab  # a vocab_only load of the model's file
         self._manager = manager
-        self.entry: Entry = manager.add(settings, need, None)
+        self.entry: Entry = manager.add(settings, need, None, pinned=pinned)
         self.supports_embeddings = settings.kind == "embedding"
         self._context_length = settings.context_length  # until a load says what llama.cpp made of it
         self._tasks: set[asyncio.Task[None]] = set()

@@ -14,6 +14,7 @@ from typing import Any
 from appliance.chat_prompt import chat_prompt
 from appliance.chat_template import CHATML, ChatTemplate, TemplateError
 from appliance.model_files import package_file, resolve, sha256
+from appliance.fleet_change import FleetChange
 from appliance.model_manager import ModelManager, total_ram
 from appliance.settings import LocalModel, ModelSettings, Settings
 from engines.base import Engine, EngineError
@@ -187,6 +188,23 @@ def loads_on_demand(model: ModelSettings, settings: Settings) -> bool:
         and not model.loads_at_start(settings.server)
 
 
+def _need_or_zero(model: ModelSettings, settings: Settings, budget: int | None) -> int:
+    try:
+        return memory_need(model, settings)
+    except Exception:
+        if budget is not None:
+            raise
+        return 0
+
+
+def _check_pinned_fit(settings: Settings, model: ModelSettings, need: int, held: int, budget: int | None) -> None:
+    """A model that is never unloaded must fit beside the others that never are."""
+    if budget is not None and held + need > budget:
+        raise EngineError(f"{settings.file}: model {model.alias!r} is loaded at start (preload) and needs about "
+                          f"{need / 2**30:.2f} GiB; with the models loaded before it that is more than [server] "
+                          f"memory_budget ({budget / 2**30:.2f} GiB)")
+
+
 def memory_need(model: ModelSettings, settings: Settings) -> int:
     """Estimated bytes of a local llama.cpp model loaded with its draft; a file's size when it cannot be estimated; 0 upstream."""
     if not isinstance(model, LocalModel) or engine_for(model) == "mlx":
@@ -209,10 +227,46 @@ def memory_need(model: ModelSettings, settings: Settings) -> int:
         return path.stat().st_size
 
 
+@dataclass
+class _Made:
+    """A model made ready off the event loop, put into service by `serve` (on the loop)."""
+
+    settings: ModelSettings
+    need: int
+    engine: Engine | None = None  # loaded in full
+    vocab: Any = None  # or only its vocabulary, for a model loaded on demand (a llama.cpp Model)
+
+    def serve(self, settings: Settings, manager: ModelManager, *, pinned: bool) -> LoadedModel:
+        if self.engine is not None:
+            manager.add(self.settings, self.need, self.engine)
+            return load_model(self.settings, settings, self.engine)
+        from appliance.on_demand import OnDemandEngine
+
+        assert isinstance(self.settings, LocalModel)
+        return load_model(self.settings, settings, OnDemandEngine(self.settings, self.vocab, manager, self.need, pinned=pinned))
+
+    def discard(self) -> None:
+        (self.engine or self.vocab).close()
+
+
+def _make(model: ModelSettings, settings: Settings, need: int, *, on_demand: bool) -> _Made:
+    """Blocking: the model's file resolved (downloaded when it must be) and its engine loaded, or,
+    for one loaded on demand, only its vocabulary."""
+    if on_demand:
+        from engines.llamacpp.runtime import Model
+
+        path = resolve(model, settings.server.data_dir, allow_download=True)  # downloads now, not on a first request
+        return _Made(model, need, vocab=Model(path, vocab_only=True))
+    return _Made(model, need, engine=build_engine(model, settings))
+
+
 class Registry:
-    def __init__(self, models: dict[str, LoadedModel], manager: ModelManager) -> None:
+    def __init__(self, models: dict[str, LoadedModel], manager: ModelManager, settings: Settings) -> None:
         self._models = models
         self.manager = manager  # which models are in memory
+        self.settings = settings  # the fleet it serves
+        manager.build = lambda model: build_engine(model, self.settings)  # a draft model as the running config names it
+        self._preloads: set[Any] = set()  # tasks loading pinned models added while running
 
     @classmethod
     def load(cls, settings: Settings) -> Registry:
@@ -228,33 +282,74 @@ class Registry:
             for model in settings.models:
                 if model.kind == "draft":
                     continue
-                try:
-                    need = memory_need(model, settings)
-                except Exception:
-                    if budget is not None:
-                        raise
-                    need = 0  # shown as unknown; without a budget nothing depends on it
-                if loads_on_demand(model, settings):
-                    from appliance.on_demand import OnDemandEngine
-
-                    path = resolve(model, server.data_dir, allow_download=True)  # downloads now, not on a first request
-                    assert isinstance(model, LocalModel)
-                    loaded[model.alias] = load_model(model, settings, OnDemandEngine(model, path, manager, need))
-                    log.info("%s loads on its first request (about %.0f MiB)", model.alias, need / 2**20)
-                    continue
-                held = sum(e.need for e in manager.entries() if e.pinned)
-                if budget is not None and held + need > budget:
-                    raise EngineError(f"{settings.file}: model {model.alias!r} is loaded at start (preload) and needs about "
-                                      f"{need / 2**30:.2f} GiB; with the models loaded before it that is more than [server] "
-                                      f"memory_budget ({budget / 2**30:.2f} GiB)")
-                loaded[model.alias] = load_model(model, settings)
-                manager.add(model, need, loaded[model.alias].engine)
+                on_demand = loads_on_demand(model, settings)
+                need = _need_or_zero(model, settings, budget)
+                if not on_demand:  # checked before loading it
+                    _check_pinned_fit(settings, model, need, sum(e.need for e in manager.entries() if e.pinned), budget)
+                made = _make(model, settings, need, on_demand=on_demand)
+                loaded[model.alias] = made.serve(settings, manager, pinned=False)
+                if on_demand:
+                    log.info("%s loads on its first request (about %.0f MiB)", model.alias, made.need / 2**20)
         except BaseException:
             for done in loaded.values():
                 done.engine.close()
             manager.close()
             raise
-        return cls(loaded, manager)
+        return cls(loaded, manager, settings)
+
+    async def apply(self, settings: Settings, change: FleetChange) -> None:
+        """Serves `settings`: added and changed models are made first, off the loop (files resolved,
+        engines or vocabularies loaded), then the fleet switches at once; the replaced and removed
+        models finish their requests and unload. When a model cannot be made, raises and leaves the
+        fleet as it was."""
+        import asyncio
+
+        budget = self.manager.budget
+        going = set(change.removed) | set(change.changed)
+        pinned_held = sum(e.need for e in self.manager.entries() if e.pinned and e.retired is None and e.settings.alias not in going)
+        made: dict[str, tuple[_Made, bool]] = {}
+        try:
+            for alias in (*change.added, *change.changed):
+                model = settings.model(alias)
+                assert model is not None
+                # A llama.cpp model, preloaded or not, goes through the manager: a preloaded one loads
+                # once the model it replaces has finished its requests, when the budget needs its room.
+                on_demand = isinstance(model, LocalModel) and engine_for(model) == "llamacpp"
+                pinned = not on_demand or model.loads_at_start(settings.server)
+                need = await asyncio.to_thread(_need_or_zero, model, settings, budget)
+                if pinned:
+                    _check_pinned_fit(settings, model, need, pinned_held, budget)
+                    pinned_held += need
+                item = await asyncio.to_thread(_make, model, settings, need, on_demand=on_demand)
+                made[alias] = (item, on_demand and pinned)
+                if item.engine is not None:
+                    await item.engine.start()
+        except BaseException:
+            for item, _ in made.values():
+                await asyncio.to_thread(item.discard)
+            raise
+        # From here on nothing awaits: no request sees half of a fleet.
+        from appliance.on_demand import OnDemandEngine
+
+        for alias in going:
+            old = self._models.pop(alias)  # its vocabulary closes with it; a full engine, when the manager unloads it
+            self.manager.retire(alias, old.engine.close if isinstance(old.engine, OnDemandEngine) else lambda: None)
+        for alias, (item, pinned) in made.items():
+            self._models[alias] = item.serve(settings, self.manager, pinned=pinned)
+            if pinned:
+                task = asyncio.create_task(self._preload(alias))
+                self._preloads.add(task)
+                task.add_done_callback(self._preloads.discard)
+        self.settings = settings
+
+    async def _preload(self, alias: str) -> None:
+        entry = self.manager.entry(alias)
+        if entry is None:
+            return
+        try:
+            await self.manager.preload(entry)
+        except Exception as exc:  # shown in ps and /admin/models/loaded as the entry's error
+            log.error("%s: preloading failed: %s", alias, exc)
 
     def get(self, alias: str) -> LoadedModel | None:
         return self._models.get(alias)
@@ -271,6 +366,8 @@ class Registry:
         await self.manager.start()
 
     def close(self) -> None:
-        self.manager.close()  # the engines loaded on demand
+        for task in list(self._preloads):
+            task.cancel()
+        self.manager.close()  # the engines loaded on demand, and those retired
         for model in self._models.values():
             model.engine.close()  # those loaded at start; an on-demand model's vocabulary

@@ -65,7 +65,8 @@ class _Server(uvicorn.Server):
             deadline.cancel()
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, read_at_start: Settings | None = None) -> int:
+    """`read_at_start`: the config file's settings before the command line's overrides."""
     server = settings.server
     if open_beyond_loopback(settings):
         who = settings.auth.open_principal
@@ -80,7 +81,7 @@ def serve(settings: Settings) -> int:
     except (ModelFileError, EngineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    services = build_services(settings, registry)
+    services = build_services(settings, registry, read_at_start)
     app = envelope_when_cut(create_app(services))
     config = uvicorn.Config(
         app, host=server.host, port=server.port, log_level="info", access_log=False,

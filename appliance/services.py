@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ class Services:
     jobs: JobRunner = field(default_factory=JobRunner)  # quantize and pull, from the admin API
     # The learned router's embedder when the cache has none of the same name: loaded on first use.
     router_embedder: OnDemand = field(default_factory=lambda: OnDemand(bundled_minilm))
+    read_at_start: Settings | None = None  # the config file as read at start, before `serve --port` and the like
+    config_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one change to the running fleet at a time (appliance/reconfigure.py)
 
     def end_streams(self) -> None:
         """The server's grace period is running out: every engine ends its requests with a 503

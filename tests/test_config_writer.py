@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -140,3 +141,46 @@ def test_the_cli_refuses_an_unsafe_alias_before_doing_anything(config: Path) -> 
     assert run.returncode == 1
     assert "alias 'copy" in run.stderr and "expected letters" in run.stderr and "no such file" not in run.stderr
     assert config.read_text() == before
+
+
+def test_update_and_remove_keep_comments_and_refuse_what_would_not_parse(config: Path) -> None:
+    from appliance.config_writer import remove_table, update_table
+
+    register(config, "copy", Path("/models/copy.gguf"), SHA, like="small")
+    update_table(config, "models", "small", {"slots": 4, "keep_alive": "10m", "tier": None})
+    text = config.read_text()
+    assert "# the bundled one" in text and "# one tier for now" in text and "port = 8099   # not the default" in text
+    small = load_settings(config).model("small")
+    assert small is not None and small.slots == 4 and small.keep_alive_s == 600 and small.tier == "small"  # tier back to its default
+    before = config.read_text()
+    for values, key in (({"slots": 0}, "slots"), ({"colour": "blue"}, "colour"), ({"alias": "other"}, "alias"),
+                        ({"context_length": "long"}, "context_length")):
+        with pytest.raises(ConfigError) as caught:
+            update_table(config, "models", "small", values)
+        assert key in str(caught.value) and str(config) in str(caught.value)
+    with pytest.raises(ConfigError, match="routes"):  # the route "auto" names it
+        remove_table(config, "models", "small")
+    with pytest.raises(ConfigError, match="no table with alias 'nope'"):
+        remove_table(config, "models", "nope")
+    assert config.read_text() == before
+    settings = remove_table(config, "models", "copy")
+    assert [m.alias for m in settings.models] == ["small"] and "# the bundled one" in config.read_text()
+
+
+def test_fleet_change_names_what_changed_and_what_waits_for_a_restart() -> None:
+    from appliance.fleet_change import fleet_change, running_settings
+
+    def parsed(extra: str = "", port: int = 8099, slots: int = 2) -> Any:
+        return parse_settings(CONFIG.replace("port = 8099", f"port = {port}").replace("slots = 2", f"slots = {slots}") + extra)
+
+    draft = '\n[[models]]\nalias = "d"\npath = "/m/d.gguf"\nkind = "draft"\n'
+    target = '\n[[models]]\nalias = "t"\npath = "/m/t.gguf"\ndraft_model = "d"\n'
+    old = parsed(draft + target)
+    assert fleet_change(old, parsed(draft + target)).empty
+    change = fleet_change(old, parsed(draft.replace("d.gguf", "d2.gguf") + target, slots=3))
+    assert change.changed == ("small", "t") and not change.added and not change.removed and change.restart_sections == ()
+    change = fleet_change(old, parsed(port=9000))
+    assert change.removed == ("t",) and change.restart_sections == ("server",)
+    assert fleet_change(old, parsed(draft + target, port=9000), read_at_start=parsed(draft + target, port=9000)).restart_sections == ()
+    running = running_settings(old, parsed(port=9000))
+    assert running.server.port == 8099 and [m.alias for m in running.models] == ["small"]

@@ -239,6 +239,13 @@ async def test_models_screen_pulls_a_model_from_the_hub(tmp_path, monkeypatch) -
                 await pilot.press("6", "p", *keys("acme/smol-GGUF smol.Q4_1.gguf"), "enter")
                 await settle(pilot, app, lambda: "done" in text_of(app, "#jobs"), timeout=60)
                 assert "100%" in text_of(app, "#jobs") and "registered it as 'smol.q4_1'" in text_of(app, "#jobs")
+                assert "now served" in text_of(app, "#jobs")
+                models = app.query_one("#model-table", DataTable)
+                await settle(pilot, app, lambda: "smol.q4_1" in {str(models.get_row_at(i)[0]) for i in range(models.row_count)})
+            # the pulled model answers, without a restart
+            reply = server.client(timeout=120).chat.completions.create(
+                model="smol.q4_1", messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0.0)
+            assert reply.choices[0].finish_reason in ("stop", "length")
         finally:
             stop_server(server)
     added = load_settings(tmp_path / "pull" / "models.toml").model("smol.q4_1")

@@ -4,6 +4,7 @@ them in models.toml to keep them."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from litestar import Request, delete, get, post, put
 from appliance.api.admin_routes import _admin, confined, server_path
 from appliance.api.common import decode_body
 from appliance.api.errors import APIError, invalid
+from appliance.api.fleet_routes import apply_from_thread
 from appliance.jobs import Job, JobBusy
 from appliance.model_admin import QUANT_TYPES, alias_for, estimated_size, file_type, quantize, quantized_name, register
 from appliance.model_files import ModelFileError, download, resolve, sha256
@@ -136,8 +138,8 @@ def _start_job(services: Services, kind: str, description: str, work: Any) -> di
 
 @post("/admin/models/quantize", status_code=202)
 async def quantize_model(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
-    """Quantizes a model file on a server thread and registers the result in models.toml (served
-    after a restart). Poll GET /admin/jobs for progress."""
+    """Quantizes a model file on a server thread, registers the result in models.toml and serves
+    it without a restart. Poll GET /admin/jobs for progress."""
     await _admin(request, services)
     body: QuantizeBody = decode_body(await request.body(), QuantizeBody)
     config = _config_file(services)
@@ -159,6 +161,7 @@ async def quantize_model(request: Request[Any, Any, Any], services: Services) ->
     derived = f"{configured.alias}-{body.type.lower()}" if configured else alias_for(dst)
     alias = _new_alias(services, derived if body.alias is None else body.alias)  # an empty alias is refused, not replaced
     threads = configured.threads if configured else 2
+    loop = asyncio.get_running_loop()
 
     def work(job: Job) -> str:
         job.total_bytes = estimated_size(src, file_type(src), body.type)
@@ -166,7 +169,7 @@ async def quantize_model(request: Request[Any, Any, Any], services: Services) ->
                  progress=lambda size: setattr(job, "done_bytes", size))
         job.done_bytes = dst.stat().st_size
         register(config, alias, dst, sha256(dst), like=configured.alias if configured else None)
-        return f"wrote {dst} and registered it as {alias!r} in {config}; restart to serve it"
+        return f"wrote {dst} and registered it as {alias!r} in {config}" + apply_from_thread(services, loop)
 
     return _start_job(services, "quantize", f"{src.name} to {body.type}", work)
 
@@ -174,7 +177,8 @@ async def quantize_model(request: Request[Any, Any, Any], services: Services) ->
 @post("/admin/models/pull", status_code=202)
 async def pull_model(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
     """Downloads one GGUF from a hub (huggingface-hub: HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE) on a
-    server thread and registers it in models.toml. Poll GET /admin/jobs for progress."""
+    server thread, registers it in models.toml and serves it without a restart. Poll GET
+    /admin/jobs for progress."""
     await _admin(request, services)
     body: PullBody = decode_body(await request.body(), PullBody)
     config = _config_file(services)
@@ -184,12 +188,13 @@ async def pull_model(request: Request[Any, Any, Any], services: Services) -> dic
         raise invalid("file names a file inside the hub repo: no leading '/' and no '..'.", "file")
     alias = _new_alias(services, alias_for(Path(body.file)) if body.alias is None else body.alias)
     data_dir = services.settings.server.data_dir
+    loop = asyncio.get_running_loop()
 
     def work(job: Job) -> str:
         path, digest = download(body.repo, body.file, data_dir, tqdm_class=_progress_into(job))
         job.done_bytes = job.total_bytes = path.stat().st_size
         register(config, alias, path, digest)
-        return f"downloaded {path} and registered it as {alias!r} in {config}; restart to serve it"
+        return f"downloaded {path} and registered it as {alias!r} in {config}" + apply_from_thread(services, loop)
 
     return _start_job(services, "pull", f"{body.repo}/{body.file}", work)
 

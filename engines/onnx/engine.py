@@ -86,6 +86,11 @@ class OnnxEngine:
     # ---- the Engine interface -------------------------------------------------------------------
 
     @property
+    def busy(self) -> int:
+        """Calls taken and not finished: a replaced model is closed only once this is 0."""
+        return self._queued
+
+    @property
     def context_length(self) -> int:
         return self.config.context_length
 

@@ -187,6 +187,11 @@ class UpstreamEngine:
         stream.on_close = task.cancel
         return stream
 
+    @property
+    def busy(self) -> int:
+        """Requests in flight (their streams included): a replaced model is closed only once this is 0."""
+        return len(self._tasks)
+
     def stats(self) -> EngineStats:
         busy = sum(u.outstanding for u in self._upstreams)
         return EngineStats(slots_total=0, slots_busy=busy, queue_depth=0, upstreams=tuple(

@@ -1,0 +1,173 @@
+"""The admin API that changes the fleet while the server runs: add, edit and remove models in
+models.toml (through appliance.config_writer, which keeps the operator's comments), apply a file
+edited by hand, and load or unload a model now. Each change is applied by appliance/reconfigure.py;
+one the fleet cannot take leaves the file and the fleet as they were and answers 400."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from litestar import Request, delete, patch, post
+
+from appliance.api.admin_routes import _admin, server_path
+from appliance.api.common import decode_body
+from appliance.api.errors import APIError, invalid
+from appliance.config_writer import remove_table, update_table
+from appliance.fleet_change import FleetChange
+from appliance.model_admin import ModelAdminError, alias_for, check_alias, register
+from appliance.model_files import sha256
+from appliance.model_manager import ModelUnavailable
+from appliance.reconfigure import apply_config
+from appliance.services import Services
+from appliance.settings import ConfigError
+
+log = logging.getLogger("appliance.api")
+
+
+class AddBody(msgspec.Struct, forbid_unknown_fields=True):
+    path: str  # a GGUF file on the server, inside the data directory or [server] model_dirs
+    alias: str | None = None
+    like: str | None = None  # a configured model whose settings (slots, context, tier, prices) it takes
+    sha256: str | None = None  # checked when given; computed otherwise
+
+
+def config_file(services: Services) -> Path:
+    config = Path(services.settings.file)
+    if not config.is_file():
+        raise invalid("This server was not started from a config file it can change.")
+    return config
+
+
+async def change_fleet(services: Services, edit: Any = None) -> FleetChange:
+    """Applies `edit` (a blocking config_writer change) and the file to the running fleet; the
+    refusals become 400s naming what was wrong."""
+    try:
+        return await apply_config(services, edit)
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param=exc.key, code="invalid_config") from None
+    except ModelAdminError as exc:
+        raise invalid(str(exc), code="invalid_config") from None
+    except Exception as exc:  # a file llama.cpp cannot read, a missing tokenizer, an upstream key not set
+        log.warning("the config could not be applied: %s", exc)
+        raise APIError(400, f"The change was not applied (the file and the running models are as they were): {exc}",
+                       code="model_not_loadable") from None
+
+
+def _change_view(change: FleetChange, services: Services) -> dict[str, Any]:
+    return {"change": change.view(), "models": sorted(m.settings.alias for m in services.registry.all())}
+
+
+@post("/admin/config/reload", status_code=200)
+async def reload_config(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    """Applies models.toml as it is now (after an edit by hand or by the CLI): added models are
+    served, removed ones finish their requests and go, changed ones are served again."""
+    await _admin(request, services)
+    config_file(services)
+    return _change_view(await change_fleet(services), services)
+
+
+@post("/admin/models", status_code=201)
+async def add_model(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    """Registers a model file on the server in models.toml and serves it without a restart."""
+    await _admin(request, services)
+    body: AddBody = decode_body(await request.body(), AddBody)
+    config_file(services)
+    path = server_path(services, body.path, "path")
+    if not path.is_file():
+        raise invalid(f"There is no file {path} on the server.", "path")
+    try:
+        alias = check_alias(body.alias if body.alias is not None else alias_for(path))
+    except ModelAdminError as exc:
+        raise invalid(str(exc), "alias") from None
+    if services.settings.model(alias) is not None or services.settings.route(alias) is not None:
+        raise APIError(409, f"There is already a model or route with alias {alias!r}.", param="alias", code="alias_taken")
+    if body.like is not None and services.settings.model(body.like) is None:
+        raise invalid(f"There is no model with alias {body.like!r} to copy settings from.", "like")
+
+    def edit(config: Path) -> None:
+        digest = sha256(path)
+        if body.sha256 is not None and body.sha256.lower() != digest:
+            raise ModelAdminError(f"sha256: {path} has sha256 {digest}, not {body.sha256}")
+        register(config, alias, path, digest, like=body.like)
+
+    change = await change_fleet(services, edit)
+    return {"alias": alias, **_change_view(change, services)}
+
+
+@patch("/admin/models/{alias:str}", status_code=200)
+async def edit_model(request: Request[Any, Any, Any], services: Services, alias: str) -> dict[str, Any]:
+    """Sets keys of a model's table (`{"slots": 4, "keep_alive": "10m"}`; null removes a key) and
+    serves the model again with them, once its running requests have finished."""
+    await _admin(request, services)
+    values = decode_body(await request.body(), dict[str, Any])
+    config_file(services)
+    if services.settings.model(alias) is None:
+        raise APIError(404, f"The model '{alias}' does not exist.", param="model", code="model_not_found")
+    if not values:
+        raise invalid("Give at least one key of the model's table to set.")
+    change = await change_fleet(services, lambda config: update_table(config, "models", alias, values))
+    return _change_view(change, services)
+
+
+@delete("/admin/models/{alias:str}", status_code=200)
+async def remove_model(request: Request[Any, Any, Any], services: Services, alias: str) -> dict[str, Any]:
+    """Removes a model from models.toml; it finishes its running requests, then unloads. Its file
+    stays on disk. Refused while a route, the cache or a guardrail still names it."""
+    await _admin(request, services)
+    config_file(services)
+    if services.settings.model(alias) is None:
+        raise APIError(404, f"The model '{alias}' does not exist.", param="model", code="model_not_found")
+    change = await change_fleet(services, lambda config: remove_table(config, "models", alias))
+    return _change_view(change, services)
+
+
+def _entry(services: Services, alias: str) -> Any:
+    entry = services.registry.manager.entry(alias)
+    if entry is None:
+        raise APIError(404, f"The model '{alias}' does not exist.", param="model", code="model_not_found")
+    return entry
+
+
+def _unavailable(exc: ModelUnavailable) -> APIError:
+    return APIError(exc.status, str(exc), code=exc.code, retry_after_s=exc.retry_after_s)
+
+
+@post("/admin/models/{alias:str}/load", status_code=200)
+async def load_model_now(request: Request[Any, Any, Any], services: Services, alias: str) -> dict[str, Any]:
+    """Loads a model now (as its first request would), unloading idle ones to make room under the budget."""
+    await _admin(request, services)
+    entry = _entry(services, alias)
+    try:
+        await services.registry.manager.load(entry)
+    except ModelUnavailable as exc:
+        raise _unavailable(exc) from None
+    return {"alias": alias, "loaded": True}
+
+
+@post("/admin/models/{alias:str}/unload", status_code=200)
+async def unload_model_now(request: Request[Any, Any, Any], services: Services, alias: str) -> dict[str, Any]:
+    """Unloads a model now when idle, else as soon as its running requests finish (`"unloaded":
+    false` says it is waiting for them). A preloaded model stays: 409."""
+    await _admin(request, services)
+    entry = _entry(services, alias)
+    try:
+        done = await services.registry.manager.unload(entry)
+    except ModelUnavailable as exc:
+        raise _unavailable(exc) from None
+    return {"alias": alias, "unloaded": done, "when_idle": not done}
+
+
+def apply_from_thread(services: Services, loop: asyncio.AbstractEventLoop) -> str:
+    """For a job thread that registered a model: applies the file on the server's loop."""
+    try:
+        change = asyncio.run_coroutine_threadsafe(apply_config(services), loop).result()
+    except Exception as exc:
+        return f"; the running server could not serve it yet ({exc}): fix it and POST /admin/config/reload"
+    return "; now served" if change.added else ""
+
+
+ROUTES = [reload_config, add_model, edit_model, remove_model, load_model_now, unload_model_now]
