@@ -6,7 +6,7 @@ requests, streams events back, and cancels on request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -179,6 +179,36 @@ def check_context(request: GenerationRequest, context_length: int) -> None:
     problem = context_problem(len(request.prompt_tokens), request.max_tokens, context_length)
     if problem is not None:
         raise ContextLengthExceeded(problem)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """An engine's name and flags (the Engine protocol's), known from its config before its weights
+    load: a model loaded on demand shows them while it is not loaded."""
+
+    name: str
+    supports_grammar: bool
+    supports_logprobs: bool
+    supports_embeddings: bool
+    supports_adapters: bool
+
+    @classmethod
+    def of(cls, engine: object, **config: bool) -> Capabilities:
+        """An engine class's flags, with those its config decides."""
+        return replace(cls(**{f.name: getattr(engine, f.name) for f in fields(cls)}), **config)
+
+    def apply(self, engine: object) -> None:
+        for f in fields(self):
+            setattr(engine, f.name, getattr(self, f.name))
+
+
+def refuse_unsupported(engine: Engine, request: GenerationRequest) -> None:
+    """What a local engine refuses of a generation request for what it is, before the common checks."""
+    if engine.supports_embeddings:
+        raise EngineError("this model serves embeddings only")
+    if request.sampling.grammar is not None and not engine.supports_grammar:
+        raise EngineError("this model has no grammar vocabulary (an MLX folder not converted from a GGUF here); "
+                          "response_format needs a model converted by the appliance or a llama.cpp model")
 
 
 class UnknownAdapter(EngineError):

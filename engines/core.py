@@ -46,6 +46,7 @@ from engines.base import (
     UnknownAdapter,
     Usage,
     check_context,
+    refuse_unsupported,
 )
 from engines.logprobs import token_logprob
 from engines.occupancy import Occupancy
@@ -162,9 +163,6 @@ class LocalEngine:
     # ---- what an engine supplies ---------------------------------------------------------------
     # Called on the event loop:
 
-    def _check_request(self, request: GenerationRequest) -> None:
-        """Refuses (raising EngineError) what this engine cannot serve, before the common checks."""
-
     def _new_job(self, request: GenerationRequest, emit: Callable[[EngineEvent], None]) -> Job:
         """The engine's job for a request, with its sampler (a grammar that does not parse raises here)."""
         raise NotImplementedError
@@ -240,7 +238,7 @@ class LocalEngine:
     def generate(self, request: GenerationRequest) -> EventStream:
         """Validates and queues the request; raises at once on a request that cannot run."""
         self._occupancy.refuse_if_closed()
-        self._check_request(request)
+        refuse_unsupported(self, request)  # by its flags, as a model loaded on demand refuses it unloaded
         check_context(request, self.context_length)
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty")

@@ -20,14 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from engines.base import EngineError, EngineEvent, FinishReason, GenerationRequest
+from engines.base import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest
 from engines.core import AdapterKey, Job, LocalEngine
 from engines.embedding import check_lengths, pack, resolve_pooling
 from engines.llamacpp.drafting import Drafter, DraftModelDrafter, DraftState, PromptLookupDrafter, measure_step_cost
 from engines.llamacpp.runtime import Adapter, Context, ContextShape, Model, Sampler
+from engines.llamacpp.vocabulary import LlamaVocabulary
 from engines.logprobs import log_softmax
 from engines.scheduler import Admission, BatchItem, SlotView, Source, plan_admission, plan_batch
 from engines.speculation import Acceptance, StepCost, draft_length
+from engines.vocabulary import SpeaksVocabulary
 
 log = logging.getLogger("appliance.llamacpp")
 
@@ -98,15 +100,16 @@ class _SlotJob(Job):
         return SlotView(self.slot, self.admitted_seq, len(self.request.prompt_tokens), self.n_past, self.pending_token is not None, drafted)
 
 
-class LlamaCppEngine(LocalEngine):
+class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
     name = "llamacpp"
 
     def __init__(self, config: LlamaCppConfig) -> None:
         super().__init__(slots=config.slots, max_queue=config.max_queue, host_cache_bytes=config.prefix_host_bytes,
                          thread_name=f"llamacpp:{config.path.name}")
         self.config = config
-        self.supports_embeddings = config.embeddings
+        self.capabilities(embeddings=config.embeddings).apply(self)
         self.model = Model(config.path, use_extra_buffers=not config.batch_invariant, gpu_layers=config.gpu_layers)
+        self.vocabulary = LlamaVocabulary(self.model)  # the engine closes its model (_free_model)
         try:
             # Embeddings: `slots` sequences share a forward pass, which holds every token of each.
             self.pooling = resolve_pooling(config.pooling, self.model.pooling()) if config.embeddings else None
@@ -162,36 +165,16 @@ class LlamaCppEngine(LocalEngine):
 
     # ---- the model's own surface ------------------------------------------------------------------
 
+    @classmethod
+    def capabilities(cls, *, embeddings: bool) -> Capabilities:
+        """What a model of this config serves (a model loaded on demand shows it unloaded)."""
+        return Capabilities.of(cls, supports_embeddings=embeddings)
+
     @property
     def context_length(self) -> int:
         return self.ctx.n_ctx_per_seq
 
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
-
-    def chat_template(self) -> str | None:
-        return self.model.meta("tokenizer.chat_template")
-
-    def special_tokens(self) -> dict[str, str]:
-        return self.model.special_tokens()
-
-    def control_tokens(self) -> dict[str, int]:
-        return self.model.control_tokens()
-
-    def add_bos(self) -> bool:
-        return self.model.add_bos
-
-    def vocab_size(self) -> int:
-        return self.model.n_vocab
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return self.model.detokenize(tokens)
-
     # ---- the core's hooks -------------------------------------------------------------------------
-
-    def _check_request(self, request: GenerationRequest) -> None:
-        if self.config.embeddings:
-            raise EngineError("this model is configured for embeddings only")
 
     def _new_job(self, request: GenerationRequest, emit: Callable[[EngineEvent], None]) -> Job:
         s = request.sampling

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.base import EngineError, EngineEvent, FinishReason, GenerationRequest
+from engines.base import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest
 from engines.core import AdapterKey, Job, LocalEngine
 from engines.mlx.lora import AdapterSet, LoraWeights, read_adapter
+from engines.mlx.vocabulary import MlxVocabulary
 from engines.speculation import Acceptance, StepCost, draft_length
+from engines.vocabulary import SpeaksVocabulary
 
 log = logging.getLogger("appliance.mlx")
 
@@ -45,18 +47,6 @@ class MlxConfig:
     draft_fixed_tokens: int = 0  # 0: as many as the measured costs say pay (none when drafting cannot pay)
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet back to bytes (printable stand-ins for every byte value)."""
-    visible = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    codes, n = visible[:], 0
-    for b in range(256):
-        if b not in visible:
-            visible.append(b)
-            codes.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(visible, codes)}
-
-
 class _BatchJob(Job):
     """A request in a BatchGenerator (uid), or decoding speculatively on its own (lane)."""
 
@@ -69,33 +59,24 @@ class _BatchJob(Job):
         self.lane_run = 0  # drafted tokens accepted since its last verification
 
 
-class MlxEngine(LocalEngine):
+class MlxEngine(SpeaksVocabulary, LocalEngine):
     name = "mlx"
 
     def __init__(self, config: MlxConfig) -> None:
-        import mlx_lm
+        from mlx_lm.utils import load_model
 
         super().__init__(slots=config.slots, max_queue=config.max_queue, host_cache_bytes=config.prompt_cache_bytes,
                          thread_name=f"mlx:{config.path.name}")
         self.config = config
-        self.model, self.tokenizer = mlx_lm.load(str(config.path))
-        self._vocabulary = None
+        self.capabilities(grammar_vocabulary=config.vocabulary is not None).apply(self)
+        self.model, _ = load_model(config.path)
+        self.vocabulary = MlxVocabulary(config.path)
+        self._grammar_vocabulary = None  # the GGUF's, for llama.cpp's sampler chain
         if config.vocabulary is not None:
             from engines.llamacpp.runtime import Model
 
-            self._vocabulary = Model(config.vocabulary, vocab_only=True)
-        self.supports_grammar = self._vocabulary is not None
-        hf = self.tokenizer._tokenizer  # the transformers tokenizer mlx-lm wraps
-        self._hf = hf
-        decoder = _byte_decoder()
-        self._special = set(hf.all_special_ids)
-        self._pieces: dict[int, bytes] = {}
-        for token, ident in hf.get_vocab().items():
-            if ident in self._special or token in hf.all_special_tokens:
-                self._pieces[ident] = token.encode()
-            else:
-                self._pieces[ident] = bytes(decoder.get(ch, ord("?")) for ch in token)
-        self._eos = set(self.tokenizer.eos_token_ids)
+            self._grammar_vocabulary = Model(config.vocabulary, vocab_only=True)
+        self._eos = set(self.vocabulary.eos)
         self._jobs: dict[tuple[Any, int], _BatchJob] = {}  # (adapter set, uid in its generator) -> job
         self._generators: dict[AdapterKey, Any] = {}  # a BatchGenerator per adapter set with work
         self._lora = AdapterSet(self.model)
@@ -112,38 +93,21 @@ class MlxEngine(LocalEngine):
 
     # ---- the model's own surface ------------------------------------------------------------------
 
+    @classmethod
+    def capabilities(cls, *, grammar_vocabulary: bool) -> Capabilities:
+        """What a model of this config serves: grammars need the GGUF vocabulary the folder came from."""
+        return Capabilities.of(cls, supports_grammar=grammar_vocabulary)
+
     @property
     def context_length(self) -> int:
         return self.config.context_length
-
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        # transformers parses special tokens in text unless told to split them as plain text
-        return list(self._hf.encode(text, add_special_tokens=add_special, split_special_tokens=not parse_special))
-
-    def control_tokens(self) -> dict[str, int]:
-        return {t.content: i for i, t in self._hf.added_tokens_decoder.items() if t.special and t.content}
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self._pieces.get(t, b"") for t in tokens).decode("utf-8", errors="replace")
-
-    def vocab_size(self) -> int:
-        return len(self._pieces)
-
-    def add_bos(self) -> bool:
-        return bool(getattr(self._hf, "add_bos_token", False))
-
-    def chat_template(self) -> str | None:
-        return self._hf.chat_template
-
-    def special_tokens(self) -> dict[str, str]:
-        return {k: v for k, v in (("bos_token", self._hf.bos_token), ("eos_token", self._hf.eos_token)) if v}
 
     def _load_draft(self, folder: Path):  # type: ignore[no-untyped-def]
         """The draft model, refused unless its vocabulary is the target's token for token."""
         import mlx_lm
 
         draft, tokenizer = mlx_lm.load(str(folder))
-        ours, theirs = self._hf.get_vocab(), tokenizer._tokenizer.get_vocab()
+        ours, theirs = self.vocabulary.hf.get_vocab(), tokenizer._tokenizer.get_vocab()
         if ours != theirs:
             differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda kv: kv[1])
             raise EngineError(f"the draft model {folder} has another vocabulary than {self.config.path} "
@@ -152,17 +116,12 @@ class MlxEngine(LocalEngine):
 
     # ---- the core's hooks -------------------------------------------------------------------------
 
-    def _check_request(self, request: GenerationRequest) -> None:
-        if request.sampling.grammar is not None and self._vocabulary is None:
-            raise EngineError("this MLX model was not converted from a GGUF here, so it has no grammar vocabulary; "
-                              "response_format needs a model converted by the appliance or a llama.cpp model")
-
     def _new_job(self, request: GenerationRequest, emit: Callable[[EngineEvent], None]) -> Job:
         # a grammar that does not parse is refused here, not mid-stream
         return _BatchJob(request, self._llama_sampler(request), emit)
 
     def _piece(self, token: int, special: bool) -> bytes:
-        return self._pieces.get(token, b"")  # control tokens' text is always in the vocabulary's pieces
+        return self.vocabulary.piece(token)
 
     def _is_eog(self, token: int) -> bool:
         return token in self._eos
@@ -187,8 +146,8 @@ class MlxEngine(LocalEngine):
         self._generators.clear()
 
     def _free_model(self) -> None:
-        if self._vocabulary is not None:  # its samplers are closed with their jobs
-            self._vocabulary.close()
+        if self._grammar_vocabulary is not None:  # its samplers are closed with their jobs
+            self._grammar_vocabulary.close()
 
     @property
     def _speculating(self) -> bool:
@@ -373,11 +332,11 @@ class MlxEngine(LocalEngine):
         """llama.cpp's chain for requests that need it: a grammar, or a draw (for its seed). Greedy
         requests without a grammar stay on MLX's own argmax, which keeps the step pipelined."""
         s = request.sampling
-        if self._vocabulary is None or (s.grammar is None and s.temperature <= 0.0):
+        if self._grammar_vocabulary is None or (s.grammar is None and s.temperature <= 0.0):
             return None
         from engines.llamacpp.runtime import Sampler
 
-        return Sampler(self._vocabulary, temperature=s.temperature, top_p=s.top_p, seed=s.seed, grammar=s.grammar)
+        return Sampler(self._grammar_vocabulary, temperature=s.temperature, top_p=s.top_p, seed=s.seed, grammar=s.grammar)
 
     def _sampler(self, job: _BatchJob):  # type: ignore[no-untyped-def]
         import mlx.core as mx

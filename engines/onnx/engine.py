@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from engines.base import AdapterInfo, EngineClosed, EngineError, EngineOverloaded, EngineStats, GenerationRequest
+from engines.base import AdapterInfo, Capabilities, EngineError, EngineStats, GenerationRequest
 from engines.embedding import check_lengths, pack, pool, resolve_pooling
+from engines.occupancy import Occupancy
+from engines.onnx.vocabulary import OnnxVocabulary
 from engines.stream import EventStream
+from engines.vocabulary import SpeaksVocabulary
 
 log = logging.getLogger("appliance.onnx")
 
@@ -34,25 +35,7 @@ class OnnxConfig:
     pooling: str = "auto"  # mean, cls or last; auto: mean
 
 
-def load_tokenizer(path: Path) -> Any:
-    """A tokenizer that adds the model's special tokens itself and never truncates or pads: the
-    engine refuses what is too long and pads per pass."""
-    from tokenizers import Tokenizer
-    from tokenizers.implementations import BertWordPieceTokenizer
-
-    if path.suffix == ".json":
-        tokenizer = Tokenizer.from_file(str(path))
-    else:
-        vocab = path.read_text(encoding="utf-8").splitlines()
-        # An uncased vocabulary has no capital letters outside its bracketed specials.
-        cased = any(t != t.lower() for t in vocab if not (t.startswith("[") and t.endswith("]")))
-        tokenizer = BertWordPieceTokenizer(str(path), lowercase=not cased)
-    tokenizer.no_truncation()
-    tokenizer.no_padding()
-    return tokenizer
-
-
-class OnnxEngine:
+class OnnxEngine(SpeaksVocabulary):
     name = "onnx"
     supports_grammar = False
     supports_logprobs = False
@@ -75,68 +58,45 @@ class OnnxEngine:
         self._inputs = {i.name for i in self._session.get_inputs()}
         if not {"input_ids", "attention_mask"} <= self._inputs:
             raise EngineError(f"{config.path.name} takes {sorted(self._inputs)}; an embedding model takes input_ids and attention_mask")
-        self._tokenizer = load_tokenizer(config.tokenizer)
-        self._pad = self._tokenizer.token_to_id("[PAD]") or 0
+        self.vocabulary = OnnxVocabulary(config.tokenizer)
+        self._pad = self.vocabulary.tokenizer.token_to_id("[PAD]") or 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"onnx:{config.path.name}")
-        self._lock = threading.Lock()
-        self._queued = 0
-        self._busy = False
-        self._closing = False
+        self._occupancy = Occupancy(1, config.max_queue)  # one call runs at a time
 
     # ---- the Engine interface -------------------------------------------------------------------
-
-    @property
-    def busy(self) -> int:
-        """Calls taken and not finished: a replaced model is closed only once this is 0."""
-        return self._queued
 
     @property
     def context_length(self) -> int:
         return self.config.context_length
 
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special).ids)
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities.of(cls)
 
     def tokenize_many(self, texts: list[str]) -> list[list[int]]:
         """With the model's special tokens, in one call (the tokenizer runs them in parallel)."""
-        return [list(e.ids) for e in self._tokenizer.encode_batch(texts, add_special_tokens=True)]
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return self._tokenizer.decode(tokens, skip_special_tokens=False)
-
-    def vocab_size(self) -> int:
-        return self._tokenizer.get_vocab_size()
-
-    def add_bos(self) -> bool:
-        return True  # the tokenizer opens (and closes) an input with the model's own special tokens
-
-    def chat_template(self) -> str | None:
-        return None
-
-    def special_tokens(self) -> dict[str, str]:
-        return {}
-
-    def control_tokens(self) -> dict[str, int]:
-        return {}
+        return [list(e.ids) for e in self.vocabulary.tokenizer.encode_batch(texts, add_special_tokens=True)]
 
     def generate(self, request: GenerationRequest) -> EventStream:
         raise EngineError("this model serves embeddings only")
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
-        if self._closing:
-            raise EngineClosed("the model is shutting down")
+        self._occupancy.refuse_if_closed()
         if not inputs:
             raise EngineError("no inputs to embed")
         check_lengths(inputs, self.config.context_length)
-        with self._lock:
-            if self._queued >= self.config.max_queue + 1:  # the one running, and those waiting
-                raise EngineOverloaded(f"the queue for this model is full ({self.config.max_queue} waiting)")
-            self._queued += 1
-        try:
-            return await asyncio.wrap_future(self._thread.submit(self._run, inputs))
-        finally:
-            with self._lock:
-                self._queued -= 1
+        self._occupancy.take(request=True)  # the one running and max_queue waiting; busy until the thread is done with it
+        ran = False
+
+        def run() -> np.ndarray:
+            nonlocal ran
+            ran = True
+            self._occupancy.admit()
+            return self._run(inputs)
+
+        future = self._thread.submit(run)
+        future.add_done_callback(lambda _: self._occupancy.settle(queued=not ran, running=ran))  # ran, or cancelled while queued
+        return await asyncio.wrap_future(future)
 
     def embed_now(self, inputs: list[list[int]]) -> np.ndarray:
         """On the caller's thread, for tools and benches (never the event loop)."""
@@ -150,32 +110,39 @@ class OnnxEngine:
         pass  # a forward pass takes milliseconds: the requests in flight finish within the grace period
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            waiting = self._queued - (1 if self._busy else 0)
-        return EngineStats(1, 1 if self._busy else 0, max(0, waiting))
+        return EngineStats(1, self._occupancy.running, self._occupancy.queued)
+
+    @property
+    def busy(self) -> int:
+        """Calls taken and not finished: a model is unloaded, or a replaced one closed, only at 0."""
+        return self._occupancy.unfinished
+
+    @property
+    def idle_since(self) -> float | None:
+        """When the last call finished (or the model loaded), `time.monotonic()`; None while busy."""
+        return self._occupancy.idle_since
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        return await self._occupancy.drain(timeout)
 
     async def start(self) -> None:
         pass
 
     def close(self) -> None:
-        self._closing = True
+        self._occupancy.closing = True
         self._thread.shutdown(wait=True)
 
     # ---- the model's thread ---------------------------------------------------------------------
 
     def _run(self, inputs: list[list[int]]) -> np.ndarray:
-        self._busy = True
-        try:
-            out: np.ndarray | None = None
-            for group in pack([len(t) for t in inputs], max_tokens=self.config.batch_tokens, max_rows=len(inputs), padded=True):
-                rows = self._forward([inputs[i] for i in group])
-                if out is None:
-                    out = np.empty((len(inputs), rows.shape[1]), dtype=np.float32)
-                out[group] = rows
-            assert out is not None
-            return out
-        finally:
-            self._busy = False
+        out: np.ndarray | None = None
+        for group in pack([len(t) for t in inputs], max_tokens=self.config.batch_tokens, max_rows=len(inputs), padded=True):
+            rows = self._forward([inputs[i] for i in group])
+            if out is None:
+                out = np.empty((len(inputs), rows.shape[1]), dtype=np.float32)
+            out[group] = rows
+        assert out is not None
+        return out
 
     def _forward(self, inputs: list[list[int]]) -> np.ndarray:
         width = max(len(t) for t in inputs)
