@@ -2,13 +2,16 @@
 from it (policy/memory_plan.py holds the arithmetic).
 
 `estimate(model_file, slots, context_length, kv_type)` is the one entry point for anything that
-budgets memory (the GPU layer plan here, a model loader's memory budget).
+budgets memory (the GPU layer plan here, a model loader's memory budget). MLX folders and ONNX files
+are estimated at the end (`mlx_estimate`, `onnx_memory`), from their config and file sizes.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -155,3 +158,124 @@ def gpu_layers_for(model: ModelSettings, model_file: Path) -> int:
     plan = gpu_plan(model, model_file, gpu_devices() if model.gpu_layers != 0 else ())
     log.info("%s: gpu_layers = %d (%s)", model.alias, plan.gpu_layers, plan.reason)
     return plan.gpu_layers
+
+
+# ---- MLX folders and ONNX files ------------------------------------------------------------------
+# Simpler arithmetic than a GGUF's: neither engine offloads layers, so one total is all the budget needs.
+
+MLX_KV_STEP = 256  # mlx-lm's KV caches grow in steps of this many tokens per sequence
+MLX_PREFILL_STEP = 2048  # tokens of each prompt mlx-lm's BatchGenerator prefills at once (its default)
+MLX_VOCAB_BYTES_PER_TOKEN = 512  # the transformers tokenizer and the engine's byte pieces: 22 MiB for SmolLM2's 49k tokens
+_FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+@dataclass(frozen=True)
+class FolderEstimate:
+    weights: int
+    kv: int
+    compute: int  # activations, and copies of the KV
+    overhead: int = 0  # the tokenizer
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute + self.overhead
+
+
+@dataclass(frozen=True)
+class MlxShape:
+    weight_bytes: int  # the safetensors files' sizes: MLX holds every tensor as stored
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    kv_heads: int
+    head_dim: int
+    n_vocab: int
+    dtype_bytes: int  # of the activations, and so of the KV cache
+
+
+def activation_bytes(float_dtypes: Collection[str]) -> int:
+    """Bytes per value of an MLX model's activations: its float tensors' widest type, since MLX
+    promotes a product of two types to the wider (a float32 norm weight makes float32 hidden states:
+    the converted SmolLM2, float16 scales and float32 norms, keeps a float32 KV cache), and float16
+    with bfloat16 to float32."""
+    widths = {_FLOAT_BYTES[d] for d in float_dtypes if d in _FLOAT_BYTES}
+    if not widths:
+        return 4
+    return max(4, *widths) if {"F16", "BF16"} <= set(float_dtypes) else max(widths)
+
+
+def mlx_shape(config: Mapping[str, Any], float_dtypes: Collection[str], weight_bytes: int) -> MlxShape:
+    """An MLX model's shape from its config.json (a multimodal one's text_config) and its tensors' types."""
+    text = config if "num_hidden_layers" in config else config.get("text_config", config)
+    try:
+        n_layer, heads, hidden = int(text["num_hidden_layers"]), int(text["num_attention_heads"]), int(text["hidden_size"])
+        head_dim = int(text.get("head_dim") or hidden // heads)
+        n_ff = int(text.get("intermediate_size") or 4 * hidden)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelShapeError(f"config.json has no usable {exc}") from None
+    return MlxShape(weight_bytes, n_layer, hidden, n_ff, heads, int(text.get("num_key_value_heads") or heads), head_dim,
+                    int(text.get("vocab_size") or 0), activation_bytes(float_dtypes))
+
+
+def mlx_memory(shape: MlxShape, slots: int, context_length: int) -> FolderEstimate:
+    """What the MLX engine holds serving `slots` x `context_length` (checked against the resident
+    memory it gains in tests/test_mlx_engine.py):
+
+    - weights as stored;
+    - a K and a V per layer for every slot at its full context, in steps of MLX_KV_STEP;
+    - a copy of that KV: mlx-lm concatenates a batch's KV when requests join it and copies each
+      finished request's out (for the prompt cache);
+    - one prefill step's activations, every slot's prompt at once as the engine prefills them:
+      attention scores and their softmax against the whole context (MLX's CPU path makes them
+      whole; Metal's fused attention needs less), the MLP's and the hidden states' buffers;
+    - the tokenizer.
+
+    Not counted: the freed buffers MLX keeps for reuse, the host prompt cache (prefix_cache_host_mb,
+    as for a GGUF), and the prompt's logits, which mlx-lm never computes."""
+    cells = -(-context_length // MLX_KV_STEP) * MLX_KV_STEP
+    kv = 2 * shape.n_layer * shape.kv_heads * shape.head_dim * shape.dtype_bytes * slots * cells
+    step = slots * min(MLX_PREFILL_STEP, context_length)  # tokens in one prefill step
+    activations = (2 * shape.n_head * step * cells + step * (3 * shape.n_ff + 4 * shape.n_embd)) * shape.dtype_bytes
+    return FolderEstimate(shape.weight_bytes, kv, kv + activations, shape.n_vocab * MLX_VOCAB_BYTES_PER_TOKEN)
+
+
+def read_mlx_shape(folder: Path) -> MlxShape:
+    """Reads config.json and the safetensors headers (not the weights)."""
+    import json
+
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("model*.safetensors"))  # the files mlx-lm loads
+    if not files:
+        raise ModelShapeError(f"no model*.safetensors in {folder}")
+    dtypes: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="numpy") as tensors:
+            dtypes |= {tensors.get_slice(name).get_dtype() for name in tensors.keys()}
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelShapeError(f"{folder}/config.json: {exc}") from None
+    return mlx_shape(config, dtypes, sum(f.stat().st_size for f in files))
+
+
+def mlx_estimate(folder: Path, slots: int, context_length: int) -> FolderEstimate:
+    return mlx_memory(read_mlx_shape(folder), slots, context_length)
+
+
+# onnxruntime folds a weight stored in 8 bits and cast to float at run time into a float32 constant
+# when it makes the session: the shipped int8 MiniLM's 21.9 MiB file became about 95 MiB resident.
+# A float32 file loads at its size, so for one this counts up to 4x too much: the safe side.
+ONNX_WIDENING = 4
+# One padded token's activations in a forward pass, measured on all-MiniLM-L6-v2 (6 layers, 384
+# wide, 12 heads) through onnxruntime's arena: about 28 KiB for its hidden states, plus 226 bytes
+# per token of the widest input for its attention scores; rounded up. A wider model takes more.
+ONNX_TOKEN_BYTES = 32 << 10
+ONNX_SCORE_BYTES = 256
+
+
+def onnx_memory(file_bytes: int, batch_tokens: int, context_length: int) -> FolderEstimate:
+    """An ONNX embedding model with one forward pass of `batch_tokens` padded tokens in flight."""
+    width = min(batch_tokens, context_length)  # the longest input one pass may hold
+    return FolderEstimate(ONNX_WIDENING * file_bytes, 0, batch_tokens * (ONNX_TOKEN_BYTES + ONNX_SCORE_BYTES * width))
