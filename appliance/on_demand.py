@@ -1,7 +1,8 @@
-"""A llama.cpp model loaded on its first request: the Engine the rest of the appliance sees for it.
+"""A local model loaded on its first request: the Engine the rest of the appliance sees for it.
 
-It keeps the model's vocabulary alone (a vocab_only load, a few MB) so templating, tokenizing and
-the API's checks never need the weights. A request while the model is loaded goes straight to its
+It keeps the model's vocabulary alone (engines/vocabulary.py: llama.cpp's vocab_only load, an MLX
+folder's tokenizer, an ONNX model's tokenizer; a few MB) and its engine's capabilities, so
+templating, tokenizing and the API's checks never need the weights. A request while the model is loaded goes straight to its
 engine, with that engine's own checks and stream. A request while it is not gets a stream at once;
 a task asks the manager to load the model (or to wait for room), then hands the request to the
 engine and relays its events. Whatever goes wrong before the first event (the load timed out, the
@@ -21,6 +22,7 @@ from appliance.model_manager import Entry, ModelManager, ModelUnavailable
 from appliance.settings import AdapterSettings, LocalModel
 from engines.base import (
     AdapterInfo,
+    Capabilities,
     ContextLengthExceeded,
     EngineError,
     EngineOverloaded,
@@ -30,9 +32,10 @@ from engines.base import (
     UnknownAdapter,
     Usage,
     check_context,
+    refuse_unsupported,
 )
-from engines.llamacpp.runtime import Model
 from engines.stream import EventStream
+from engines.vocabulary import SpeaksVocabulary, Vocabulary
 
 
 def _error_event(request: GenerationRequest, exc: EngineError) -> FinishEvent:
@@ -50,19 +53,21 @@ def _error_event(request: GenerationRequest, exc: EngineError) -> FinishEvent:
                        retry_after_s=retry)
 
 
-class OnDemandEngine:
-    name = "llamacpp"
-    supports_grammar = True
-    supports_logprobs = True
-    supports_adapters = True
+class OnDemandEngine(SpeaksVocabulary):
+    name: str  # these five from the engine's Capabilities
+    supports_grammar: bool
+    supports_logprobs: bool
+    supports_embeddings: bool
+    supports_adapters: bool
     takes_messages = False
 
-    def __init__(self, settings: LocalModel, vocab: Model, manager: ModelManager, need: int, *, pinned: bool = False) -> None:
-        self._vocab = vocab  # a vocab_only load of the model's file
+    def __init__(self, settings: LocalModel, vocabulary: Vocabulary, capabilities: Capabilities, manager: ModelManager, need: int, *,
+                 pinned: bool = False) -> None:
+        self.vocabulary = vocabulary  # loaded alone; closed with this engine
+        capabilities.apply(self)  # what the engine will serve once loaded
         self._manager = manager
         self.entry: Entry = manager.add(settings, need, None, pinned=pinned)
-        self.supports_embeddings = settings.kind == "embedding"
-        self._context_length = settings.context_length  # until a load says what llama.cpp made of it
+        self._context_length = settings.context_length  # until a load says what the engine made of it
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -75,29 +80,6 @@ class OnDemandEngine:
             self._context_length = self.entry.real.context_length
         return self._context_length
 
-    # ---- the vocabulary: no weights needed ---------------------------------------------------------
-
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        return self._vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return self._vocab.detokenize(tokens)
-
-    def vocab_size(self) -> int:
-        return self._vocab.n_vocab
-
-    def add_bos(self) -> bool:
-        return self._vocab.add_bos
-
-    def chat_template(self) -> str | None:
-        return self._vocab.meta("tokenizer.chat_template")
-
-    def special_tokens(self) -> dict[str, str]:
-        return self._vocab.special_tokens()
-
-    def control_tokens(self) -> dict[str, int]:
-        return self._vocab.control_tokens()
-
     # ---- requests ----------------------------------------------------------------------------------
 
     def generate(self, request: GenerationRequest) -> EventStream:
@@ -105,8 +87,7 @@ class OnDemandEngine:
         if real is not None:
             return real.generate(request)  # loaded: the engine's own checks and stream
         # What the engine would refuse at once, refused at once here too.
-        if self.supports_embeddings:
-            raise EngineError("this model is configured for embeddings only")
+        refuse_unsupported(self, request)
         check_context(request, self.context_length)
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty")
@@ -177,4 +158,4 @@ class OnDemandEngine:
 
     def close(self) -> None:
         """The manager closes the engine; this closes the vocabulary."""
-        self._vocab.close()
+        self.vocabulary.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -17,7 +18,8 @@ from appliance.model_files import package_file, resolve, sha256
 from appliance.fleet_change import FleetChange
 from appliance.model_manager import ModelManager, total_ram
 from appliance.settings import LocalModel, ModelSettings, Settings
-from engines.base import Engine, EngineError
+from engines.base import Capabilities, Engine, EngineError
+from engines.vocabulary import Vocabulary
 
 log = logging.getLogger("appliance.registry")
 
@@ -90,19 +92,34 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
     )
 
 
-def _build_onnx(model: ModelSettings, settings: Settings, path: Path) -> Engine:
-    from engines.base import EngineError
-    from engines.onnx.engine import OnnxConfig, OnnxEngine
+def _onnx_config(model: ModelSettings, settings: Settings, path: Path) -> Any:
+    from engines.onnx.engine import OnnxConfig
 
     tokenizer = package_file(model.tokenizer_package_file) if model.tokenizer_package_file else model.tokenizer
     assert tokenizer is not None  # checked when the config was parsed
     if not tokenizer.is_file():
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: tokenizer: no file at {tokenizer}")
+    return OnnxConfig(path, tokenizer, model.context_length, model.batch_tokens, model.threads, settings.server.max_queue, model.pooling)
+
+
+def _build_onnx(model: ModelSettings, settings: Settings, path: Path) -> Engine:
+    from engines.onnx.engine import OnnxEngine
+
     try:
-        return OnnxEngine(OnnxConfig(path, tokenizer, model.context_length, model.batch_tokens, model.threads,
-                                     settings.server.max_queue, model.pooling))
+        return OnnxEngine(_onnx_config(model, settings, path))
     except EngineError as exc:
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: {exc}") from None
+
+
+def _digest(path: Path) -> str:
+    """A file's sha256, hashed once while it is unchanged (a model loaded on demand asks at every load)."""
+    stat = path.stat()
+    return _digest_of(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest_of(path: str, size: int, mtime_ns: int) -> str:
+    return sha256(Path(path))
 
 
 def _mlx_folder(model: ModelSettings, settings: Settings) -> tuple[Path, Path | None]:
@@ -113,7 +130,7 @@ def _mlx_folder(model: ModelSettings, settings: Settings) -> tuple[Path, Path | 
     if model.path is not None and model.path.is_dir():
         return model.path, source_of(model.path)  # a folder the appliance converted or quantized names its GGUF
     source = resolve(model, settings.server.data_dir, allow_download=True)
-    folder = settings.server.data_dir / "mlx" / f"{source.stem}-{sha256(source)[:12]}"
+    folder = settings.server.data_dir / "mlx" / f"{source.stem}-{_digest(source)[:12]}"
     if not (folder / "config.json").is_file():
         log.info("converting %s for MLX into %s", source.name, folder)
         try:
@@ -123,9 +140,10 @@ def _mlx_folder(model: ModelSettings, settings: Settings) -> tuple[Path, Path | 
     return folder, source  # the same vocabulary token for token: grammars and seeds run llama.cpp's sampler on it
 
 
-def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
+def _mlx_config(model: ModelSettings, settings: Settings) -> Any:
+    """The engine's config; the folder converted from its GGUF when it must be."""
     try:
-        from engines.mlx.engine import MlxConfig, MlxEngine
+        from engines.mlx.engine import MlxConfig
     except ImportError as exc:
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine is not installed here ({exc.name})") from None
     if model.kind != "chat" or model.speculation_mode == "prompt_lookup":
@@ -137,12 +155,17 @@ def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
         assert draft_settings is not None  # checked when the config was parsed
         draft, _ = _mlx_folder(draft_settings, settings)
     cache_bytes = model.prefix_cache_host_mb << 20 if model.prefix_cache else 0
-    from engines.base import EngineError
+    return MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue, cache_bytes, vocabulary=vocabulary,
+                     adapters=tuple((a.name, a.path, a.scale) for a in model.adapters), draft=draft,
+                     draft_max_tokens=model.speculation_max_tokens, draft_fixed_tokens=model.speculation_fixed_tokens)
+
+
+def _build_mlx(model: ModelSettings, settings: Settings) -> Engine:
+    config = _mlx_config(model, settings)
+    from engines.mlx.engine import MlxEngine
 
     try:
-        return MlxEngine(MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue, cache_bytes, vocabulary=vocabulary,
-                                   adapters=tuple((a.name, a.path, a.scale) for a in model.adapters), draft=draft,
-                                   draft_max_tokens=model.speculation_max_tokens, draft_fixed_tokens=model.speculation_fixed_tokens))
+        return MlxEngine(config)
     except EngineError as exc:  # an adapter that does not fit the model, a draft with another vocabulary
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: {exc}") from None
 
@@ -183,9 +206,29 @@ def load_model(model: ModelSettings, settings: Settings, engine: Engine | None =
 
 
 def loads_on_demand(model: ModelSettings, settings: Settings) -> bool:
-    """llama.cpp models may load on demand (their vocabulary loads alone); other engines load at start."""
-    return isinstance(model, LocalModel) and model.kind != "draft" and engine_for(model) == "llamacpp" \
-        and not model.loads_at_start(settings.server)
+    """A local model may load on demand (its vocabulary loads alone); an upstream holds nothing here."""
+    return isinstance(model, LocalModel) and model.kind != "draft" and not model.loads_at_start(settings.server)
+
+
+def standby(model: LocalModel, settings: Settings) -> tuple[Vocabulary, Capabilities]:
+    """Blocking: what a model loaded on demand keeps while it is not loaded: its vocabulary (its
+    files downloaded or converted now, not on a first request) and what its engine will serve."""
+    if engine_for(model) == "mlx":
+        config = _mlx_config(model, settings)
+        from engines.mlx.engine import MlxEngine
+        from engines.mlx.vocabulary import MlxVocabulary
+
+        return MlxVocabulary(config.path), MlxEngine.capabilities(grammar_vocabulary=config.vocabulary is not None)
+    path = resolve(model, settings.server.data_dir, allow_download=True)
+    if model.engine == "onnx":
+        from engines.onnx.engine import OnnxEngine
+        from engines.onnx.vocabulary import OnnxVocabulary
+
+        return OnnxVocabulary(_onnx_config(model, settings, path).tokenizer), OnnxEngine.capabilities()
+    from engines.llamacpp.engine import LlamaCppEngine
+    from engines.llamacpp.vocabulary import LlamaVocabulary
+
+    return LlamaVocabulary.of_file(path), LlamaCppEngine.capabilities(embeddings=model.kind == "embedding")
 
 
 def _need_or_zero(model: ModelSettings, settings: Settings, budget: int | None) -> int:
@@ -206,14 +249,22 @@ def _check_pinned_fit(settings: Settings, model: ModelSettings, need: int, held:
 
 
 def memory_need(model: ModelSettings, settings: Settings) -> int:
-    """Estimated bytes of a local llama.cpp model loaded with its draft; a file's size when it cannot be estimated; 0 upstream."""
-    if not isinstance(model, LocalModel) or engine_for(model) == "mlx":
-        return 0  # an upstream holds nothing here; an MLX model is not estimated (yet)
-    from appliance.model_memory import ModelShapeError, estimate, model_estimate
+    """Estimated bytes of a local model loaded (with its draft); a file's size when it cannot be estimated; 0 upstream."""
+    if not isinstance(model, LocalModel):
+        return 0  # an upstream holds nothing here
+    from appliance.model_memory import ModelShapeError, estimate, mlx_estimate, model_estimate, onnx_memory
 
+    if engine_for(model) == "mlx":
+        folder, _ = _mlx_folder(model, settings)
+        need = mlx_estimate(folder, model.slots, model.context_length).total
+        if model.speculation_mode == "draft":
+            draft = settings.model(model.draft_model or "")
+            assert draft is not None  # checked when the config was parsed
+            need += mlx_estimate(_mlx_folder(draft, settings)[0], 1, model.context_length).total  # it drafts for one request at a time
+        return need
     path = resolve(model, settings.server.data_dir, allow_download=True)
     if model.engine == "onnx":
-        return path.stat().st_size
+        return onnx_memory(path.stat().st_size, model.batch_tokens, model.context_length).total
     try:
         need = model_estimate(model, path).total
         if model.speculation_mode == "draft":
@@ -234,7 +285,7 @@ class _Made:
     settings: ModelSettings
     need: int
     engine: Engine | None = None  # loaded in full
-    vocab: Any = None  # or only its vocabulary, for a model loaded on demand (a llama.cpp Model)
+    standby: tuple[Vocabulary, Capabilities] | None = None  # or only its vocabulary, for a model loaded on demand
 
     def serve(self, settings: Settings, manager: ModelManager, *, pinned: bool) -> LoadedModel:
         if self.engine is not None:
@@ -242,21 +293,22 @@ class _Made:
             return load_model(self.settings, settings, self.engine)
         from appliance.on_demand import OnDemandEngine
 
-        assert isinstance(self.settings, LocalModel)
-        return load_model(self.settings, settings, OnDemandEngine(self.settings, self.vocab, manager, self.need, pinned=pinned))
+        assert isinstance(self.settings, LocalModel) and self.standby is not None
+        return load_model(self.settings, settings, OnDemandEngine(self.settings, *self.standby, manager, self.need, pinned=pinned))
 
     def discard(self) -> None:
-        (self.engine or self.vocab).close()
+        if self.engine is not None:
+            self.engine.close()
+        elif self.standby is not None:
+            self.standby[0].close()
 
 
 def _make(model: ModelSettings, settings: Settings, need: int, *, on_demand: bool) -> _Made:
     """Blocking: the model's file resolved (downloaded when it must be) and its engine loaded, or,
     for one loaded on demand, only its vocabulary."""
     if on_demand:
-        from engines.llamacpp.runtime import Model
-
-        path = resolve(model, settings.server.data_dir, allow_download=True)  # downloads now, not on a first request
-        return _Made(model, need, vocab=Model(path, vocab_only=True))
+        assert isinstance(model, LocalModel)
+        return _Made(model, need, standby=standby(model, settings))
     return _Made(model, need, engine=build_engine(model, settings))
 
 
@@ -312,9 +364,9 @@ class Registry:
             for alias in (*change.added, *change.changed):
                 model = settings.model(alias)
                 assert model is not None
-                # A llama.cpp model, preloaded or not, goes through the manager: a preloaded one loads
-                # once the model it replaces has finished its requests, when the budget needs its room.
-                on_demand = isinstance(model, LocalModel) and engine_for(model) == "llamacpp"
+                # A local model, preloaded or not, goes through the manager: a preloaded one loads once
+                # the model it replaces has finished its requests, when the budget needs its room.
+                on_demand = isinstance(model, LocalModel)
                 pinned = not on_demand or model.loads_at_start(settings.server)
                 need = await asyncio.to_thread(_need_or_zero, model, settings, budget)
                 if pinned:
