@@ -379,8 +379,8 @@ async def test_models_screen_loads_unloads_adds_and_removes_models(tmp_path) -> 
             await settle(pilot, app, lambda: row("lazy")[3] == "no" and "lazy unloaded" in toasts(app))
             assert not resident("lazy")["loaded"]
 
-            # a model file on the server, served at once with the settings of "lazy"
-            await pilot.press("n", *keys(f"{package_file(MODEL_FILE)} added like lazy"), "enter")
+            # a model file on the server, served at once (preloaded: no `like`, and no memory budget)
+            await pilot.press("n", *keys(f"{package_file(MODEL_FILE)} added"), "enter")
             await settle(pilot, app, lambda: row("added") != ())
             assert "added" in served()
             reply = await server.async_client(timeout=120).chat.completions.create(
