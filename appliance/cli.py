@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from appliance import cli_eval, cli_fleet
-from appliance.cli_fleet import add_server_options, server_url, tell_server
+from appliance.cli_fleet import add_server_options, server_url, tell_server, write_and_apply
 from appliance.cli_support import config_in_use, data_dir, ledger_db, ledger_of, print_rows, settings_of, when
 from appliance.settings import ConfigError, find_config, load_settings
 
@@ -128,17 +128,14 @@ def _pull_hub_file(args: argparse.Namespace, repo: str, filename: str) -> int:
     from appliance.model_files import ModelFileError, download
 
     config = find_config(args.config)
-    try:
+
+    def write() -> str:
         alias = check_alias(args.register_alias or alias_for(Path(filename)))
-        settings = load_settings(config)
-        path, digest = download(repo, filename, settings.server.data_dir)
-        before = config.read_text()
+        path, digest = download(repo, filename, load_settings(config).server.data_dir)
         register(config, alias, path, digest)
-    except (ModelFileError, ModelAdminError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"{path}\nsha256 {digest}\nregistered as {alias!r} in {config}")
-    return tell_server(args, config, before)
+        return f"{path}\nsha256 {digest}\nregistered as {alias!r} in {config}"
+
+    return write_and_apply(args, config, write, (ModelFileError, ModelAdminError))
 
 
 def cmd_models_add(args: argparse.Namespace) -> int:
@@ -147,19 +144,16 @@ def cmd_models_add(args: argparse.Namespace) -> int:
 
     config = find_config(args.config)
     path = args.path.expanduser().resolve()
-    try:
+
+    def write() -> str:
         alias = check_alias(args.alias or alias_for(path))
         if not path.is_file():
             raise ModelAdminError(f"{path}: no such file")
-        kind = file_type(path)
-        digest = sha256(path)
-        before = config.read_text()
+        kind, digest = file_type(path), sha256(path)
         register(config, alias, path, digest)
-    except (ModelAdminError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"{path} ({kind})\nsha256 {digest}\nregistered as {alias!r} in {config}")
-    return tell_server(args, config, before)
+        return f"{path} ({kind})\nsha256 {digest}\nregistered as {alias!r} in {config}"
+
+    return write_and_apply(args, config, write, (ModelAdminError,))
 
 
 def cmd_models_quantize(args: argparse.Namespace) -> int:

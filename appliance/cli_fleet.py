@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,20 @@ def tell_server(args: argparse.Namespace, config: Path, before: str) -> int:
     return 1
 
 
+def write_and_apply(args: argparse.Namespace, config: Path, write: Callable[[], str],
+                    errors: tuple[type[Exception], ...] = ()) -> int:
+    """Runs `write` (a change through appliance.config_writer; it returns what to print), then asks
+    the running server to apply the file, putting the file back if the server refuses it."""
+    try:
+        before = config.read_text()
+        message = write()
+    except (ConfigError, OSError, *errors) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(message)
+    return tell_server(args, config, before)
+
+
 def _value(text: str) -> Any:
     """KEY=VALUE's value as TOML (4, 1.5, true, "10m", ["a"]), else as a string."""
     try:
@@ -75,14 +90,12 @@ def cmd_models_remove(args: argparse.Namespace) -> int:
     from appliance.config_writer import remove_table
 
     config = find_config(args.config)
-    try:
-        before = config.read_text()
+
+    def write() -> str:
         remove_table(config, "models", args.alias)
-    except (ConfigError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"removed {args.alias!r} from {config} (its file stays on disk)")
-    return tell_server(args, config, before)
+        return f"removed {args.alias!r} from {config} (its file stays on disk)"
+
+    return write_and_apply(args, config, write)
 
 
 def cmd_models_set(args: argparse.Namespace) -> int:
@@ -96,14 +109,12 @@ def cmd_models_set(args: argparse.Namespace) -> int:
             print(f"error: {pair!r}: give KEY=VALUE (KEY= removes the key)", file=sys.stderr)
             return 2
         values[key.strip()] = _value(text) if text else None
-    try:
-        before = config.read_text()
+
+    def write() -> str:
         update_table(config, "models", args.alias, values)
-    except (ConfigError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"set {', '.join(values)} of {args.alias!r} in {config}")
-    return tell_server(args, config, before)
+        return f"set {', '.join(values)} of {args.alias!r} in {config}"
+
+    return write_and_apply(args, config, write)
 
 
 def cmd_config_reload(args: argparse.Namespace) -> int:

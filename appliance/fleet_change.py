@@ -49,17 +49,24 @@ def fleet_change(old: Settings, new: Settings, read_at_start: Settings | None = 
         if draft is not None and old.model(draft) != new.model(draft):
             changed.add(alias)
     start = read_at_start or old
-    restart = tuple(f.name for f in fields(Settings) if f.name not in HOT_SECTIONS and getattr(start, f.name) != getattr(new, f.name))
+    restart = [f.name for f in fields(Settings) if f.name not in HOT_SECTIONS and getattr(start, f.name) != getattr(new, f.name)]
+    # The semantic cache holds its embedder model from start (its vectors are that model's).
+    embedder = old.cache.embedder if old.cache.enabled else None
+    if embedder in changed:
+        changed.discard(embedder)
+        restart.append(f"models.{embedder} (the cache's embedder)")
     return FleetChange(
         added=tuple(a for a in after if a not in before),
         removed=tuple(a for a in before if a not in after),
         changed=tuple(a for a in after if a in changed),
         routes_changed=old.routes != new.routes,
-        restart_sections=restart,
+        restart_sections=tuple(restart),
     )
 
 
-def running_settings(old: Settings, new: Settings) -> Settings:
+def running_settings(old: Settings, new: Settings, change: FleetChange) -> Settings:
     """The settings the server runs on after applying `new`: its models and routes, and the
-    sections read at start as they were."""
-    return replace(old, models=new.models, routes=new.routes, defaults=new.defaults)
+    sections read at start as they were (a model held from start, as it was)."""
+    held = {m.alias: m for m in old.models if f"models.{m.alias} (the cache's embedder)" in change.restart_sections}
+    models = tuple(held.get(m.alias, m) for m in new.models)
+    return replace(old, models=models, routes=new.routes, defaults=new.defaults)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import re
+import tomllib
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from appliance.config_writer import append_table
 from appliance.settings import NAME, NAME_RULE, ConfigError, load_settings
@@ -112,26 +114,30 @@ def check_alias(alias: str) -> str:
     return alias
 
 
+# What `like` never copies: what names the other model's file, and its LoRA adapters (made for that file).
+_NOT_COPIED = frozenset({"alias", "path", "package_file", "hf_repo", "hf_file", "sha256", "engine", "adapters", "tokenizer",
+                         "tokenizer_package_file"})
+
+
 def register(config: Path, alias: str, path: Path, sha256: str | None, *, like: str | None = None, engine: str | None = None) -> None:
     """Adds a [[models]] table for `path` (a GGUF with its sha256, or an MLX folder with
-    engine "mlx"); settings other than the source are copied from the model `like` (the source's
-    alias, when it came from this config)."""
+    engine "mlx"); the keys the operator wrote for the model `like` (the source's alias, when it
+    came from this config) are copied, but its source and adapters."""
     check_alias(alias)
     settings = load_settings(config)
     if settings.model(alias) is not None:
         raise ModelAdminError(f"{config}: models: there is already a model with alias {alias!r}; choose another with --alias")
-    values: dict[str, str | int | float] = {"alias": alias, "path": str(path)}
+    values: dict[str, Any] = {"alias": alias, "path": str(path)}
     if sha256 is not None:
         values["sha256"] = sha256
     if engine is not None:
         values["engine"] = engine
     if like is not None:
-        template = settings.model(like)
-        if template is None:
+        if settings.model(like) is None:
             raise ModelAdminError(f"{config}: models: there is no model with alias {like!r} to copy settings from")
-        values |= {"context_length": template.context_length, "slots": template.slots, "threads": template.threads,
-                   "tier": template.tier, "price_input_per_mtok": template.price_input_per_mtok,
-                   "price_output_per_mtok": template.price_output_per_mtok}
+        # Every key the operator wrote for that model, as written, but its source and its adapters.
+        written = next(t for t in tomllib.loads(config.read_text()).get("models", []) if t.get("alias") == like)
+        values |= {k: v for k, v in written.items() if k not in _NOT_COPIED and k not in values}
     try:
         append_table(config, "models", values)
     except ConfigError as exc:

@@ -36,7 +36,7 @@ async def apply_config(services: Services, edit: Callable[[Path], object] | None
             new = await asyncio.to_thread(load_settings, config)
             change = fleet_change(services.settings, new, services.read_at_start)
             if not change.empty:
-                running = running_settings(services.settings, new)
+                running = running_settings(services.settings, new, change)
                 await services.registry.apply(running, change)
                 services.settings = running
         except BaseException:

@@ -182,5 +182,18 @@ def test_fleet_change_names_what_changed_and_what_waits_for_a_restart() -> None:
     change = fleet_change(old, parsed(port=9000))
     assert change.removed == ("t",) and change.restart_sections == ("server",)
     assert fleet_change(old, parsed(draft + target, port=9000), read_at_start=parsed(draft + target, port=9000)).restart_sections == ()
-    running = running_settings(old, parsed(port=9000))
+    running = running_settings(old, parsed(port=9000), change)
     assert running.server.port == 8099 and [m.alias for m in running.models] == ["small"]
+
+
+def test_the_caches_embedder_model_changes_only_at_a_restart() -> None:
+    from appliance.fleet_change import fleet_change, running_settings
+
+    def parsed(slots: int) -> Any:
+        return parse_settings(CONFIG + f'\n[[models]]\nalias = "emb"\npath = "/m/e.gguf"\nkind = "embedding"\nslots = {slots}\n'
+                                       '\n[cache]\nenabled = true\nembedder = "emb"\n')
+
+    old, new = parsed(1), parsed(2)
+    change = fleet_change(old, new)
+    assert change.changed == () and change.restart_sections == ("models.emb (the cache's embedder)",)
+    assert running_settings(old, new, change).model("emb").slots == 1  # type: ignore[union-attr]

@@ -284,6 +284,31 @@ def test_config_cannot_be_written_into(hostile: dict[str, Any]) -> None:
     assert config.read_bytes() == before
 
 
+def test_the_fleet_cannot_be_changed_by_a_caller_or_through_a_crafted_edit(hostile: dict[str, Any]) -> None:
+    """The routes that change models.toml while the server runs: a non-admin key gets 403 on each;
+    an admin's crafted bodies (keys that would add tables, injected text, deep nesting, other types)
+    are 400s naming the problem, and the file and the fleet stay as they were."""
+    server, admin, mallory = hostile["server"], hostile["admin"], hostile["mallory"]
+    config = server.home.parent / "models.toml"
+    before = config.read_bytes()
+    for method, route, body in (("POST", "/admin/models", {"path": "x.gguf"}), ("PATCH", f"/admin/models/{CHAT_MODEL}", {"slots": 1}),
+                                ("DELETE", f"/admin/models/{CHAT_MODEL}", None), ("POST", "/admin/config/reload", None),
+                                ("POST", f"/admin/models/{CHAT_MODEL}/load", None), ("POST", f"/admin/models/{CHAT_MODEL}/unload", None)):
+        assert_refused(call(server, mallory, route, body, method=method), (403,))
+    deep: Any = 1
+    for _ in range(200):
+        deep = {"a": deep}
+    edits = [{'tier"\n[server]\nport': 1}, {"server": {"port": 1}}, {"[server]": 1}, {"slots": "4\nport = 1"}, {"slots": True},
+             {"slots": 1e999}, {"context_length": -1}, {"adapters": deep}, {"path": 'x.gguf"\nprice_input_per_mtok = 0'}, {}]
+    for edit in edits:
+        assert_refused(call(server, admin, f"/admin/models/{CHAT_MODEL}", edit, method="PATCH"), (400,))
+    assert_refused(call(server, admin, f"/admin/models/{CHAT_MODEL}", raw=b"[1, 2]", method="PATCH"), (400,))
+    assert_refused(call(server, admin, "/admin/models/no-such-model", {"slots": 1}, method="PATCH"), (404,))
+    assert_refused(call(server, admin, "/admin/models", {"path": "x.gguf", "alias": 'a"\n[server]'}), (400, 403))
+    assert config.read_bytes() == before
+    assert call(server, admin, "/v1/chat/completions", chat()).status_code == 200
+
+
 def test_slow_and_disconnecting_clients(hostile: dict[str, Any]) -> None:
     server, key = hostile["server"], hostile["admin"]
     host, port = server.base_url.removeprefix("http://").split(":")

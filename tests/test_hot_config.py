@@ -209,3 +209,45 @@ def test_a_removed_model_finishes_its_stream_then_goes(server: Server) -> None:
     while any(m["alias"] == "by-hand" for m in admin(server, "GET", "/admin/models/loaded").json()["models"]):
         assert time.monotonic() < deadline, "the removed model was never unloaded"
         time.sleep(0.1)
+
+
+def test_under_a_memory_budget_a_replaced_model_makes_room_before_its_successor_loads(tmp_path: Path) -> None:
+    """A budget that holds one model: the model is edited while it streams; the next request waits
+    for the old one to finish and unload, and memory never goes over the budget."""
+    budget_mib = 350  # one SmolLM2 at 2 slots x 512 tokens is estimated at about 227 MiB
+    config = f'[server]\nmemory_budget = "{budget_mib}MiB"\n\n[auth]\nmode = "open"\n\n[auth.open_principal]\nadmin = true\n\n' \
+             '[cache]\nenabled = false\n' + _model("swapped", 'keep_alive = "10m"\n')
+    srv = start_server(tmp_path, config)
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(admin(srv, "GET", "/admin/models/loaded").json()["loaded_bytes"])
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    try:
+        ask(srv, "swapped")
+        watcher.start()
+        stream = srv.client(timeout=120).chat.completions.create(
+            model="swapped", messages=[{"role": "user", "content": "Count to fifty."}], max_tokens=200, temperature=0.0,
+            stream=True, logit_bias={"0": -100, "2": -100})  # no end of turn: it runs for a while
+        chunks = iter(stream)
+        assert next(chunks).choices
+        assert admin(srv, "PATCH", "/admin/models/swapped", json={"slots": 1}).json()["change"]["changed"] == ["swapped"]
+        answered: dict[str, Any] = {}
+        asker = threading.Thread(target=lambda: answered.update(text=ask(srv, "swapped"), at=time.monotonic()))
+        asker.start()
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        stream_done = time.monotonic()
+        asker.join(timeout=120)
+        assert finish == ["length"] and answered["at"] >= stream_done - 0.05  # the successor waited for the old one
+        rows = admin(srv, "GET", "/admin/models/loaded").json()["models"]
+        assert [(m["alias"], m["slots_total"], m["retired"]) for m in rows] == [("swapped", 1, False)]
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()
+        stop_server(srv)
+    assert seen and max(seen) <= budget_mib * 2**20

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from textual.widgets import DataTable, Footer, Input, Static, TabbedContent, Tree
 from textual.widgets._footer import FooterKey
+from textual.widgets._toast import Toast
 
 from tests.conftest import CHAT_MODEL, Server, config_text, free_port, start_server, stop_server
 from tui import views
@@ -139,11 +140,66 @@ def test_views_are_plain_functions() -> None:
     assert rows == [("t", "chat m", "acme", "m", "miss", "5 ms", "ok")]
     models = {"models": [{"alias": "m", "slots": [{"slot": 0, "state": "decode", "tokens": 300}, {"slot": 1, "state": "idle", "tokens": 100},
                                                   {"slot": 2, "state": "waiting", "tokens": 0}], "kv_used_tokens": 400, "kv_capacity_tokens": 1000}]}
-    assert views.slot_lines(models) == ["m                        slots D·W              KV 40% of 1000 tokens"]
+    assert views.slot_lines(models) == ["m  slots D·W  KV 40% of 1000 tokens"]
     upstream = {"models": [{"alias": "big", "upstreams": [{"name": "gpu1:8000", "breaker": "closed", "healthy": True, "outstanding": 2},
                                                           {"name": "gpu2:8000", "breaker": "half_open", "healthy": False, "outstanding": 0}]}]}
-    assert views.slot_lines(upstream) == ["big                      upstream gpu1:8000 closed 2 in flight; gpu2:8000 half-open unhealthy 0 in flight"]
+    assert views.slot_lines(upstream) == ["big  upstream gpu1:8000 closed 2 in flight; gpu2:8000 half-open unhealthy 0 in flight"]
     assert views.progress_bar(0.5, 10) == "█████░░░░░" and views.progress_bar(None, 4) == "····"
+
+
+def _resident(alias: str, **values: object) -> dict[str, object]:
+    """A row of GET /admin/models/loaded: a model loaded on demand, idle, by default."""
+    return {"alias": alias, "engine": "llamacpp", "kind": "chat", "retired": False, "loaded": True, "loading": False, "preload": False,
+            "memory_bytes": 238216448, "slots_total": 2, "slots_busy": 0, "queue_depth": 0, "waiting_for_load": 0, "idle_s": 75.4,
+            "keep_alive_s": 600.0, "unloads_in_s": 524.6, "loaded_for_s": 80.0, "loads": 1, **values}
+
+
+def test_the_models_table_is_what_appliance_ps_shows() -> None:
+    """GET /admin/models and GET /admin/models/loaded merged by alias: residency, memory, slots
+    (requests waiting for a load count as queued), idle time and when each model unloads."""
+    configured = {"models": [{"alias": a, "engine": e, "kind": k, "slots_busy": 0, "slots_total": 2, "queue_depth": 0}
+                             for a, e, k in [("big", "llamacpp", "chat"), ("lazy", "llamacpp", "chat"), ("cold", "llamacpp", "embedding"),
+                                             ("busy", "llamacpp", "chat"), ("new", "openai", "chat")]]}
+    loaded = {"memory_budget_bytes": 4 << 30, "loaded_bytes": 3 * 238216448, "models": [
+        _resident("big", preload=True, keep_alive_s=300.0, unloads_in_s=None, idle_s=4000.0),
+        _resident("lazy"),
+        _resident("cold", kind="embedding", loaded=False, loading=True, idle_s=None, unloads_in_s=None, waiting_for_load=3),
+        _resident("busy", slots_busy=2, queue_depth=1, idle_s=None, unloads_in_s=None, keep_alive_s=None),
+        _resident("lazy", retired=True, slots_busy=1, idle_s=None, unloads_in_s=None, memory_bytes=None),
+    ]}
+    rows = views.fleet_rows(configured, loaded)
+    assert [(r.alias, r.retired) for r in rows] == [("big", False), ("lazy", False), ("cold", False), ("busy", False), ("new", False),
+                                                    ("lazy", True)]
+    assert [r.cells for r in rows] == [
+        ("big", "llamacpp", "chat", "yes", "227", "0/2", "0", "1h06m", "never"),
+        ("lazy", "llamacpp", "chat", "yes", "227", "0/2", "0", "1m15s", "8m45s"),
+        ("cold", "llamacpp", "embedding", "loading", "227", "0/2", "3", "–", "–"),
+        ("busy", "llamacpp", "chat", "yes", "227", "2/2", "1", "–", "never"),  # keep_alive -1: never unloaded
+        ("new", "openai", "chat", "–", "–", "0/2", "0", "–", "–"),  # added between the two answers
+        ("lazy", "llamacpp", "chat", "retiring", "–", "1/2", "0", "–", "when idle"),
+    ]
+    assert views.unloads_in(_resident("m", idle_s=None, unloads_in_s=None)) == "when idle"  # serving: its keep_alive starts after
+    assert views.unloads_in(_resident("m", loaded=False, idle_s=None, unloads_in_s=None)) == "–"
+    assert views.memory_line(loaded) == "memory in use: 682 MiB of a 4096 MiB budget"
+    assert views.memory_line({"memory_budget_bytes": None, "loaded_bytes": 0, "models": []}) == "memory in use: 0 MiB (no budget)"
+    assert [views.duration(s) for s in (None, 0.4, 59.6, 61, 3599, 7260)] == ["–", "0s", "1m00s", "1m01s", "59m59s", "2h01m"]
+    models = {"models": [{"alias": "lazy", "slots": []}, {"alias": "m", "slots": [{"state": "idle"}], "kv_used_tokens": 0,
+                                                          "kv_capacity_tokens": 512, "prefix": {"prompt_tokens": 200, "reused_in_slot": 150},
+                                                          "speculation_stats": {"drafted": 40, "accepted": 30}}]}
+    assert views.slot_lines(models, {"models": [_resident("lazy", loaded=False), _resident("m")]}) == [
+        "lazy  not loaded", "m     slots ·  KV 0% of 512 tokens  prefix hit 75%  drafts accepted 75%"]
+
+
+@pytest.mark.parametrize(("typed", "parsed"), [
+    ("/models/a.gguf", ("/models/a.gguf", None, None)),
+    ("/models/a.gguf mine", ("/models/a.gguf", "mine", None)),
+    ("/models/a.gguf like base", ("/models/a.gguf", None, "base")),
+    ("/models/a.gguf mine like base", ("/models/a.gguf", "mine", "base")),
+    ("'/my models/a.gguf' mine", ("/my models/a.gguf", "mine", None)),  # quotes keep a path with spaces whole
+    ("", None), ("/models/a.gguf mine base", None), ("/models/a.gguf like", ("/models/a.gguf", "like", None)), ("'/unclosed", None),
+])
+def test_an_added_models_words(typed: str, parsed: tuple[str, str | None, str | None] | None) -> None:
+    assert views.add_model_args(typed) == parsed
 
 
 def test_the_tui_in_tmux_as_a_person_would(served: Server) -> None:
@@ -253,6 +309,100 @@ async def test_models_screen_pulls_a_model_from_the_hub(tmp_path, monkeypatch) -
     assert added.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
+def _on_demand_config() -> str:
+    """One model loaded on its first request and unloaded 10 minutes after its last, and the
+    bundled model's folder, from which the operator may add model files."""
+    from appliance.model_files import package_file
+    from tests.conftest import MODEL_FILE
+
+    return f"""
+[server]
+model_dirs = ["{package_file(MODEL_FILE).parent}"]
+
+[auth]
+mode = "open"
+
+[auth.open_principal]
+admin = true
+
+[cache]
+enabled = false
+
+[[models]]
+alias = "lazy"
+package_file = "{MODEL_FILE}"
+context_length = 512
+slots = 2
+threads = 2
+preload = false
+keep_alive = "10m"
+"""
+
+
+def toasts(app: ApplianceTUI) -> str:
+    return "\n".join(str(t.render()) for t in app.screen.query(Toast))
+
+
+async def test_models_screen_loads_unloads_adds_and_removes_models(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`l` and `o` load and unload the selected model and its row says so; `n` adds a model file
+    on the server, which answers at once; `x` removes one once its alias is typed, and the API
+    stops serving it. No restart anywhere: each change is checked through the API."""
+    from appliance.model_files import package_file
+    from tests.conftest import MODEL_FILE
+
+    server = start_server(tmp_path / "on-demand", _on_demand_config())
+
+    def resident(alias: str) -> dict:  # type: ignore[type-arg]
+        rows = httpx.get(f"{server.base_url}/admin/models/loaded", timeout=10).json()["models"]
+        return next(m for m in rows if m["alias"] == alias and not m["retired"])
+
+    def served() -> set[str]:
+        return {m["id"] for m in httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"]}
+
+    try:
+        app = ApplianceTUI(server.base_url, None, interval_s=0.3)
+        async with app.run_test(size=(80, 24), notifications=True) as pilot:  # the toasts say what each key did
+            table = app.query_one("#model-table", DataTable)
+
+            def row(alias: str) -> tuple[str, ...]:
+                return next((r.cells for r in app.fleet if r.alias == alias and not r.retired), ())
+
+            await pilot.press("6")
+            await settle(pilot, app, lambda: row("lazy")[3:5] == ("no", "227"))
+            assert app.focused is table and "lazy  not loaded" in text_of(app, "#slots")
+            assert text_of(app, "#memory") == "memory in use: 0 MiB (no budget)"
+            await pilot.press("l")
+            await settle(pilot, app, lambda: row("lazy")[3] == "yes")
+            assert resident("lazy")["loaded"] and row("lazy")[-1].startswith(("9m", "10m"))  # keep_alive 10m, counting down
+            await settle(pilot, app, lambda: text_of(app, "#memory") == "memory in use: 227 MiB (no budget)")
+            await pilot.press("o")
+            await settle(pilot, app, lambda: row("lazy")[3] == "no" and "lazy unloaded" in toasts(app))
+            assert not resident("lazy")["loaded"]
+
+            # a model file on the server, served at once (preloaded: no `like`, and no memory budget)
+            await pilot.press("n", *keys(f"{package_file(MODEL_FILE)} added"), "enter")
+            await settle(pilot, app, lambda: row("added") != ())
+            assert "added" in served()
+            reply = await server.async_client(timeout=120).chat.completions.create(
+                model="added", messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0.0)
+            assert reply.choices[0].finish_reason in ("stop", "length") and reply.model == "added"
+            await settle(pilot, app, lambda: row("added")[3] == "yes")
+
+            await pilot.press(*["down"] * [r.alias for r in app.fleet].index("added"))
+            await pilot.press("o")  # added models are preloaded: the server keeps them, and says why
+            await settle(pilot, app, lambda: "preload" in toasts(app))
+            assert resident("added")["loaded"]
+            await pilot.press("x", *keys("lazy"), "enter")  # the wrong alias typed: nothing is removed
+            await settle(pilot, app, lambda: "added was not removed" in toasts(app))
+            assert "added" in served()
+            await pilot.press("x", *keys("added"), "enter")
+            await settle(pilot, app, lambda: "added" not in served())
+            await settle(pilot, app, lambda: row("added") == ())
+            assert served() == {"lazy"}
+    finally:
+        stop_server(server)
+
+
 async def test_library_logs_never_reach_the_terminal(served: Server) -> None:
     """The CLI's basicConfig puts a stream handler on the root logger and httpx logs every poll at
     INFO: while the TUI runs nothing may write behind Textual's back, and the handlers come back after."""
@@ -280,7 +430,7 @@ async def test_each_screen_gives_its_table_the_keys(served: Server) -> None:
     """Enter opens a trace as soon as the traces screen shows, without Tab first."""
     app = ApplianceTUI(served.base_url, None, interval_s=0.5)
     async with app.run_test(size=(80, 24)) as pilot:
-        for digit, focused in [("2", "#budget-tree"), ("3", "#cache-buckets"), ("5", "#key-table"), ("6", "#adapter-table"), ("4", "#trace-table")]:
+        for digit, focused in [("2", "#budget-tree"), ("3", "#cache-buckets"), ("5", "#key-table"), ("6", "#model-table"), ("4", "#trace-table")]:
             await pilot.press(digit)
             await pilot.pause()
             assert app.focused is app.query_one(focused), digit
@@ -308,14 +458,14 @@ async def test_screen_keys_work_whatever_has_focus(served: Server) -> None:
         assert prompt.value == "12" and app.tab == tabs.active == "cache"
         await pilot.press("escape", "6")
         await pilot.pause(0.2)
-        assert app.tab == tabs.active == "models" and app.focused is app.query_one("#adapter-table")
+        assert app.tab == tabs.active == "models" and app.focused is app.query_one("#model-table")
 
 
 async def test_the_footer_lists_the_screens_own_keys(served: Server) -> None:
     app = ApplianceTUI(served.base_url, None, interval_s=0.5)
     expected = {
         "1": [], "2": ["Edit budget"], "3": ["Search", "Invalidate", "Verify", "Reject"], "4": ["Status filter", "Text filter"],
-        "5": ["New key", "Revoke"], "6": ["Load adapter", "Unload", "Quantize", "Pull"],
+        "5": ["New key", "Revoke"], "6": ["Load", "Unload", "Add model", "Remove model"],
     }
     async with app.run_test(size=(80, 24)) as pilot:
         for digit, own in expected.items():

@@ -4,7 +4,8 @@ change, and look at every SVG before accepting it).
 
 The server is the real one with the bundled model; what differs from one run to the next is pinned
 by PinnedClient before the TUI sees it, and nothing else: the port in the status line, trace and
-key ids, a key's secret, span timings, and the bucket each first token fell in."""
+key ids, a key's secret, span timings, the bucket each first token fell in, and how long each model
+has been loaded and idle."""
 
 from __future__ import annotations
 
@@ -73,6 +74,14 @@ class PinnedClient(AdminClient):
         for n, span in enumerate(spans):
             span["start_ns"], span["duration_ms"] = start + n * 1_000_000, float(len(_walk([span])))
         return tree
+
+    async def loaded_models(self) -> dict[str, Any]:
+        listed = await super().loaded_models()
+        for m in listed["models"]:
+            for key, seconds in (("idle_s", 42.0), ("loaded_for_s", 60.0), ("unloads_in_s", 258.0)):
+                if m[key] is not None:
+                    m[key] = seconds
+        return listed
 
     async def keys(self) -> dict[str, Any]:
         listed = await super().keys()

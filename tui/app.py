@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -30,13 +31,17 @@ PROMPTS = {
     "adapter": "load adapter: MODEL NAME PATH [SCALE]",
     "quantize": "quantize: SOURCE TYPE [requantize]   (SOURCE an alias or a path on the server, TYPE e.g. Q4_K_M)",
     "pull": "pull from the hub: REPO FILE.gguf",
+    "add_model": "add a model file on the server: PATH [ALIAS] [like MODEL]",
+    "remove": "remove {alias} from models.toml (its file stays): type {alias} to confirm",
 }
 
 # The screen each action belongs to: the footer lists, and the keys run, only the current screen's.
-ASKED_ON = {"key": "keys", "budget": "budgets", "search": "cache", "traces": "traces", "adapter": "models", "quantize": "models", "pull": "models"}
-ACTION_ON = {"unload": "models", "revoke": "keys", "invalidate": "cache", "mark": "cache", "cycle_filter": "traces"}
+ASKED_ON = {"key": "keys", "budget": "budgets", "search": "cache", "traces": "traces",
+            "adapter": "models", "quantize": "models", "pull": "models", "add_model": "models", "remove": "models"}
+ACTION_ON = {"unload": "models", "load_model": "models", "unload_model": "models", "remove_model": "models",
+             "revoke": "keys", "invalidate": "cache", "mark": "cache", "cycle_filter": "traces"}
 # What takes the keys when a screen is shown, so Enter and the arrows act on it at once.
-FOCUS_ON = {"budgets": "#budget-tree", "cache": "#cache-buckets", "traces": "#trace-table", "keys": "#key-table", "models": "#adapter-table"}
+FOCUS_ON = {"budgets": "#budget-tree", "cache": "#cache-buckets", "traces": "#trace-table", "keys": "#key-table", "models": "#model-table"}
 QUIET_LOGGERS = ("httpx", "httpcore")
 
 
@@ -52,17 +57,23 @@ class ApplianceTUI(App[None]):
         Binding("4", "show('traces')", "Traces", show=False, priority=True),
         Binding("5", "show('keys')", "Keys", show=False, priority=True),
         Binding("6", "show('models')", "Models", show=False, priority=True),
-        Binding("a", "ask('adapter')", "Load adapter"),
-        Binding("u", "unload", "Unload"),
-        Binding("z", "ask('quantize')", "Quantize"),
-        Binding("p", "ask('pull')", "Pull"),
+        # The Models screen: its footer has room for the model keys; the adapter and job keys are
+        # named above their own sections. A key bound twice acts on the screen its check_action allows.
+        Binding("l", "load_model", "Load"),
+        Binding("o", "unload_model", "Unload"),
+        Binding("a", "ask('adapter')", "Load adapter", show=False),
+        Binding("u", "unload", "Unload adapter", show=False),
+        Binding("z", "ask('quantize')", "Quantize", show=False),
+        Binding("p", "ask('pull')", "Pull", show=False),
         Binding("n", "ask('key')", "New key"),
+        Binding("n", "ask('add_model')", "Add model"),
         Binding("d", "revoke", "Revoke"),
         Binding("e", "ask('budget')", "Edit budget"),
         Binding("slash", "ask('search')", "Search"),
         Binding("i", "invalidate", "Invalidate"),
         Binding("v", "mark('verified')", "Verify"),
         Binding("x", "mark('rejected')", "Reject"),
+        Binding("x", "remove_model", "Remove model"),
         Binding("f", "cycle_filter", "Status filter"),
         Binding("t", "ask('traces')", "Text filter"),
         Binding("r", "refresh", "Refresh"),
@@ -81,6 +92,8 @@ class ApplianceTUI(App[None]):
         self.trace_filter = "all"
         self.trace_text = ""
         self.entries: list[dict[str, Any]] = []
+        self.fleet: list[views.FleetRow] = []  # the models table's rows, to act on the one under the cursor
+        self.removing: str | None = None  # the model `x` asked to remove, until its alias is typed
         self.connected = False
         self._logging: tuple[list[logging.Handler], dict[str, int]] | None = None
 
@@ -103,7 +116,9 @@ class ApplianceTUI(App[None]):
                 yield DataTable(id="key-table", cursor_type="row")
             with TabPane("6 Models", id="models"):
                 yield DataTable(id="model-table", cursor_type="row")
+                yield Static(id="memory")
                 yield Static(id="slots")
+                yield Static("adapters (a load, u unload the selected one)", id="adapters-title")
                 yield DataTable(id="adapter-table", cursor_type="row")
                 yield Static(id="jobs")
         yield Input(id="prompt", classes="hidden", disabled=True)  # disabled while hidden: never takes focus or keys
@@ -115,7 +130,7 @@ class ApplianceTUI(App[None]):
         self.query_one("#cache-entries", DataTable).add_columns("id", "state", "hits", "question")
         self.query_one("#trace-table", DataTable).add_columns("trace", "call", "tenant", "model", "cache", "time", "status")
         self.query_one("#key-table", DataTable).add_columns("id", "tenant", "app", "user", "role", "admin", "state")
-        self.query_one("#model-table", DataTable).add_columns("model", "engine", "kind", "slots", "queue", "prefix hit", "speculation", "accepted", "adapters")
+        self.query_one("#model-table", DataTable).add_columns(*views.MODEL_COLUMNS)
         self.query_one("#adapter-table", DataTable).add_columns("model", "adapter", "scale", "requests", "path")
         self.poll()
         self.set_interval(self.interval_s, self.poll)
@@ -149,7 +164,7 @@ class ApplianceTUI(App[None]):
             elif active == "keys":
                 self._render_keys(await self.client.keys())
             elif active == "models":
-                self._render_models(await self.client.models(), await self.client.jobs())
+                self._render_models(await self.client.models(), await self.client.loaded_models(), await self.client.jobs())
         except httpx.HTTPError:
             self._connected(False)
         except AdminError as exc:
@@ -214,9 +229,11 @@ class ApplianceTUI(App[None]):
     def _render_keys(self, keys: dict[str, Any]) -> None:
         _fill(self.query_one("#key-table", DataTable), views.key_rows(keys))
 
-    def _render_models(self, models: dict[str, Any], jobs: dict[str, Any]) -> None:
-        _fill(self.query_one("#model-table", DataTable), views.model_rows(models))
-        self.query_one("#slots", Static).update("\n".join(views.slot_lines(models)))
+    def _render_models(self, models: dict[str, Any], loaded: dict[str, Any], jobs: dict[str, Any]) -> None:
+        self.fleet = views.fleet_rows(models, loaded)
+        _fill(self.query_one("#model-table", DataTable), [row.cells for row in self.fleet])
+        self.query_one("#memory", Static).update(views.memory_line(loaded))
+        self.query_one("#slots", Static).update("\n".join(views.slot_lines(models, loaded)))
         _fill(self.query_one("#adapter-table", DataTable), views.adapter_rows(models))
         lines = views.job_lines(jobs, 24)
         self.query_one("#jobs", Static).update("\n".join(["jobs (z quantize, p pull)", *lines]) if lines else "no jobs (z quantize, p pull)")
@@ -259,7 +276,7 @@ class ApplianceTUI(App[None]):
     def action_ask(self, what: str) -> None:
         prompt = self.query_one("#prompt", Input)
         self.asking = what
-        prompt.placeholder = PROMPTS[what]
+        prompt.placeholder = PROMPTS[what].format(alias=self.removing)
         prompt.value = ""
         prompt.disabled = False
         prompt.remove_class("hidden")
@@ -269,7 +286,7 @@ class ApplianceTUI(App[None]):
         prompt = self.query_one("#prompt", Input)
         prompt.add_class("hidden")
         prompt.disabled = True
-        self.asking = None
+        self.asking = self.removing = None
         self._focus_tab()
 
     def action_cycle_filter(self) -> None:
@@ -279,7 +296,7 @@ class ApplianceTUI(App[None]):
 
     @on(Input.Submitted, "#prompt")
     async def submitted(self, event: Input.Submitted) -> None:
-        what, words = self.asking, event.value.split()
+        what, words, removing = self.asking, event.value.split(), self.removing
         self.action_cancel_prompt()
         try:
             if what == "key" and len(words) == 4:
@@ -312,6 +329,14 @@ class ApplianceTUI(App[None]):
                 job = await self.client.pull(words[0], words[1])
                 self.notify(f"pull job {job['job']['id']} started")
                 self.action_show("models")
+            elif what == "add_model" and (added := views.add_model_args(event.value)) is not None:
+                self.notify(f"adding {added[0]}…")
+                self._change(lambda: self.client.add_model(*added), lambda done: f"{done['alias']} added to models.toml, served now")
+            elif what == "remove" and removing is not None:
+                if event.value.strip() != removing:
+                    self.notify(f"{removing} was not removed: type its alias to confirm", severity="warning")
+                else:
+                    self._change(lambda: self.client.remove_model(removing), lambda _: f"{removing} removed (its file stays)")
             else:
                 self.notify(f"expected: {PROMPTS.get(what or '', '')}", severity="warning")
         except (AdminError, ValueError) as exc:
@@ -345,6 +370,42 @@ class ApplianceTUI(App[None]):
             self.notify(f"{alias}: adapter {name} unloaded")
         except AdminError as exc:
             self.notify(exc.message, severity="error")
+        self.poll()
+
+    def _selected_model(self) -> views.FleetRow | None:
+        if (selected := self._selected("models", "#model-table")) is None or selected[0] >= len(self.fleet):
+            return None
+        row = self.fleet[selected[0]]
+        if row.retired:
+            self.notify(f"that is an old version of {row.alias} ending its requests: choose the model's row", severity="warning")
+            return None
+        return row
+
+    def action_load_model(self) -> None:
+        if (row := self._selected_model()) is not None:
+            self.notify(f"loading {row.alias}…")
+            self._change(lambda: self.client.load_model(row.alias), lambda done: f"{row.alias} loaded")
+
+    def action_unload_model(self) -> None:
+        if (row := self._selected_model()) is not None:
+            self._change(lambda: self.client.unload_model(row.alias),
+                         lambda done: f"{row.alias} " + ("unloads when its requests end" if done["when_idle"] else "unloaded"))
+
+    def action_remove_model(self) -> None:
+        if (row := self._selected_model()) is not None:
+            self.removing = row.alias
+            self.action_ask("remove")
+
+    @work(group="fleet")
+    async def _change(self, call: Callable[[], Awaitable[dict[str, Any]]], said: Callable[[dict[str, Any]], str]) -> None:
+        """A change to the fleet, off the key handler: a load can take as long as the weights take
+        to read, and the screen keeps polling meanwhile (the table shows it loading)."""
+        try:
+            self.notify(said(await call()))
+        except AdminError as exc:
+            self.notify(exc.message, severity="error")
+        except httpx.HTTPError as exc:
+            self.notify(f"no answer from {self.client.base_url}: {exc}", severity="error")
         self.poll()
 
     async def action_invalidate(self) -> None:

@@ -7,6 +7,10 @@ from typing import Any
 
 import httpx
 
+# A load waits for the weights (and for room under the memory budget), an add hashes the file: far
+# longer than a poll may take.
+FLEET_TIMEOUT_S = 600.0
+
 
 class AdminClient:
     def __init__(self, base_url: str, key: str | None, timeout: float = 10.0) -> None:
@@ -70,6 +74,22 @@ class AdminClient:
 
     async def jobs(self) -> dict[str, Any]:
         return await self._json("GET", "/admin/jobs")
+
+    async def loaded_models(self) -> dict[str, Any]:
+        return await self._json("GET", "/admin/models/loaded")
+
+    async def load_model(self, alias: str) -> dict[str, Any]:
+        return await self._json("POST", f"/admin/models/{alias}/load", timeout=FLEET_TIMEOUT_S)
+
+    async def unload_model(self, alias: str) -> dict[str, Any]:
+        return await self._json("POST", f"/admin/models/{alias}/unload")
+
+    async def add_model(self, path: str, alias: str | None = None, like: str | None = None) -> dict[str, Any]:
+        body = {"path": path, **({"alias": alias} if alias else {}), **({"like": like} if like else {})}
+        return await self._json("POST", "/admin/models", json=body, timeout=FLEET_TIMEOUT_S)
+
+    async def remove_model(self, alias: str) -> dict[str, Any]:
+        return await self._json("DELETE", f"/admin/models/{alias}", timeout=FLEET_TIMEOUT_S)
 
     async def load_adapter(self, alias: str, name: str, path: str, scale: float = 1.0) -> dict[str, Any]:
         return await self._json("PUT", f"/admin/models/{alias}/adapters/{name}", json={"path": path, "scale": scale})

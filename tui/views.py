@@ -4,6 +4,7 @@ are tested with plain values."""
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,17 +240,97 @@ def sparkline(values: list[float], width: int = 30) -> str:
     return "".join(bars[min(len(bars) - 1, int(v / top * (len(bars) - 1)))] for v in values)
 
 
-def model_rows(models: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
-    for m in models["models"]:
-        prefix = m.get("prefix") or {}
-        reused = sum(prefix.get(k, 0) for k in ("reused_in_slot", "reused_by_copy", "reused_from_host"))
-        hit = f"{reused / prefix['prompt_tokens']:.0%}" if prefix.get("prompt_tokens") else "–"
-        spec = m.get("speculation_stats") or {}
-        acceptance = f"{spec['accepted'] / spec['drafted']:.0%}" if spec.get("drafted") else "–"
-        rows.append((m["alias"], m["engine"], m["kind"], f"{m['slots_busy']}/{m['slots_total']}", str(m["queue_depth"]),
-                     hit, m["speculation"], acceptance, str(len(m["adapters"]))))
+# The models table: what `appliance ps` prints, with the engine and kind from GET /admin/models.
+MODEL_COLUMNS = ("model", "engine", "kind", "loaded", "MiB", "slots", "queue", "idle", "unloads in")
+
+
+@dataclass(frozen=True)
+class FleetRow:
+    """A row of the models table: a configured model, or an old version of one (replaced or
+    removed) finishing its requests, which the keys do not act on."""
+
+    alias: str
+    retired: bool
+    cells: tuple[str, ...]
+
+
+def mib(n: int | None) -> str:
+    return "–" if not n else f"{n / 2**20:.0f}"
+
+
+def duration(s: float | None) -> str:
+    """Seconds as the fewest characters that still read well: 45s, 9m05s, 2h10m."""
+    if s is None:
+        return "–"
+    s = max(0, round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def residency(m: dict[str, Any]) -> str:
+    if m["retired"]:
+        return "retiring"  # the old version of a replaced or removed model, ending its requests
+    return "loading" if m["loading"] else "yes" if m["loaded"] else "no"
+
+
+def unloads_in(m: dict[str, Any]) -> str:
+    """When a loaded model unloads: never (preloaded, or keep_alive -1), after its keep_alive
+    once idle, or when its running requests end."""
+    if m["retired"]:
+        return "when idle"
+    if not m["loaded"]:
+        return "–"
+    if m["preload"] or m["keep_alive_s"] is None:
+        return "never"
+    return "when idle" if m["unloads_in_s"] is None else duration(m["unloads_in_s"])
+
+
+def fleet_rows(models: dict[str, Any], loaded: dict[str, Any]) -> list[FleetRow]:
+    """GET /admin/models (engine, kind) and GET /admin/models/loaded (residency, memory, slots,
+    queue: the rows `appliance ps` prints) merged by alias, in the server's order; old versions
+    finishing their requests last. The two answers are not one snapshot: a model in one only
+    shows what that one knows until the next poll."""
+    configured = {m["alias"]: m for m in models["models"]}
+    resident = {m["alias"]: m for m in loaded["models"] if not m["retired"]}
+    rows = [_fleet_row(configured.get(alias) or resident[alias], resident.get(alias))
+            for alias in [*configured, *(a for a in resident if a not in configured)]]
+    rows.extend(_fleet_row(r, r) for r in loaded["models"] if r["retired"])
     return rows
+
+
+def _fleet_row(m: dict[str, Any], r: dict[str, Any] | None) -> FleetRow:
+    """`m` gives the engine and kind; `r`, its row in /admin/models/loaded, the rest as `appliance ps` shows it."""
+    if r is None:
+        slots = f"{m['slots_busy']}/{m['slots_total']}"
+        return FleetRow(m["alias"], False, (m["alias"], m["engine"], m["kind"], "–", "–", slots, str(m["queue_depth"]), "–", "–"))
+    queued = r["queue_depth"] + r["waiting_for_load"]  # requests waiting for the model to load are queued too
+    slots = f"{r['slots_busy']}/{r['slots_total']}"
+    return FleetRow(r["alias"], r["retired"], (r["alias"], m["engine"], m["kind"], residency(r), mib(r["memory_bytes"]), slots, str(queued),
+                                               duration(r["idle_s"]), unloads_in(r)))
+
+
+def memory_line(loaded: dict[str, Any]) -> str:
+    """The memory the loaded models take against the budget that unloads idle ones to make room."""
+    used, budget = loaded["loaded_bytes"], loaded["memory_budget_bytes"]
+    return f"memory in use: {used / 2**20:.0f} MiB" + (f" of a {budget / 2**20:.0f} MiB budget" if budget else " (no budget)")
+
+
+def add_model_args(text: str) -> tuple[str, str | None, str | None] | None:
+    """`PATH [ALIAS] [like MODEL]` as (path, alias, like); None when it is not that shape. Quotes
+    keep a path with spaces in one piece."""
+    try:
+        words = shlex.split(text)
+    except ValueError:
+        return None
+    like = None
+    if len(words) >= 3 and words[-2] == "like":
+        words, like = words[:-2], words[-1]
+    if len(words) not in (1, 2):
+        return None
+    return words[0], words[1] if len(words) == 2 else None, like
 
 
 def adapter_rows(models: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -279,19 +360,37 @@ def job_lines(jobs: dict[str, Any], width: int = 20) -> list[str]:
 _SLOT_MARKS = {"idle": "·", "prefill": "P", "decode": "D", "waiting": "W"}
 
 
-def slot_lines(models: dict[str, Any]) -> list[str]:
+def slot_lines(models: dict[str, Any], loaded: dict[str, Any] | None = None) -> list[str]:
     """One line per model: each slot's state (· idle, P prefill, D decode, W waiting for another
-    slot's prefix) and how full the KV cache is."""
+    slot's prefix), how full the KV cache is, the prompt tokens the prefix cache served and the
+    drafted tokens accepted; "not loaded" for a model loaded on demand that is not (`loaded`:
+    GET /admin/models/loaded). Columns as wide as this fleet needs, to stay inside 80."""
+    absent = {m["alias"] for m in (loaded or {}).get("models", []) if not m["retired"] and not m["loaded"]}
+    width = max((len(m["alias"]) for m in models["models"]), default=0)
+    marks_width = max((len(m.get("slots", [])) for m in models["models"]), default=0)
     lines = []
     for m in models["models"]:
-        if m.get("upstreams"):
+        if m["alias"] in absent:
+            lines.append(f"{m['alias']:<{width}}  not loaded")
+        elif m.get("upstreams"):
             # A model on other servers: each upstream's breaker, health and requests in flight.
             parts = [f"{u['name']} {u['breaker'].replace('_', '-')}{'' if u['healthy'] else ' unhealthy'} {u['outstanding']} in flight"
                      for u in m["upstreams"]]
-            lines.append(f"{m['alias']:<24} upstream {'; '.join(parts)}")
-            continue
-        marks = "".join(_SLOT_MARKS.get(s["state"], "?") for s in m.get("slots", []))
-        capacity = m.get("kv_capacity_tokens") or 0
-        used = f"{m.get('kv_used_tokens', 0) / capacity:.0%}" if capacity else "–"
-        lines.append(f"{m['alias']:<24} slots {marks:<16} KV {used} of {capacity} tokens")
+            lines.append(f"{m['alias']:<{width}}  upstream {'; '.join(parts)}")
+        else:
+            marks = "".join(_SLOT_MARKS.get(s["state"], "?") for s in m.get("slots", []))
+            capacity = m.get("kv_capacity_tokens") or 0
+            used = f"{m.get('kv_used_tokens', 0) / capacity:.0%}" if capacity else "–"
+            lines.append(f"{m['alias']:<{width}}  slots {marks:<{marks_width}}  KV {used} of {capacity} tokens{_reuse(m)}")
     return lines
+
+
+def _reuse(m: dict[str, Any]) -> str:
+    """What the prefix cache and speculation saved, once there is something to count."""
+    prefix, spec, said = m.get("prefix") or {}, m.get("speculation_stats") or {}, ""
+    if prefix.get("prompt_tokens"):
+        reused = sum(prefix.get(k, 0) for k in ("reused_in_slot", "reused_by_copy", "reused_from_host"))
+        said += f"  prefix hit {reused / prefix['prompt_tokens']:.0%}"
+    if spec.get("drafted"):
+        said += f"  drafts accepted {spec['accepted'] / spec['drafted']:.0%}"
+    return said

@@ -31,7 +31,7 @@ log = logging.getLogger("appliance.api")
 class AddBody(msgspec.Struct, forbid_unknown_fields=True):
     path: str  # a GGUF file on the server, inside the data directory or [server] model_dirs
     alias: str | None = None
-    like: str | None = None  # a configured model whose settings (slots, context, tier, prices) it takes
+    like: str | None = None  # a configured model whose keys it takes (all but its file and adapters)
     sha256: str | None = None  # checked when given; computed otherwise
 
 
