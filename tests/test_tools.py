@@ -257,7 +257,7 @@ def test_tool_results_and_legacy_functions_are_accepted(origin: Server, client: 
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert "tool_calls" not in response.json()["choices"][0]["message"]  # "none": tools not offered, output not read for calls
-    legacy = _post(origin, {"messages": ASK, "functions": [CALCULATOR["function"]], "function_call": {"name": "calculator"}, "max_tokens": 60})
+    legacy = _post(origin, {"messages": ASK, "functions": [CALCULATOR["function"]], "function_call": {"name": "calculator"}, "max_tokens": 200})
     assert legacy.status_code == 200, legacy.text
     assert legacy.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "calculator"
     old_turns = [ASK[0], {"role": "assistant", "content": None, "function_call": {"name": "calculator", "arguments": '{"expression": "12*7"}'}},
