@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+from engines.vocabulary import Vocabulary
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -232,7 +234,7 @@ class AdapterInfo:
 
 
 @runtime_checkable
-class Engine(Protocol):
+class Engine(Vocabulary, Protocol):  # the vocabulary's calls (engines/vocabulary.py), and these
     """Capabilities are attributes; the methods are few."""
 
     name: str
@@ -247,21 +249,6 @@ class Engine(Protocol):
     @property
     def context_length(self) -> int: ...
 
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
-
-    def detokenize(self, tokens: list[int]) -> str: ...
-
-    def vocab_size(self) -> int: ...
-
-    def add_bos(self) -> bool: ...
-
-    def chat_template(self) -> str | None: ...
-
-    def special_tokens(self) -> dict[str, str]: ...
-
-    def control_tokens(self) -> dict[str, int]:
-        """The text and id of each control token: only a chat template may write them."""
-        ...
 
     def generate(self, request: GenerationRequest) -> EventStream:
         """Validates and queues at once (raising EngineError subclasses); the stream yields events,
