@@ -102,6 +102,8 @@ class _EngineCollector:
         host_entries = GaugeMetricFamily("appliance_prefix_host_entries", "Sequences held in host RAM", labels=["model"])
         host_saves = CounterMetricFamily("appliance_prefix_host_saves", "Evicted sequences saved to host RAM", labels=["model"])
         host_evictions = CounterMetricFamily("appliance_prefix_host_evictions", "Host-RAM sequences dropped to stay under the limit", labels=["model"])
+        swapped = CounterMetricFamily("appliance_kv_swapped_requests", "Requests set aside in host RAM because the shared KV pool "
+                                      "(kv_tokens) ran out", labels=["model"])
         drafted = CounterMetricFamily("appliance_speculation_drafted_tokens", "Drafted tokens sent for verification", labels=["model"])
         accepted = CounterMetricFamily("appliance_speculation_accepted_tokens", "Drafted tokens the target model agreed with", labels=["model"])
         acceptance = GaugeMetricFamily("appliance_speculation_acceptance_rate", "Accepted / drafted tokens since the model loaded", labels=["model"])
@@ -145,5 +147,6 @@ class _EngineCollector:
             host_entries.add_metric([alias], p.host_entries)
             host_saves.add_metric([alias], p.host_saves)
             host_evictions.add_metric([alias], p.host_evictions)
-        yield from (busy, total, queue, kv_usage, prompt, reused, ratio, host_bytes, host_entries, host_saves, host_evictions, drafted, accepted, acceptance,
+            swapped.add_metric([alias], p.swapped_out)
+        yield from (busy, total, queue, kv_usage, prompt, reused, ratio, host_bytes, host_entries, host_saves, host_evictions, swapped, drafted, accepted, acceptance,
                     up_state, up_healthy, up_outstanding, up_requests, up_failures, up_retries, up_refused)

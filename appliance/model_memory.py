@@ -120,10 +120,12 @@ def read_shape(model_file: Path) -> ModelShape:
 
 
 def estimate(model_file: Path, slots: int, context_length: int, kv_type: str = "q8_0", *, kv_type_v: str | None = None,
-             batch_tokens: int = 512, flash_attn: bool = True, kv_unified: bool = False, repack: bool = False) -> MemoryEstimate:
+             batch_tokens: int = 512, flash_attn: bool = True, kv_unified: bool = False, repack: bool = False,
+             kv_tokens: int = 0) -> MemoryEstimate:
     """Bytes the model takes when the engine serves `slots` x `context_length` tokens (`repack`:
-    loaded with extra buffers, as batch_invariant = false loads it)."""
-    context = ContextShape(slots, context_length, kv_type, kv_type_v, batch_tokens, flash_attn, kv_unified, repack)
+    loaded with extra buffers, as batch_invariant = false loads it; `kv_tokens`: a unified cache's
+    shared pool, when smaller than that)."""
+    context = ContextShape(slots, context_length, kv_type, kv_type_v, batch_tokens, flash_attn, kv_unified, repack, kv_tokens)
     return estimate_memory(read_shape(model_file), context)
 
 
@@ -133,7 +135,8 @@ def model_estimate(model: ModelSettings, model_file: Path) -> MemoryEstimate:
 
     kv_unified, flash_attn = context_layout(model.batch_invariant, model.kv_cache_type)
     return estimate(model_file, model.slots, model.context_length, model.kv_cache_type, kv_type_v=model.kv_cache_type_v,
-                    batch_tokens=model.batch_tokens, flash_attn=flash_attn, kv_unified=kv_unified, repack=not model.batch_invariant)
+                    batch_tokens=model.batch_tokens, flash_attn=flash_attn, kv_unified=kv_unified, repack=not model.batch_invariant,
+                    kv_tokens=model.kv_tokens or 0)
 
 
 def gpu_plan(model: ModelSettings, model_file: Path, gpus: tuple[Device, ...]) -> GpuPlan:

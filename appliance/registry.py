@@ -78,6 +78,7 @@ def build_engine(model: ModelSettings, settings: Settings) -> Engine:
             batch_invariant=model.batch_invariant,
             kv_type=model.kv_cache_type,
             kv_type_v=model.kv_cache_type_v,
+            kv_tokens=model.kv_tokens or 0,
             embeddings=model.kind == "embedding",
             pooling=model.pooling,
             prefix_cache=model.prefix_cache,

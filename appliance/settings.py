@@ -156,10 +156,16 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
     chat_template: Annotated[str | None, Meta(description="a Jinja chat template, inline or a file next to this one; default: the model's own",
                                               extra={"load": _template_text, "form": "a template, or a file name"})] = None
     tier: Annotated[Tier, Meta(description="its place in a route's escalation")] = "small"
-    batch_invariant: Annotated[bool, Meta(description="identical greedy output whatever shares the batch; costs some speed")] = True
-    kv_cache_type: Annotated[KvType, Meta(description="the KV cache's type: K's and V's, unless kv_cache_type_k or _v say otherwise")] = "q8_0"
-    kv_cache_type_k: Annotated[KvType, Meta(description="K's type", extra={"default_from": "kv_cache_type"})] = "q8_0"
-    kv_cache_type_v: Annotated[KvType, Meta(description="V's type", extra={"default_from": "kv_cache_type"})] = "q8_0"
+    batch_invariant: Annotated[bool, Meta(description="identical greedy output whatever shares the batch or the prefix cache; "
+                                                      "prefill runs at about half speed (docs/performance.md)")] = False
+    kv_cache_type: Annotated[KvType, Meta(description="the KV cache's type: K's and V's, unless kv_cache_type_k or _v say otherwise")] = "f16"
+    kv_cache_type_k: Annotated[KvType, Meta(description="K's type", extra={"default_from": "kv_cache_type"})] = "f16"
+    kv_cache_type_v: Annotated[KvType, Meta(description="V's type", extra={"default_from": "kv_cache_type"})] = "f16"
+    # None: slots x context_length, every slot able to fill its context at once.
+    kv_tokens: Annotated[int, Meta(ge=64, description="KV cells all slots share (batch_invariant = false); a request may still "
+                                                            "fill context_length. Fewer than slots x context_length: when they run "
+                                                            "out, the newest request waits in host RAM",
+                                          extra={"default_doc": "slots x context_length"})] | None = None
     prefix_cache: Annotated[bool, Meta(description="reuse the KV of earlier prompts' prefixes across requests and slots")] = True
     prefix_cache_host_mb: Annotated[int, Meta(ge=0, le=1 << 20, description="host RAM for prefixes evicted from the KV cache; 0: none")] = 256
     speculation: Annotated[SpeculationMode, Meta(description="speculative decoding; \"auto\" is \"draft\" when draft_model is set, else \"off\"")] = "auto"
@@ -444,6 +450,12 @@ def _local_model(table: dict[str, Any], key: str, where: Where) -> LocalModel:
         raise where.fail(f"{key}.batch_tokens", f"expected an integer at least {m.slots}, got {m.batch_tokens}")
     # llama.cpp reads a quantized V only inside flash attention, and the invariant layout runs flash
     # attention only with a quantized cache (docs/architecture.md#batch-invariance).
+    if m.kv_tokens is not None:
+        if m.batch_invariant:
+            raise where.fail(f"{key}.kv_tokens", "needs batch_invariant = false: an invariant model keeps one KV stream per slot")
+        if not m.context_length <= m.kv_tokens <= m.slots * m.context_length:
+            raise where.fail(f"{key}.kv_tokens", f"expected an integer from context_length ({m.context_length}) to slots x "
+                                                 f"context_length ({m.slots * m.context_length}), got {m.kv_tokens}")
     k, v = m.kv_cache_type_k, m.kv_cache_type_v
     if m.batch_invariant and (k in UNQUANTIZED_KV) != (v in UNQUANTIZED_KV):
         raise where.fail(f"{key}.kv_cache_type_v", f"with batch_invariant = true, K and V must both be quantized or both unquantized (got {k} and {v})")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -31,20 +30,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import (  # noqa: E402  (a sibling script, not a package)
-    ALIAS, PACKAGE_FILE, VENV_BIN, Server, build_llama_server, cache_root, code_state, free_port, log, machine, model_file,
+    ALIAS, PACKAGE_FILE, VENV_BIN, Server, build_llama_server, cache_root, code_state, free_port, log, long_prompt, machine,
+    model_file,
 )
-
-WORDS = ("river mountain engine library garden window theory market signal harbor planet lantern copper meadow "
-         "circuit festival glacier orbit canvas ledger compass thunder velvet quarry saddle beacon mosaic harvest "
-         "falcon prism tunnel orchard anchor summit blossom cipher voyage ember granite meadowlark tidewater").split()
-
-
-def long_prompt(tokens: int, seed: int) -> str:
-    """About `tokens` tokens of text no other request has sent (a seeded shuffle of words)."""
-    rng = random.Random(seed)
-    words = [rng.choice(WORDS) for _ in range(int(tokens * 0.95))]
-    return f"Request {seed}. Summarise the following notes in one word.\n" + " ".join(words)
-
 
 def ours(name: str, tmp: Path, logs: Path, model: Path | None, slots: int, context: int, threads: int, extra: str,
          env: dict[str, str]) -> Server:

@@ -36,6 +36,7 @@ import importlib.resources
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -97,7 +98,24 @@ TOPICS = [
 ]
 
 
-def prompt(i: int) -> str:
+WORDS = ("river mountain engine library garden window theory market signal harbor planet lantern copper meadow "
+         "circuit festival glacier orbit canvas ledger compass thunder velvet quarry saddle beacon mosaic harvest "
+         "falcon prism tunnel orchard anchor summit blossom cipher voyage ember granite meadowlark tidewater").split()
+
+
+def long_prompt(tokens: int, seed: int) -> str:
+    """About `tokens` tokens of text no other request has sent (a seeded shuffle of words)."""
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(int(tokens * 0.95))]
+    return f"Request {seed}. Summarise the following notes in one word.\n" + " ".join(words)
+
+
+def prompt(i: int, tokens: int = 0) -> str:
+    """Request i's prompt: a short essay request, or with `tokens` notes of about that length and
+    then the same request (new text every time, so no prefix cache can serve it)."""
+    if tokens:
+        return long_prompt(tokens, seed=i).replace("Summarise the following notes in one word.", "Notes follow.") + \
+            "\n\n" + prompt(i)
     topic = TOPICS[i % len(TOPICS)]
     return (f"Write a long, detailed essay about {topic}. Cover the background, the main events or "
             f"ideas, the important people or parts involved, and why it matters today. "
@@ -377,10 +395,10 @@ class Result:
         return self.usage_tokens if self.usage_tokens is not None else self.chunk_tokens
 
 
-async def one_request(client: httpx.AsyncClient, server: Server, i: int, max_tokens: int) -> Result:
+async def one_request(client: httpx.AsyncClient, server: Server, i: int, max_tokens: int, prompt_tokens: int = 0) -> Result:
     body = {
         "model": server.model,
-        "messages": [{"role": "user", "content": prompt(i)}],
+        "messages": [{"role": "user", "content": prompt(i, prompt_tokens)}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -465,7 +483,7 @@ async def disturbance(server_pid: int) -> float:
 
 
 async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, first_prompt: int,
-                   watch: bool = False, stagger_s: float = 0.0) -> dict[str, Any]:
+                   watch: bool = False, stagger_s: float = 0.0, prompt_tokens: int = 0) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
     timeout = httpx.Timeout(connect=10.0, read=900.0, write=30.0, pool=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -474,7 +492,7 @@ async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, f
             out = []
             await asyncio.sleep(c * stagger_s)  # staggered arrivals stay out of phase for every round
             for r in range(rounds):
-                out.append(await one_request(client, server, first_prompt + r * clients + c, max_tokens))
+                out.append(await one_request(client, server, first_prompt + r * clients + c, max_tokens, prompt_tokens))
             return out
 
         assert server.proc is not None

@@ -290,6 +290,7 @@ class PrefixStats:
     host_evictions: int = 0
     host_bytes: int = 0
     host_entries: int = 0
+    swapped_out: int = 0  # requests set aside in host RAM because a shared KV pool ran out
 
     @property
     def reused(self) -> int:

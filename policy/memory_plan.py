@@ -82,6 +82,7 @@ class ContextShape:
     flash_attn: bool = True
     kv_unified: bool = False  # one KV stream shared by all slots (attention spans all cells)
     repack: bool = False  # the model is loaded with extra buffers (batch_invariant = false)
+    kv_tokens: int = 0  # with kv_unified: the cells all slots share; 0: slots x context_length
 
     def __post_init__(self) -> None:
         for name in (self.kv_type, self.kv_type_v or self.kv_type):
@@ -147,10 +148,17 @@ def _clamp(gpu_layers: int, most: int) -> int:
     return min(gpu_layers, most)
 
 
-def kv_cells(slots: int, context_length: int) -> int:
-    """KV cells llama.cpp allocates: each slot's context rounded up to KV_CELL_PAD."""
+def kv_cells(slots: int, context_length: int, shared: int = 0) -> int:
+    """KV cells llama.cpp allocates: each slot's context rounded up to KV_CELL_PAD, or the `shared`
+    pool of a unified cache, rounded the same way."""
+    if shared:
+        return -(-shared // KV_CELL_PAD) * KV_CELL_PAD
     per_slot = -(-context_length // KV_CELL_PAD) * KV_CELL_PAD
     return slots * per_slot
+
+
+def context_cells(context: ContextShape) -> int:
+    return kv_cells(context.slots, context.context_length, context.kv_tokens if context.kv_unified else 0)
 
 
 def kv_row_bytes(width: int, kv_type: str) -> int:
@@ -161,7 +169,7 @@ def kv_row_bytes(width: int, kv_type: str) -> int:
 
 def kv_bytes(shape: ModelShape, context: ContextShape) -> tuple[int, ...]:
     """Each layer's KV cache bytes."""
-    cells = kv_cells(context.slots, context.context_length)
+    cells = context_cells(context)
     v_type = context.kv_type_v or context.kv_type
     return tuple(cells * (kv_row_bytes(k, context.kv_type) + kv_row_bytes(v, v_type)) for k, v in zip(shape.k_width, shape.v_width))
 
@@ -170,7 +178,7 @@ def compute_bytes(shape: ModelShape, context: ContextShape) -> int:
     """The allowance for llama.cpp's graph and output buffers (an upper bound: llama.cpp's CPU
     buffers were 89-98% of it on the bundled and Qwen models; docs/performance.md)."""
     tokens = context.batch_tokens
-    cells = kv_cells(context.slots, context.context_length)
+    cells = context_cells(context)
     attended = cells if context.kv_unified else cells // context.slots  # what one token attends over
     logits = shape.n_vocab * tokens * 4
     scores = 0 if context.flash_attn else shape.n_head * attended * tokens * 4

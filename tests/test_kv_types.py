@@ -46,7 +46,7 @@ def test_kv_types_generate_and_stay_invariant(k: str, v: str, invariant: bool) -
 
 def test_kv_type_combinations_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"models\[0\]\.kv_cache_type_v: with batch_invariant = true"):
-        parse_settings(config_text(embeddings=False, model_extra='kv_cache_type_k = "f16"\nkv_cache_type_v = "q4_0"'), "m.toml", tmp_path)
+        parse_settings(config_text(embeddings=False, model_extra='batch_invariant = true\nkv_cache_type_k = "f16"\nkv_cache_type_v = "q4_0"'), "m.toml", tmp_path)
     with pytest.raises(ConfigError, match=r"models\[0\]\.kv_cache_type_k"):
         parse_settings(config_text(embeddings=False, model_extra='kv_cache_type_k = "q3_k"'), "m.toml", tmp_path)
     ok = parse_settings(config_text(embeddings=False, model_extra='batch_invariant = false\nkv_cache_type_k = "f16"\nkv_cache_type_v = "q4_0"'), "m.toml", tmp_path)

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from appliance.settings import ConfigError, parse_settings
-from tests.conftest import CHAT_MODEL, Server, config_text, start_server, stop_server
+from tests.conftest import CHAT_MODEL, INVARIANT, Server, config_text, start_server, stop_server
 
 LAYERS, EMBED, KV = 30, 576, 192  # SmolLM2-135M: 30 layers, 576 wide, 3 KV heads of 64
 QUESTION = "Name three colours of the rainbow."
@@ -48,7 +48,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, adapters: dict[str, Path]) -> Iterator[Server]:
     extra = "".join(f'\n[[models.adapters]]\nname = "{n}"\npath = "{adapters[n]}"\n' for n in ("warm", "cold"))
-    srv = start_server(tmp_path_factory.mktemp("lora-server"), config_text(slots=8, embeddings=False, model_extra=extra))
+    srv = start_server(tmp_path_factory.mktemp("lora-server"), config_text(slots=8, embeddings=False, model_extra=INVARIANT + extra))
     yield srv
     stop_server(srv)
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from appliance.settings import ConfigError, parse_settings
-from tests.conftest import CHAT_MODEL, Server, config_text, start_server, stop_server
+from tests.conftest import CHAT_MODEL, INVARIANT, Server, config_text, start_server, stop_server
 
 SYSTEM = "You are the help desk of a bicycle shop. Answer briefly and politely, and never invent prices. " * 30
 QUESTIONS = ["How do I fix a flat tyre?", "What is a derailleur?", "Should I oil my chain?"]
@@ -22,8 +22,8 @@ OTHERS = [f"Story {i}: " + "The llama walked over the hill to see the alpaca who
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
-    on = start_server(tmp_path_factory.mktemp("prefix-on"), config_text(slots=2, embeddings=False))
-    off = start_server(tmp_path_factory.mktemp("prefix-off"), config_text(slots=2, embeddings=False, model_extra="prefix_cache = false"))
+    on = start_server(tmp_path_factory.mktemp("prefix-on"), config_text(slots=2, embeddings=False, model_extra=INVARIANT))
+    off = start_server(tmp_path_factory.mktemp("prefix-off"), config_text(slots=2, embeddings=False, model_extra=INVARIANT + "prefix_cache = false"))
     yield on, off
     stop_server(on)
     stop_server(off)
@@ -101,7 +101,7 @@ def test_prefix_cache_settings_are_checked() -> None:
 
 def test_host_ram_keeps_the_most_recently_used_prefixes_under_its_limit(tmp_path: Path) -> None:
     # One slot, and room in host RAM for one saved prompt (~8 MB each here), not two.
-    server = start_server(tmp_path / "lru", config_text(slots=1, embeddings=False, model_extra="prefix_cache_host_mb = 12"))
+    server = start_server(tmp_path / "lru", config_text(slots=1, embeddings=False, model_extra=INVARIANT + "prefix_cache_host_mb = 12"))
     try:
         first = asyncio.run(ask(server, SYSTEM, QUESTIONS[0]))  # A in the slot
         story = asyncio.run(ask(server, OTHERS[0], "Go on."))  # B in the slot; A saved

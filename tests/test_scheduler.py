@@ -29,15 +29,28 @@ def test_a_long_prompt_never_blocks_decodes():
     assert sum(i.count for i in plan) == 8
 
 
-def test_one_prompt_a_step_finishes_prompts_one_after_another():
-    slots = tuple(SlotView(s, s, 70, 0, False) for s in range(4)) + (SlotView(9, 0, 10, 10, True),)
+def test_long_prompts_finish_one_after_another():
+    slots = tuple(SlotView(s, s, 700, 0, False) for s in range(4)) + (SlotView(9, 0, 10, 10, True),)
     serial = plan_batch(slots, token_budget=512, max_prefills=1)
-    assert [(i.slot, i.count, i.wants_logits) for i in serial] == [(9, 1, True), (0, 70, True)]
-    together = plan_batch(slots, token_budget=512, max_prefills=0)
+    assert [(i.slot, i.count, i.wants_logits) for i in serial] == [(9, 1, True), (0, 511, False)]
+    # the oldest finishes, and the rest of the budget starts the next one
+    then = plan_batch((SlotView(0, 0, 700, 511, False), *slots[1:]), token_budget=512, max_prefills=1)
+    assert [(i.slot, i.count, i.wants_logits) for i in then] == [(9, 1, True), (0, 189, True), (1, 322, False)]
+    together = plan_batch(slots, token_budget=4096, max_prefills=0)
     assert [i.slot for i in together if not i.is_decode] == [0, 1, 2, 3]
     # A prompt longer than the budget still takes the whole budget, alone.
     long = plan_batch((SlotView(0, 0, 5000, 100, False), SlotView(1, 1, 10, 0, False)), token_budget=512, max_prefills=1)
     assert [(i.slot, i.start, i.count) for i in long] == [(0, 100, 512)]
+
+
+def test_short_prompts_that_fit_share_one_step():
+    # eight 20-token prompts arriving together all get their first token after one step
+    burst = tuple(SlotView(s, s, 20, 0, False) for s in range(8))
+    plan = plan_batch(burst, token_budget=512, max_prefills=1)
+    assert [(i.slot, i.count, i.wants_logits) for i in plan] == [(s, 20, True) for s in range(8)]
+    # behind a long prompt that leaves budget, a short one that fits still joins; a long one does not
+    mixed = (SlotView(0, 0, 400, 0, False), SlotView(1, 1, 300, 0, False), SlotView(2, 2, 50, 0, False))
+    assert [(i.slot, i.count) for i in plan_batch(mixed, token_budget=512, max_prefills=1)] == [(0, 400), (2, 50), (1, 62)]
 
 
 slot_views = st.builds(
@@ -50,7 +63,7 @@ slot_views = st.builds(
 def test_plan_respects_budget_and_covers_every_decode(slots, budget, max_prefills):
     plan = plan_batch(tuple(slots), budget, max_prefills)
     if max_prefills:
-        assert sum(not i.is_decode for i in plan) <= max_prefills
+        assert sum(not i.is_decode and not i.wants_logits for i in plan) <= max_prefills
     decoding = {s.slot for s in slots if s.generating}
     assert {i.slot for i in plan if i.is_decode} == decoding
     prefill_tokens = sum(i.count for i in plan if not i.is_decode)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from appliance.model_files import package_file
 from engines.speculation import Acceptance, NgramLookup, StepCost, draft_length, expected_tokens
-from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
+from tests.conftest import CHAT_MODEL, INVARIANT, MODEL_FILE, Server, config_text, start_server, stop_server
 from tests.gguf_files import rewrite_gguf
 
 # ---- pure ---------------------------------------------------------------------------------------
@@ -128,9 +128,9 @@ PROMPTS = [EDIT, "Write a short poem about a lighthouse.", "List the planets of 
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     draft = f'\n[[models]]\nalias = "draft"\nkind = "draft"\npackage_file = "{MODEL_FILE}"\n'
     configs = {
-        "plain": config_text(slots=4, embeddings=False, model_extra='speculation = "off"'),
-        "lookup": config_text(slots=4, embeddings=False, model_extra='speculation = "prompt_lookup"\nspeculation_fixed_tokens = 4'),
-        "draft": config_text(slots=4, embeddings=False, model_extra='draft_model = "draft"\nspeculation_fixed_tokens = 3') + draft,
+        "plain": config_text(slots=4, embeddings=False, model_extra=INVARIANT + 'speculation = "off"'),
+        "lookup": config_text(slots=4, embeddings=False, model_extra=INVARIANT + 'speculation = "prompt_lookup"\nspeculation_fixed_tokens = 4'),
+        "draft": config_text(slots=4, embeddings=False, model_extra=INVARIANT + 'draft_model = "draft"\nspeculation_fixed_tokens = 3') + draft,
     }
     started: dict[str, Server] = {}
     try:

@@ -119,7 +119,7 @@ class DraftModelDrafter:
         self.model = Model(path)
         try:
             check_same_vocabulary(target, self.model)
-            self.ctx = Context(self.model, ContextShape(slots, context_length, batch_tokens, threads, kv_unified=True, flash_attn=True, kv_type="q8_0"))
+            self.ctx = Context(self.model, ContextShape(slots, context_length, batch_tokens, threads, kv_unified=True, flash_attn=True, kv_type="f16"))
         except Exception:
             self.model.close()
             raise

@@ -24,7 +24,7 @@ from engines.base import Capabilities, EngineError, EngineEvent, FinishReason, G
 from engines.core import AdapterKey, Job, LocalEngine
 from engines.embedding import check_lengths, pack, resolve_pooling
 from engines.llamacpp.drafting import Drafter, DraftModelDrafter, DraftState, PromptLookupDrafter, measure_step_cost
-from engines.llamacpp.runtime import Adapter, Context, ContextShape, Model, Sampler
+from engines.llamacpp.runtime import Adapter, Context, ContextShape, KvFull, Model, Sampler
 from engines.llamacpp.vocabulary import LlamaVocabulary
 from engines.logprobs import log_softmax
 from engines.scheduler import Admission, BatchItem, SlotView, Source, plan_admission, plan_batch
@@ -44,9 +44,10 @@ class LlamaCppConfig:
     batch_tokens: int
     threads: int
     max_queue: int
-    prefills_per_step: int = 1  # prompts one step advances (0: as many as the token budget holds)
-    batch_invariant: bool = True
-    kv_type: str = "q8_0"  # K; V too unless kv_type_v says otherwise
+    prefills_per_step: int = 1  # prompts a step may leave unfinished (0: as many as the token budget holds)
+    batch_invariant: bool = False
+    kv_type: str = "f16"  # K; V too unless kv_type_v says otherwise
+    kv_tokens: int = 0  # KV cells the slots share (unified layout only); 0: slots x context_length
     embeddings: bool = False
     pooling: str = "auto"  # with embeddings: mean, cls, last, or auto (what the file declares)
     kv_type_v: str | None = None
@@ -95,6 +96,9 @@ class _SlotJob(Job):
         # then samples, so the acceptance estimate stays current at no cost: (draft, matched).
         self.shadow: tuple[tuple[int, ...], int] | None = None
         self.steps_without_drafts = 0
+        # The sequence's KV, saved to host RAM while a shared KV pool has no room for it; the
+        # slot stays the job's, so it resumes where it stopped.
+        self.swapped: bytes | None = None
 
     def view(self, drafted: int = 0) -> SlotView:
         return SlotView(self.slot, self.admitted_seq, len(self.request.prompt_tokens), self.n_past, self.pending_token is not None, drafted)
@@ -128,6 +132,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
                 kv_type_v=config.kv_type_v,
                 embeddings=config.embeddings,
                 pooling=self.pooling or "mean",
+                kv_tokens=config.kv_tokens if kv_unified and not config.embeddings else 0,
             )
             self.ctx = Context(self.model, shape)
         except Exception:
@@ -138,6 +143,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         self._acceptance = Acceptance()  # across requests: a new request's starting estimate
         self._drafter: Drafter | None = None
         self._step_cost = StepCost(())
+        self._room_freed = False  # a job ended since the last swap-out: swapped jobs may fit again
         try:
             self._install_adapters(config.adapters)
             self._start_speculation()
@@ -246,7 +252,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         return self._drafter is not None
 
     def _kv_capacity_tokens(self) -> int:
-        return self.config.slots * self.context_length
+        return self.ctx.shape.kv_tokens or self.config.slots * self.context_length
 
     def _slot_states(self) -> tuple[tuple[str, int], ...]:
         """Read from other threads: a snapshot that may be a step old, never torn."""
@@ -257,6 +263,8 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
             if job is None:
                 holder = ("slot", slot)
                 out.append(("idle", len(self._index.tokens(holder)) if holder in self._index else 0))
+            elif job.swapped is not None:
+                out.append(("waiting", 0))  # its KV is in host RAM
             elif job.parked is not None:
                 out.append(("waiting", job.n_past))
             else:
@@ -270,6 +278,8 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         # before then (llama.cpp copies whole streams when the step begins).
         copying_from: set[int] = set()
         self._unpark(copying_from)
+        if not self._swap_in():
+            return  # the oldest requests resume first; new ones would take their room
         while waiting and len(self._active) < self.config.slots:
             job = waiting[0]
             assert isinstance(job, _SlotJob)
@@ -357,7 +367,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
             if job.slot in copying_from:
                 continue  # another slot copies this one's stream at the next decode
             source, source_job = job.parked  # type: ignore[misc]
-            if self._active.get(source.holder[1]) is source_job:
+            if self._active.get(source.holder[1]) is source_job and source_job.swapped is None:
                 if source_job.n_past >= source.length:
                     self._follow(job, Admission(job.slot, job.n_past, Source(source.holder, source.length, source.length)), copying_from)
                 continue
@@ -391,8 +401,68 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
             return
         self._host.put(key, tokens, data, len(data), protect)
 
+    # ---- a shared KV pool that runs out -------------------------------------------------------
+
+    def _make_room(self) -> None:
+        """The batch found no room in the KV pool: idle slots give up the prefixes they hold (to
+        host RAM where worth it); failing that, the newest request moves its KV to host RAM and
+        waits, keeping its slot, until a request ends. The step is then planned again."""
+        idle = [s for s in range(self.config.slots) if s not in self._active and ("slot", s) in self._index]
+        if idle:
+            for slot in idle:
+                self._evict(slot, 0)
+            return
+        held = [j for j in self._active.values() if j.swapped is None]
+        if len(held) <= 1:
+            # kv_tokens >= context_length, so one request alone always fits: this is a bug
+            for job in held:
+                self._end(job, "error", error="the KV cache has no room for this request")
+            return
+        victim = max(held, key=lambda j: j.admitted_seq)
+        try:
+            data = self.ctx.save_sequence(victim.slot)
+        except EngineError as exc:
+            self._end(victim, "error", error=f"the KV cache is full and the request could not be set aside: {exc}")
+            return
+        self.ctx.clear_sequence(victim.slot)
+        self._index.remove(("slot", victim.slot))  # nobody may copy a prefix from it meanwhile
+        victim.swapped, victim.parked = data, None
+        self._room_freed = False
+        self.prefix_stats.swapped_out += 1
+        log.info("KV pool full: slot %d (%d tokens) waits in host RAM", victim.slot, victim.n_past)
+
+    def _swap_in(self) -> bool:
+        """Brings set-aside requests back, oldest first, once a request has ended and the pool
+        has room for them; True when none is left waiting."""
+        swapped = sorted((j for j in self._active.values() if j.swapped is not None), key=lambda j: j.admitted_seq)
+        if not swapped:
+            return True
+        if not self._room_freed:
+            return False
+        capacity = self._kv_capacity_tokens()
+        for job in swapped:
+            # what requests hold, counted without sharing (an upper bound), plus a step's growth
+            held = sum(j.n_past + 1 for j in self._active.values() if j.swapped is None)
+            idle = [s for s in range(self.config.slots) if s not in self._active and ("slot", s) in self._index]
+            cached = sum(len(self._index.tokens(("slot", s))) for s in idle)
+            if held + job.n_past + 1 > capacity:
+                self._room_freed = False
+                return False
+            if held + cached + job.n_past + 1 > capacity:
+                for slot in idle:
+                    self._evict(slot, 0)
+            try:
+                self.ctx.restore_sequence(job.slot, job.swapped)  # type: ignore[arg-type]
+            except EngineError:  # no room in one piece: wait for the next request to end
+                self._room_freed = False
+                return False
+            job.swapped = None
+            if self.config.prefix_cache:
+                self._index.insert(job.key, ("slot", job.slot), job.request.prompt_tokens)
+        return True
+
     def _step(self) -> None:
-        runnable = [j for j in self._active.values() if j.parked is None]
+        runnable = [j for j in self._active.values() if j.parked is None and j.swapped is None]
         if not runnable:
             return
         # llama.cpp applies adapters to a whole context: a step serves one adapter set
@@ -425,6 +495,9 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         started = time.perf_counter()
         try:
             self.ctx.decode(entries)
+        except KvFull:
+            self._make_room()
+            return
         except EngineError as exc:
             for item in plan:
                 self._end(self._active[item.slot], "error", error=str(exc))
@@ -549,8 +622,10 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
     def _release(self, job: Job, reason: FinishReason) -> None:
         assert isinstance(job, _SlotJob)
         self._active.pop(job.slot, None)
+        self._room_freed = True
         holder = ("slot", job.slot)
-        if reason == "error" or not self.config.prefix_cache:
+        if reason == "error" or not self.config.prefix_cache or job.swapped is not None:
+            job.swapped = None
             self.ctx.clear_sequence(job.slot)
             self._index.remove(holder)
         else:

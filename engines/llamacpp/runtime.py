@@ -187,6 +187,11 @@ class ContextShape:
     kv_type_v: str | None = None  # V's type; None: the same as K
     embeddings: bool = False
     pooling: str = "mean"  # with embeddings: how a sequence's token states become one vector
+    kv_tokens: int = 0  # with kv_unified: the cells all sequences share; 0: n_seq x n_ctx_per_seq
+
+
+class KvFull(EngineError):
+    """llama_decode found no room in the KV cache for the batch; nothing was computed or changed."""
 
 
 class Context:
@@ -194,7 +199,8 @@ class Context:
 
     def __init__(self, model: Model, shape: ContextShape) -> None:
         params = L.llama_context_default_params()
-        params.n_ctx = shape.n_ctx_per_seq * shape.n_seq
+        # A unified cache may hold fewer cells than every sequence at full length (the engine makes room).
+        params.n_ctx = shape.kv_tokens if shape.kv_unified and shape.kv_tokens else shape.n_ctx_per_seq * shape.n_seq
         params.n_seq_max = shape.n_seq
         params.n_batch = shape.n_batch
         params.n_ubatch = shape.n_batch
@@ -274,6 +280,8 @@ class Context:
             batch.logits[i] = logits
         batch.n_tokens = len(entries)
         rc = L.llama_decode(self.ptr, batch)
+        if rc == 1:  # llama.cpp places every ubatch before computing any, so nothing changed
+            raise KvFull(f"no room in the KV cache for a batch of {len(entries)} tokens")
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc}")
 
