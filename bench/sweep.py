@@ -2,8 +2,9 @@
 """The whole range of prompts and clients: ours against llama.cpp's own llama-server, in one run.
 
 For each prompt length both servers run at once, sized alike (slots = the most clients, each able
-to hold the prompt and the answer; llama-server with one unified KV pool of the same cells as ours),
-and take turns cell by cell: for every client count, ours then the peer (the order alternating
+to hold the prompt and the answer),
+and take turns cell by cell (one KV stream per slot in both, or with --pool one shared pool of
+that many cells in both): for every client count, ours then the peer (the order alternating
 between repeats), each client sending `--rounds` streamed requests whose prompts are new text of
 about that length (no prefix cache can serve them). Cache off everywhere.
 
@@ -54,7 +55,9 @@ def ours(tmp: Path, logs: Path, model: Path | None, slots: int, context: int, th
 
 def peer(binary: Path, logs: Path, model: Path, slots: int, context: int, threads: int, pool: int) -> Server:
     port = free_port()
-    return Server("llama-server", [str(binary), "-m", str(model), "-a", ALIAS, "-np", str(slots), "-c", str(pool), "-kvu",
+    # llama-server's own choice with a fixed slot count is one stream per slot; a pool needs -kvu
+    unified = ["-kvu"] if pool < slots * context else []
+    return Server("llama-server", [str(binary), "-m", str(model), "-a", ALIAS, "-np", str(slots), "-c", str(pool), *unified,
                                    "-t", str(threads), "-ngl", "0", "--host", "127.0.0.1", "--port", str(port)],
                   port, "/health", ALIAS, log_path=logs / f"llama-server-{context}.log")
 
