@@ -118,14 +118,20 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     ask(server, acme, "Is the sky blue? Reply in JSON.", SMALL, family="extraction", stop=None, max_tokens=24,
         response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}})
     expected.add("Is the sky blue? Reply in JSON.")
+    # Through the Responses API, its family in metadata, marked good.
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=analyst, max_retries=0)
+    river = client.responses.create(model="auto", instructions=SYSTEM, input="Name a river", max_output_tokens=16, temperature=0,
+                                    metadata={"family": "factual"}).id
+    expected.add("Name a river")
     # Good through a cache hit: the answer's entry is verified, and the kept answer behind it with it.
     ask(server, intern, "Name a colour")
     wait_for(server, "SELECT count(*) FROM cache_entries WHERE question LIKE '%Name a colour%'", 1)
     hit = ask(server, intern, "Name a colour")
     expected.add("Name a colour")
-    for key, response_id, rating in ((intern, good, "good"), (analyst, bad, "bad"), (zeta, stranger, "good"), (intern, hit, "good")):
+    for key, response_id, rating in ((intern, good, "good"), (analyst, bad, "bad"), (zeta, stranger, "good"), (intern, hit, "good"),
+                                     (analyst, river, "good")):
         assert rate(server, key, response_id, rating).status_code == 200
-    wait_for(server, "SELECT count(*) FROM kept_answers", 10)
+    wait_for(server, "SELECT count(*) FROM kept_answers", 11)
     yield {"server": server, "expected": expected, "keys": {"acme": acme, "zeta": zeta}}
     stop_server(server)
 
@@ -164,6 +170,7 @@ def test_only_opted_in_answers_are_kept_each_with_who_produced_it(traffic: dict[
     assert by_question["Name a fruit"] == ("auto", SMALL, None, None, "good")
     assert by_question["Name an animal"] == ("auto", CHAT_MODEL, None, None, "bad")
     assert by_question["Name a month"] == (None, CHAT_MODEL, "factual", None, None)
+    assert by_question["Name a river"] == ("auto", CHAT_MODEL, "factual", None, "good")
     assert by_question["Is the sky blue? Reply in JSON."] == (None, SMALL, "extraction", "json_schema", None)
     assert json.loads(rows[0][6])[0] == {"role": "system", "content": SYSTEM}
 
@@ -172,7 +179,7 @@ def test_export_keeps_exactly_the_verified_opted_in_clean_examples(traffic: dict
     server = traffic["server"]
     code, out, err = export(server, tmp_path / "data", "--route", "auto", "--since", "1d", "--held-out", "0.5", "--seed", "3")
     assert code == 0, err
-    for line in ("found: 10 ", "verified: 8", "opted in: 8", "dropped for personal data: 1", "duplicates: 1"):
+    for line in ("found: 11 ", "verified: 9", "opted in: 9", "dropped for personal data: 1", "duplicates: 1"):
         assert line in out, out
     train, held = user_turns(tmp_path / "data" / "train.jsonl"), user_turns(tmp_path / "data" / "held-out.jsonl")
     assert not set(train) & set(held)
@@ -191,7 +198,7 @@ def test_export_keeps_exactly_the_verified_opted_in_clean_examples(traffic: dict
 def test_export_by_family(traffic: dict[str, Any], tmp_path: Path) -> None:
     code, out, err = export(traffic["server"], tmp_path / "factual", "--family", "factual", "--held-out", "0")
     assert code == 0, err
-    assert sorted(user_turns(tmp_path / "factual" / "train.jsonl")) == ["Name a month", "What is the capital of France?"]
+    assert sorted(user_turns(tmp_path / "factual" / "train.jsonl")) == ["Name a month", "Name a river", "What is the capital of France?"]
     assert "duplicates: 1" in out
 
 

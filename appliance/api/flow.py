@@ -63,10 +63,12 @@ async def serve_chat(request: Request[Any, Any, Any], services: Services, princi
         await charge_judge(services, principal, model, request_id, found)
         plan = dataclasses.replace(plan, lookup=found)
     traced.annotate(cache__result="miss" if plan.read and plan.item is not None else "bypass")
-    alias = model.settings.alias
+
+    def remember_for(p: Prepared) -> call.Remember | None:
+        return both(plan.remember(services, model, p, traced), keeper(services, principal, body, None, model.settings.alias, p))
+
     return await call.respond(request, services, principal, model, prepared, body.stream, "chat", wire_for, traced,
-                              headers=plan.headers(),
-                              remember_for=lambda p: both(plan.remember(services, model, p, traced), keeper(services, principal, body, None, alias, p)))
+                              headers=plan.headers(), remember_for=remember_for)
 
 
 def annotate_principal(traced: RequestTrace, principal: Principal) -> None:
