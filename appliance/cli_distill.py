@@ -45,9 +45,7 @@ def cmd_distill_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    distill = sub.add_parser("distill", help="teach the cheapest tier from the appliance's verified answers").add_subparsers(
-        dest="distill_command", required=True)
+def add_export_command(distill: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     export = distill.add_parser("export", help="verified answers of opted-in tenants as chat-format JSONL: train and held-out files")
     export.add_argument("--route", default="auto", help="the route whose answers to export; its last tier is the frontier (default: auto)")
     export.add_argument("--family", help="only answers whose request named this task family (metadata {\"family\": ...})")
