@@ -151,7 +151,8 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
     threads: Annotated[int, Meta(ge=1, le=1024, description="CPU threads", extra={"default_doc": "the CPU count"})] = \
         msgspec.field(default_factory=lambda: max(1, os.cpu_count() or 1))
     batch_tokens: Annotated[int, Meta(ge=1, description="tokens per decode step, at least slots")] = 512
-    prefills_per_step: Annotated[int, Meta(ge=0, description="prompts one step advances; 0: as many as batch_tokens holds",
+    prefills_per_step: Annotated[int, Meta(ge=0, description="prompts a step may leave unfinished (prompts that finish within the step's "
+                                                                  "batch_tokens always join it); 0: no limit",
                                            extra={"default_doc": "1; 0 for embedding models (no first token to hurry)"})] = 1
     chat_template: Annotated[str | None, Meta(description="a Jinja chat template, inline or a file next to this one; default: the model's own",
                                               extra={"load": _template_text, "form": "a template, or a file name"})] = None

@@ -70,12 +70,15 @@ class LlamaCppConfig:
 
 
 
-def context_layout(batch_invariant: bool, kv_type: str) -> tuple[bool, bool]:
+def context_layout(batch_invariant: bool, kv_type: str, pooled: bool = False) -> tuple[bool, bool]:
     """(kv_unified, flash_attn) for a model. Invariance needs one KV stream per sequence, and flash
     attention only where ggml's CPU kernel cannot switch paths by batch shape: its split-KV and tiled
-    paths take f16/f32 KV only, so a q8_0 cache always runs the sequential one (docs/architecture.md)."""
+    paths take f16/f32 KV only, so a q8_0 cache always runs the sequential one (docs/architecture.md).
+    Otherwise flash attention, and one stream per sequence unless the slots share a smaller pool
+    (`pooled`): in one unified stream each token attends over every sequence's cells, masked, which
+    made eight 1.1k-token prompts take 30% longer (docs/performance.md)."""
     if not batch_invariant:
-        return True, True
+        return pooled, True
     return False, kv_type not in ("f16", "bf16")
 
 
@@ -117,7 +120,8 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         try:
             # Embeddings: `slots` sequences share a forward pass, which holds every token of each.
             self.pooling = resolve_pooling(config.pooling, self.model.pooling()) if config.embeddings else None
-            kv_unified, flash_attn = context_layout(config.batch_invariant, config.kv_type)
+            pooled = 0 < config.kv_tokens < config.slots * config.context_length
+            kv_unified, flash_attn = context_layout(config.batch_invariant, config.kv_type, pooled)
             # With a KV stream per sequence llama.cpp splits a pass into equal shares of each
             # sequence, and pools a sequence over its last share only: one stream keeps a pass whole.
             kv_unified = kv_unified or config.embeddings
