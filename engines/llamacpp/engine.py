@@ -411,7 +411,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         """The batch found no room in the KV pool: idle slots give up the prefixes they hold (to
         host RAM where worth it); failing that, the newest request moves its KV to host RAM and
         waits, keeping its slot, until a request ends. The step is then planned again."""
-        idle = [s for s in range(self.config.slots) if s not in self._active and ("slot", s) in self._index]
+        idle = self._idle_holders()
         if idle:
             for slot in idle:
                 self._evict(slot, 0)
@@ -435,6 +435,10 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         self.prefix_stats.swapped_out += 1
         log.info("KV pool full: slot %d (%d tokens) waits in host RAM", victim.slot, victim.n_past)
 
+    def _idle_holders(self) -> list[int]:
+        """Free slots whose KV still holds a cached prefix."""
+        return [s for s in range(self.config.slots) if s not in self._active and ("slot", s) in self._index]
+
     def _swap_in(self) -> bool:
         """Brings set-aside requests back, oldest first, once a request has ended and the pool
         has room for them; True when none is left waiting."""
@@ -447,7 +451,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         for job in swapped:
             # what requests hold, counted without sharing (an upper bound), plus a step's growth
             held = sum(j.n_past + 1 for j in self._active.values() if j.swapped is None)
-            idle = [s for s in range(self.config.slots) if s not in self._active and ("slot", s) in self._index]
+            idle = self._idle_holders()
             cached = sum(len(self._index.tokens(("slot", s))) for s in idle)
             if held + job.n_past + 1 > capacity:
                 self._room_freed = False
