@@ -17,7 +17,7 @@ from distill_words import fill, person
 TEMPLATES: dict[tuple[str, str], dict[str, list[str]]] = {
     ("acme", "triage"): {
         "billing": [
-            "I was charged twice for the same order, {amount} each time, on my {card} card.",
+            "You've billed me two times for one order, {amount} each, on my {card} card.",
             "My card statement shows a charge of {amount} from Acme that I don't recognise at all.",
             "Could you send me an invoice with our company's tax ID on it for order {order}? Our accountant needs it.",
             "The promo code {promo} was accepted at checkout, but the discount never made it onto the amount I was charged.",
@@ -32,10 +32,10 @@ TEMPLATES: dict[tuple[str, str], dict[str, list[str]]] = {
             "Why does my bank show {amount} from you when the order confirmation said a lower total?",
         ],
         "shipping": [
-            "My order {order} was due to arrive on {weekday}, and the tracking page hasn't changed in four days.",
+            "My order {order} was due to arrive on {weekday}, and its tracking status has been frozen for four days.",
             "The tracking number you sent still says 'label created', and nothing has moved since {weekday}.",
             "Do you deliver to {ca_city}? I couldn't find Canada among the delivery options.",
-            "The courier left my parcel at the wrong house. The photo shows a red door, and mine is green.",
+            "Your driver dropped my package at a house three doors down; the delivery photo shows a red door, and mine is green.",
             "I need the {product} by {weekday} for a birthday. Can you send it express to {us_city}?",
             "How many days does standard delivery usually take to {us_city}?",
             "My delivery was rescheduled again and I won't be home that day. Can the driver leave it with a neighbour?",
@@ -57,11 +57,11 @@ TEMPLATES: dict[tuple[str, str], dict[str, list[str]]] = {
             "My return was turned down because the {product} was 'used', but I only took it out of the packaging.",
             "Can I drop a return off somewhere local instead of mailing it all the way to the returns centre?",
             "The {product} I ordered is a size too big. I want to swap it for the smaller one.",
-            "How long do I have to return a {product} that I haven't used?",
+            "What's the deadline for sending back a {product} I haven't used?",
         ],
         "account": [
             "I can't sign in to my account. It says my password is wrong even though I just reset it.",
-            "Please change the email address on my account from {email} to {email2}.",
+            "I'd like my login email switched from {email} to {email2}.",
             "How do I close my Acme account and remove my saved details?",
             "I want to stop the marketing newsletters but keep my account open.",
             "Someone changed the phone number on my profile without my permission. Can you lock my account?",
@@ -75,7 +75,7 @@ TEMPLATES: dict[tuple[str, str], dict[str, list[str]]] = {
         ],
         "technical": [
             "The checkout page freezes when I press 'Place order' in {browser}.",
-            "Your app crashes every time I open my wish list on my {phone}.",
+            "Your app shuts down the moment I tap my wish list on my {phone}.",
             "Product photos won't load on the website; all I see are grey boxes.",
             "The search bar returns nothing at all, even when I type '{product}'.",
             "The colour filter on the {category} page resets every time I scroll down.",
@@ -160,7 +160,7 @@ TEMPLATES: dict[tuple[str, str], dict[str, list[str]]] = {
         "science": [
             "Astronomers spot {adjective} exoplanet orbiting nearby star",
             "Researchers at {university} map the genome of the {animal}",
-            "New species of {animal} discovered in {place}",
+            "New species of {new_animal} discovered in {place}",
             "Study finds the {animal} can recognise individual human faces",
             "Space probe sends first close-up images of {moon}",
             "Physicists at {university} report record-long quantum memory",
@@ -174,7 +174,7 @@ TEMPLATES: dict[tuple[str, str], dict[str, list[str]]] = {
             "{company} shares jump after profits beat forecasts",
             "{company} to buy rival {company2} in {deal} deal",
             "{company} cuts {many} jobs as sales slow",
-            "Central bank holds interest rates at {rate}%",
+            "Rate-setters keep borrowing costs unchanged at {rate}%",
             "{company} opens new factory in {city}, creating {many} jobs",
             "Retail sales fall in {month} for third month running",
             "{company} chief executive {person} to step down in spring",
@@ -227,6 +227,7 @@ SLOTS = {
     "university": ["Eastmoor University", "the Lakeside Institute", "Northbay Technical University",
                    "Greywater College", "the University of Caldwick"],
     "animal": ["axolotl", "octopus", "honeybee", "pangolin", "sea turtle", "tree frog", "barn owl", "jumping spider"],
+    "new_animal": ["tree frog", "jumping spider", "gecko", "orchid bee", "catfish", "dung beetle"],
     "place": ["Borneo", "the Andes", "Madagascar", "Patagonia", "the Gobi Desert", "Tasmania"],
     "moon": ["Europa", "Enceladus", "Titan", "Ganymede", "Triton"],
     "sea": ["Baltic Sea", "Arctic Ocean", "Coral Sea", "North Atlantic", "Mediterranean"],

@@ -59,12 +59,12 @@ ISSUE_PHRASES = {
                    "was a different model from the one I paid for", "was not what I ordered: the box held a {other}",
                    "was swapped for someone else's {other}"],
 }
-REFUND_YES = ["I want a full refund.", "Please refund me.", "I'd like my money back, please.",
-              "Please refund the full amount to my card.", "Cancel it and give me a refund, please.",
+REFUND_YES = ["I want a full refund.", "Please refund me.", "I expect my money back.",
+              "Put the whole amount back on my card, please.", "Cancel it and give me a refund, please.",
               "A refund is the only thing that will sort this out.", "I'm requesting a refund."]
 REFUND_NO = ["I'm not asking for a refund, I just want this on record.", "No refund needed.",
              "I don't want my money back.", "I'm not after a refund; I just thought you should know."]
-REPLACE_NO = ["Please just send a replacement; no refund.", "I don't want a refund, only the right item.",
+REPLACE_NO = ["Please just send a replacement; no refund.", "Keep the money; I only want the right item.",
               "Could you send another one? I'd rather not get my money back."]
 
 
@@ -104,22 +104,33 @@ COMPLAINT = Schema(
 # --- acme: address changes ------------------------------------------------------------------------
 
 _CA_LETTERS = "ABCEGHJKLMNPRSTVXY"
+# A postal code that fits its city: a US ZIP's first three digits, a Canadian code's first letter.
+POSTAL_STARTS = {"Tucson": "857", "Boise": "837", "Albany": "122", "Savannah": "314", "Duluth": "558", "Spokane": "992",
+                 "Asheville": "288", "Madison": "537", "Eugene": "974", "Chattanooga": "374", "Lexington": "405",
+                 "Santa Fe": "875", "Burlington": "054", "Fort Collins": "805", "Wichita": "672", "Des Moines": "503",
+                 "Baton Rouge": "708", "Provo": "846", "Ann Arbor": "481", "Bangor": "044", "Halifax": "B",
+                 "Kelowna": "V", "Saskatoon": "S", "Kingston": "K", "Victoria": "V", "Moncton": "E", "Lethbridge": "T",
+                 "Sherbrooke": "J", "Thunder Bay": "P", "Charlottetown": "C"}
 
 
-def _postal(rng: random.Random, canadian: bool) -> str:
-    if not canadian:
-        return f"{rng.randint(1000, 99999):05d}"
-    a, b, c = (rng.choice(_CA_LETTERS) for _ in range(3))
-    return f"{a}{rng.randint(0, 9)}{b} {rng.randint(0, 9)}{c}{rng.randint(0, 9)}"
+def _postal(rng: random.Random, city: str) -> str:
+    start = POSTAL_STARTS[city]
+    if start.isdigit():
+        return f"{start}{rng.randint(0, 99):02d}"
+    b, c = rng.choice(_CA_LETTERS), rng.choice(_CA_LETTERS)
+    return f"{start}{rng.randint(0, 9)}{b} {rng.randint(0, 9)}{c}{rng.randint(0, 9)}"
 
 
 def _address(rng: random.Random) -> tuple[dict[str, Any], dict[str, Any]]:
     canadian = rng.random() < 0.3
     city, region = rng.choice(CA_CITIES if canadian else US_CITIES)
-    postal, street = _postal(rng, canadian), f"{rng.randint(2, 980)} {rng.choice(STREETS)}"
+    postal, street = _postal(rng, city), f"{rng.randint(2, 980)} {rng.choice(STREETS)}"
     gold = {"order_id": f"A-{rng.randint(20000, 99999)}", "city": city, "postal_code": postal}
+    wrong = postal
+    while wrong == postal:  # the correction's old code is another one
+        wrong = _postal(rng, city)
     slots = {"order": gold["order_id"], "city": city, "postal": postal, "street": street, "region": region,
-             "address": f"{street}, {city}, {region} {postal}", "wrong_postal": _postal(rng, canadian)}
+             "address": f"{street}, {city}, {region} {postal}", "wrong_postal": wrong}
     return gold, slots
 
 
@@ -131,7 +142,7 @@ ADDRESS = Schema(
      "Please reroute {order}. I'm now living at {address}.",
      "We're staying with family in {city} for the summer, so order {order} should go to {street}, postal code {postal}.",
      "Small correction on order {order}: the postal code should be {postal}, not {wrong_postal}. The city is {city}.",
-     "New shipping address for order {order}: {address}. {noise}",
+     "Updated delivery details for {order}: {address}. {noise}",
      "I typed my old address by mistake. Order {order} needs to go to {address}.",
      "{name} here. I moved from {city2} to {city} last week; please ship {order} to {street}, {city} {postal}.",
      "Address update: {address}. Order: {order}.",
@@ -233,6 +244,9 @@ SERVICES = ["checkout-api", "auth-service", "billing-worker", "search-gateway", 
 STATUSES = {"ERROR": [500, 502, 503, 504], "WARN": [400, 401, 403, 404, 409, 429], "INFO": [200, 201, 204, 301, 304]}
 LEVEL_SPELLINGS = {"ERROR": ["ERROR", "error", "Error"], "WARN": ["WARN", "WARNING", "warn", "warning"], "INFO": ["INFO", "info"]}
 LEVEL_WORDS = {"ERROR": "an error", "WARN": "a warning", "INFO": "an info"}
+LOG_MESSAGES = {"ERROR": ["upstream timeout", "connection reset by peer", "unhandled exception", "database unavailable"],
+                "WARN": ["rate limit reached", "token expired", "slow query", "payload too large", "retry scheduled"],
+                "INFO": ["request served", "cache hit", "job completed", "session started"]}
 
 
 def _log(rng: random.Random) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -244,7 +258,7 @@ def _log(rng: random.Random) -> tuple[dict[str, Any], dict[str, Any]]:
              "status": gold["status_code"], "ms": ms, "secs": f"{ms / 1000:g}",
              "ts": rng.choice([moment.isoformat() + "Z", moment.strftime("%Y-%m-%d %H:%M:%S"),
                                moment.strftime("%d/%b/%Y:%H:%M:%S")]),
-             "pid": rng.randint(100, 65000), "req": f"{rng.getrandbits(32):08x}"}
+             "pid": rng.randint(100, 65000), "req": f"{rng.getrandbits(32):08x}", "message": rng.choice(LOG_MESSAGES[level])}
     return gold, slots
 
 
@@ -256,7 +270,7 @@ LOG = Schema(
      '{"ts": "{ts}", "level": "{level}", "svc": "{service}", "code": {status}, "took_ms": {ms}}',
      "[{level}] {ts} {service}: request {req} finished with HTTP {status} after {ms} ms",
      "{service} | {level} | status={status} | {ms}ms | {method} {path}",
-     "Alert from {service}: {level} - upstream returned {status}, latency {ms} ms.",
+     "Notice from {service}: {level} - upstream returned {status}, latency {ms} ms.",
      "{ts} {service}[{pid}] {level}: {method} {path} {status} ({secs}s)",
      "Can you parse this line from our logs? {ts} pid={pid} {service} {level} status_code={status} elapsed={ms}ms",
      "From the {service} logs at {ts}: {level_word} entry, status {status}, took {ms} milliseconds.",
@@ -270,15 +284,16 @@ LOG_SLOTS = {
     "method": ["GET", "POST", "PUT", "DELETE", "PATCH"],
     "path": ["/v1/orders", "/v2/cart/items", "/health", "/api/login", "/thumbs/large", "/v1/invoices/export",
              "/search", "/v1/users/me", "/webhooks/stripe", "/reports/daily"],
-    "message": ["upstream timeout", "cache miss", "retry scheduled", "request served", "slow query",
-                "rate limit reached", "token expired", "connection reset by peer", "payload too large"],
 }
 
 # --- forge: invoices ------------------------------------------------------------------------------
 
-VENDORS = ["Bluepeak Hosting", "Ferrous Cloud Ltd", "Quillstone Print Co", "Oakridge Office Supply",
-           "Tessellate Analytics GmbH", "Marlow & Finch Legal", "Cobaltline Networks", "Hearthside Catering",
-           "Pallas Security Inc", "Driftwood Design Studio", "Kestrel Courier Services", "Lumen Grid Ltd"]
+# Each vendor with what it bills for ("the hosting invoice from Bluepeak Hosting").
+VENDORS = {"Bluepeak Hosting": "hosting", "Ferrous Cloud Ltd": "cloud compute", "Quillstone Print Co": "printing",
+           "Oakridge Office Supply": "office supplies", "Tessellate Analytics GmbH": "consulting",
+           "Marlow & Finch Legal": "legal fees", "Cobaltline Networks": "network maintenance",
+           "Hearthside Catering": "catering", "Pallas Security Inc": "security audit",
+           "Driftwood Design Studio": "design work", "Kestrel Courier Services": "courier", "Lumen Grid Ltd": "electricity"}
 # Per currency, the ways an amount is written; {words} only for whole amounts.
 MONEY = {
     "USD": ["${a}", "USD {a}", "{a} USD", "US${a}", "{words} US dollars"],
@@ -290,10 +305,11 @@ MONEY = {
 
 
 def _money(currency: str, amount: float, form: str) -> str:
-    if "{words}" in form and not (amount == int(amount) and amount < 1_000_000):
+    if "{words}" in form:
+        if amount == int(amount) and amount < 1_000_000:
+            return form.replace("{words}", spoken(int(amount)))
         form = MONEY[currency][0]
-    shown = f"{int(amount):,}" if currency == "JPY" else f"{amount:,.2f}"
-    return form.replace("{a}", shown).replace("{words}", spoken(int(amount)) if amount < 1_000_000 else "")
+    return form.replace("{a}", f"{int(amount):,}" if currency == "JPY" else f"{amount:,.2f}")
 
 
 def _invoice(rng: random.Random) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -305,11 +321,11 @@ def _invoice(rng: random.Random) -> tuple[dict[str, Any], dict[str, Any]]:
     year, letters = due.year, "".join(rng.choice(string.ascii_uppercase) for _ in range(2))
     number = rng.choice([f"INV-{year}-{rng.randint(1, 9999):04d}", f"{letters}-{rng.randint(10000, 99999)}",
                          f"{rng.randint(1000, 9999)}-{letters[0]}", f"{letters}{year % 100}{rng.randint(100, 999)}"])
-    gold = {"vendor": rng.choice(VENDORS), "invoice_number": number, "total": total, "currency": currency,
+    gold = {"vendor": rng.choice(list(VENDORS)), "invoice_number": number, "total": total, "currency": currency,
             "due_date": due.isoformat()}
     form = rng.choice(MONEY[currency])
     subtotal = round(total / 1.2) if currency == "JPY" else round(total / 1.2, 2)
-    slots = {"vendor": gold["vendor"], "inv": number, "money": _money(currency, total, form), "date": date_text(rng, due),
+    slots = {"vendor": gold["vendor"], "what": VENDORS[gold["vendor"]], "inv": number, "money": _money(currency, total, form), "date": date_text(rng, due),
              "subtotal": _money(currency, subtotal, MONEY[currency][0]),
              "tax": _money(currency, round(total - subtotal, 2), MONEY[currency][0]),
              "issued": date_text(rng, due - dt.timedelta(days=rng.choice([14, 30, 45])))}
@@ -336,14 +352,13 @@ INVOICE = Schema(
      "Same vendor as last quarter.", "Let me know if the amount looks off."),
     _invoice,
 )
-INVOICE_SLOTS = {"what": ["hosting", "printing", "catering", "consulting", "office supplies", "courier", "licence renewal"]}
 
 EXTRA_SLOTS: dict[str, dict[str, Any]] = {
     "complaint": {}, "address": {}, "event": {
         "event": ["harvest fair", "jazz festival", "book fair", "lantern parade", "charity run", "street food festival",
                   "science fair", "boat show", "folk festival", "kite festival", "vintage car rally"]},
     "appointment": {"org": list(ORGANIZATIONS), "person": person},  # {org2}, {person2}: other than the gold ones
-    "log": LOG_SLOTS, "invoice": INVOICE_SLOTS,
+    "log": LOG_SLOTS, "invoice": {},
 }
 SCHEMAS: tuple[Schema, ...] = (COMPLAINT, ADDRESS, EVENT, APPOINTMENT, LOG, INVOICE)
 

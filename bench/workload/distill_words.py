@@ -35,9 +35,10 @@ WORLD_CITIES = ["Ghent", "Porto", "Tampere", "Ljubljana", "Gdańsk", "Bergen", "
 CITIES = [c for c, _ in US_CITIES] + [c for c, _ in CA_CITIES] + WORLD_CITIES
 STREETS = ["Alder Court", "Quarry Road", "Linden Avenue", "Foundry Lane", "Maple Terrace", "Heron Way",
            "Orchard Street", "Canal Row", "Juniper Drive", "Tannery Close", "Willow Bend", "Sextant Place"]
+# All start with a consonant sound: the templates say "a {product}".
 PRODUCTS = ["desk lamp", "bath towel set", "coffee grinder", "bookshelf", "duvet cover", "cast-iron skillet",
-            "standing fan", "kettle", "office chair", "wool rug", "blender", "curtain set", "wall mirror", "toaster",
-            "side table", "knife block", "air purifier", "laundry basket", "memory foam pillow", "wall clock",
+            "standing fan", "kettle", "swivel chair", "wool rug", "blender", "curtain set", "wall mirror", "toaster",
+            "side table", "knife block", "HEPA purifier", "laundry basket", "memory foam pillow", "wall clock",
             "spice rack", "shoe cabinet", "dish rack", "floor lamp"]
 COLOURS = ["navy", "sage green", "charcoal", "mustard", "ivory", "terracotta", "slate blue", "oatmeal"]
 TEAMS = ["Harbor City Gulls", "Millbrook Rangers", "Eastvale Foxes", "Redcliff United", "Port Alder Mariners",
