@@ -1,5 +1,5 @@
 """LoRA adapters on the bundled model, over real HTTP. The adapters are real GGUF LoRA files the
-test writes with the `gguf` package (random low-rank updates to every layer's Q and V)."""
+test writes with appliance/lora_files.py (random low-rank updates to every layer's Q and V)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import gguf
 import httpx
 import numpy as np
 import openai
 import pytest
 
+from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf
 from appliance.settings import ConfigError, parse_settings
 from tests.conftest import CHAT_MODEL, INVARIANT, Server, config_text, start_server, stop_server
 
@@ -22,21 +22,13 @@ QUESTION = "Name three colours of the rainbow."
 
 
 def write_lora(path: Path, seed: int, rank: int = 8) -> Path:
+    """Random low-rank updates to every layer's Q and V, written as training writes its adapters."""
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_string("general.type", "adapter")
-    writer.add_string("adapter.type", "lora")
-    writer.add_float32("adapter.lora.alpha", float(rank))
+    pairs = {}
     for layer in range(LAYERS):
-        for name, out in (("attn_q", EMBED), ("attn_v", KV)):
-            # numpy's (rows, cols) is ggml's (ne1, ne0): A maps the input down to the rank, B back up
-            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_a", rng.normal(0, 0.15, (rank, EMBED)).astype(np.float32))
-            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_b", rng.normal(0, 0.15, (out, rank)).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        for name, out in (("q_proj", EMBED), ("v_proj", KV)):
+            pairs[f"model.layers.{layer}.self_attn.{name}"] = LoraPair(rng.normal(0, 0.15, (rank, EMBED)), rng.normal(0, 0.15, (out, rank)))
+    return write_gguf(LoraAdapter(pairs, alpha=float(rank)), path, BaseShape("llama", heads=9, kv_heads=3, layers=LAYERS))
 
 
 @pytest.fixture(scope="module")
