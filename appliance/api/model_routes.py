@@ -164,10 +164,10 @@ async def quantize_model(request: Request[Any, Any, Any], services: Services) ->
     loop = asyncio.get_running_loop()
 
     def work(job: Job) -> str:
-        job.total_bytes = estimated_size(src, file_type(src), body.type)
+        job.total = estimated_size(src, file_type(src), body.type)
         quantize(src, dst, body.type, threads=threads, allow_requantize=body.allow_requantize,
-                 progress=lambda size: setattr(job, "done_bytes", size))
-        job.done_bytes = dst.stat().st_size
+                 progress=lambda size: setattr(job, "done", size))
+        job.done = dst.stat().st_size
         register(config, alias, dst, sha256(dst), like=configured.alias if configured else None)
         return f"wrote {dst} and registered it as {alias!r} in {config}" + apply_from_thread(services, loop)
 
@@ -192,7 +192,7 @@ async def pull_model(request: Request[Any, Any, Any], services: Services) -> dic
 
     def work(job: Job) -> str:
         path, digest = download(body.repo, body.file, data_dir, tqdm_class=_progress_into(job))
-        job.done_bytes = job.total_bytes = path.stat().st_size
+        job.done = job.total = path.stat().st_size
         register(config, alias, path, digest)
         return f"downloaded {path} and registered it as {alias!r} in {config}" + apply_from_thread(services, loop)
 
@@ -223,7 +223,7 @@ def _progress_into(job: Job) -> Any:
 
         def update(self, n: float | None = 1) -> bool | None:
             shown = super().update(n)
-            job.done_bytes, job.total_bytes = int(self.n), int(self.total) if self.total else None
+            job.done, job.total = int(self.n), int(self.total) if self.total else None
             return shown
 
     return JobProgress
