@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from appliance import cli_eval, cli_fleet
+from appliance import cli_distill, cli_eval, cli_fleet
 from appliance.cli_fleet import add_server_options, server_url, tell_server, write_and_apply
 from appliance.cli_support import config_in_use, data_dir, ledger_db, ledger_of, print_rows, settings_of, when
 from appliance.settings import ConfigError, find_config, load_settings
@@ -572,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     bshow.set_defaults(func=cmd_budgets_show)
 
     cli_eval.add_commands(sub)
+
+    distill = sub.add_parser("distill", help="teach a cheap model from verified answers").add_subparsers(dest="distill_command", required=True)
+    cli_distill.add_train_command(distill)
 
     tui = sub.add_parser("tui", help="the operator's terminal UI, over the admin API")
     tui.add_argument("--url", help="the appliance (default: the config's host and port)")

@@ -235,4 +235,20 @@ async def list_jobs(request: Request[Any, Any, Any], services: Services) -> dict
     return {"jobs": services.jobs.list()}
 
 
-ROUTES = [list_loaded_models, models_in_memory, list_adapters, load_adapter, unload_adapter, quantize_model, pull_model, list_jobs]
+@delete("/admin/jobs/{job_id:str}", status_code=200)
+async def cancel_job(request: Request[Any, Any, Any], services: Services, job_id: str) -> dict[str, Any]:
+    """Asks a running job to stop; it ends as "cancelled" (a training job at the end of its step,
+    keeping a checkpoint). Quantize and pull jobs cannot be stopped: 409."""
+    await _admin(request, services)
+    job = services.jobs.get(job_id)
+    if job is None:
+        raise APIError(404, f"There is no job {job_id}.", type="not_found_error", param="job_id", code="job_not_found")
+    if job.state != "running":
+        raise APIError(409, f"The job {job_id} has already ended ({job.state}).", param="job_id", code="job_not_running")
+    if not services.jobs.cancel(job_id):
+        raise APIError(409, f"A {job.kind} job cannot be stopped once started.", param="job_id", code="job_not_cancellable")
+    return {"job": job.view()}
+
+
+ROUTES = [list_loaded_models, models_in_memory, list_adapters, load_adapter, unload_adapter, quantize_model, pull_model, list_jobs,
+          cancel_job]

@@ -1,0 +1,107 @@
+"""`appliance distill train`: a LoRA adapter for a student model, trained in its own process with
+a progress bar; Ctrl-C stops it at the end of the step under way and keeps a checkpoint that the
+same command resumes. The finished adapter is registered in models.toml and a running server is
+asked to serve it (POST /admin/config/reload)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+
+from appliance.cli_fleet import add_server_options, tell_server
+from appliance.settings import find_config, load_settings
+
+
+def cmd_distill_train(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from appliance.model_admin import alias_for
+    from appliance.train import job as training
+    from appliance.train.plan import Options
+
+    config = find_config(args.config)
+    options = Options(epochs=args.epochs, steps=args.steps, rank=args.rank, alpha=args.alpha, learning_rate=args.learning_rate,
+                      batch_size=args.batch_size, max_tokens=args.max_tokens, save_every=args.save_every,
+                      modules=tuple(m.strip() for m in args.modules.split(",")) if args.modules else Options().modules)
+    data = args.data.expanduser().resolve()
+    name = args.out or alias_for(data)
+    try:
+        prepared = training.prepare(load_settings(config), args.student, data, name, options, fresh=args.fresh,
+                                    threads=args.threads, nice=args.nice)
+    except training.TrainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    spec = prepared.spec
+    left_out = f", {len(prepared.left_out)} left out as longer than {options.max_tokens} tokens" if prepared.left_out else ""
+    print(f"training {spec.student}:{spec.adapter} on {spec.example_count} examples{left_out}: {prepared.steps} steps, "
+          f"{spec.threads} threads at nice {spec.nice}" + (" (resuming from its last checkpoint)" if prepared.resume else ""))
+    cancel = threading.Event()
+    outcome: dict[str, object] = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task("loading the student", total=prepared.steps, loss="-")
+
+        def show(p: training.Progress) -> None:
+            bar.update(task, completed=p.step, total=p.steps, description=p.phase,
+                       loss="-" if p.loss is None else f"{p.loss:.3f}")
+
+        def work() -> None:
+            try:
+                outcome["record"] = training.run(prepared, show, cancel)
+            except Exception as exc:
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=work, name="train", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            try:
+                worker.join(0.2)
+            except KeyboardInterrupt:  # the worker finishes its step and saves a checkpoint
+                if not cancel.is_set():
+                    bar.update(task, description="stopping after this step")
+                cancel.set()
+    error = outcome.get("error")
+    if isinstance(error, training.TrainCancelled):
+        print(str(error), file=sys.stderr)
+        return 130
+    if isinstance(error, Exception):
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    record = outcome["record"]
+    assert isinstance(record, dict)
+    before = config.read_text()
+    try:
+        target = training.install(prepared, config)
+    except Exception as exc:  # a refused models.toml change: nothing was left behind
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"trained in {record['seconds_this_session']:.0f}s, final loss {record['final_loss']:.3f}\n{prepared.paths.adapter}\n"
+          f"registered as {spec.student}:{spec.adapter} ({target.name}) in {config}")
+    return tell_server(args, config, before)
+
+
+def add_train_command(distill: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from appliance.train.plan import Options
+
+    d = Options()
+    train = distill.add_parser("train", help="train a LoRA adapter for a student model from chat-format JSONL examples")
+    train.add_argument("--student", required=True, help="the alias of the model to teach (its GGUF file is trained)")
+    train.add_argument("--data", type=Path, required=True, help="examples: one {\"messages\": [...]} a line, the answer last")
+    train.add_argument("--out", help="the adapter's name (default: from the data file's name); requests use STUDENT:NAME")
+    train.add_argument("--epochs", type=float, default=d.epochs, help=f"passes over the examples (default {d.epochs:g})")
+    train.add_argument("--steps", type=int, help="exactly this many optimizer steps instead of --epochs")
+    train.add_argument("--rank", type=int, default=d.rank, help=f"LoRA rank (default {d.rank})")
+    train.add_argument("--alpha", type=float, help="LoRA alpha; the update is scaled by alpha / rank (default: twice the rank)")
+    train.add_argument("--learning-rate", type=float, default=d.learning_rate, help=f"(default {d.learning_rate:g})")
+    train.add_argument("--batch-size", type=int, default=d.batch_size, help=f"examples a step (default {d.batch_size})")
+    train.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"longer examples are left out (default {d.max_tokens})")
+    train.add_argument("--save-every", type=int, default=d.save_every, help=f"steps between checkpoints (default {d.save_every})")
+    train.add_argument("--modules", help=f"the projections to adapt, comma-separated (default {','.join(d.modules)})")
+    train.add_argument("--threads", type=int, help="the trainer's CPU threads (default: the CPU count)")
+    train.add_argument("--nice", type=int, default=10, help="the trainer's priority below serving's (default 10)")
+    train.add_argument("--fresh", action="store_true", help="discard a stopped run of this name instead of resuming it")
+    train.add_argument("--config", type=Path)
+    add_server_options(train)
+    train.set_defaults(func=cmd_distill_train)
