@@ -1,11 +1,12 @@
 """`appliance distill train`: a LoRA adapter for a student model, trained in its own process with
-a progress bar; Ctrl-C stops it at the end of the step under way and keeps a checkpoint that the
+a progress bar; Ctrl-C (or SIGTERM) stops it at the end of the step under way and keeps a checkpoint that the
 same command resumes. The finished adapter is registered in models.toml and a running server is
 asked to serve it (POST /admin/config/reload)."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -50,23 +51,28 @@ def cmd_distill_train(args: argparse.Namespace) -> int:
         def work() -> None:
             try:
                 outcome["record"] = training.run(prepared, show, cancel)
-            except Exception as exc:
+            except BaseException as exc:  # shown below, on the main thread
                 outcome["error"] = exc
 
-        worker = threading.Thread(target=work, name="train", daemon=True)
-        worker.start()
-        while worker.is_alive():
-            try:
+        def stop(signum: int, frame: object) -> None:  # the worker finishes its step and saves a checkpoint
+            cancel.set()
+            bar.update(task, description="stopping after this step")
+
+        # Ctrl-C and a plain `kill` both stop it cleanly (a handler of our own: a shell may start us with SIGINT ignored).
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            worker = threading.Thread(target=work, name="train", daemon=True)
+            worker.start()
+            while worker.is_alive():
                 worker.join(0.2)
-            except KeyboardInterrupt:  # the worker finishes its step and saves a checkpoint
-                if not cancel.is_set():
-                    bar.update(task, description="stopping after this step")
-                cancel.set()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     error = outcome.get("error")
     if isinstance(error, training.TrainCancelled):
         print(str(error), file=sys.stderr)
         return 130
-    if isinstance(error, Exception):
+    if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 1
     record = outcome["record"]
