@@ -13,7 +13,7 @@ from pathlib import Path
 
 from appliance import cli_distill, cli_eval, cli_fleet
 from appliance.cli_fleet import add_server_options, server_url, tell_server, write_and_apply
-from appliance.cli_support import config_in_use, data_dir, ledger_db, ledger_of, print_rows, settings_of, when
+from appliance.cli_support import config_in_use, data_dir, ledger_db, ledger_of, moment, print_rows, settings_of, when
 from appliance.settings import ConfigError, find_config, load_settings
 
 
@@ -255,19 +255,8 @@ def cmd_models_convert(args: argparse.Namespace) -> int:
 
 
 def parse_expiry(text: str, now: float) -> float:
-    """'30d', '12h', '45m', '90s', or an ISO 8601 date or time (UTC unless it says otherwise)."""
-    from datetime import datetime, timezone
-
-    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
-    if text[:-1].isdigit() and text[-1:] in units:
-        return now + int(text[:-1]) * units[text[-1]]
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"--expires: {text!r} is neither a duration (30d, 12h, 45m, 90s) nor an ISO 8601 date") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return moment.timestamp()
+    """'30d', '12h', '45m', '90s' from now, or an ISO 8601 date or time (UTC unless it says otherwise)."""
+    return moment(text, now, 1, "--expires")
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
@@ -574,6 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_eval.add_commands(sub)
 
     distill = sub.add_parser("distill", help="teach a cheap model from verified answers").add_subparsers(dest="distill_command", required=True)
+    cli_distill.add_export_command(distill)
     cli_distill.add_train_command(distill)
 
     tui = sub.add_parser("tui", help="the operator's terminal UI, over the admin API")

@@ -42,6 +42,23 @@ def ledger_of(settings: Settings | None):  # type: ignore[no-untyped-def]
     return db
 
 
+def moment(text: str, now: float, direction: int, flag: str) -> float:
+    """A duration from now, forward (direction 1) or back (-1): '30d', '12h', '45m', '90s'; or an
+    ISO 8601 date or time (UTC unless it says otherwise). A ValueError names `flag`."""
+    from datetime import datetime, timezone
+
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    if text[:-1].isdigit() and text[-1:] in units:
+        return now + direction * int(text[:-1]) * units[text[-1]]
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is neither a duration (30d, 12h, 45m, 90s) nor an ISO 8601 date") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
+
+
 def when(epoch: float | None) -> str:
     from datetime import datetime, timezone
 

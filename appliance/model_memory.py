@@ -133,7 +133,8 @@ def model_estimate(model: ModelSettings, model_file: Path) -> MemoryEstimate:
     """The estimate for a configured llama.cpp model, in the context layout its engine makes."""
     from engines.llamacpp.engine import context_layout
 
-    kv_unified, flash_attn = context_layout(model.batch_invariant, model.kv_cache_type)
+    pooled = model.kv_tokens is not None and model.kv_tokens < model.slots * model.context_length
+    kv_unified, flash_attn = context_layout(model.batch_invariant, model.kv_cache_type, pooled)
     return estimate(model_file, model.slots, model.context_length, model.kv_cache_type, kv_type_v=model.kv_cache_type_v,
                     batch_tokens=model.batch_tokens, flash_attn=flash_attn, kv_unified=kv_unified, repack=not model.batch_invariant,
                     kv_tokens=model.kv_tokens or 0)

@@ -151,7 +151,8 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
     threads: Annotated[int, Meta(ge=1, le=1024, description="CPU threads", extra={"default_doc": "the CPU count"})] = \
         msgspec.field(default_factory=lambda: max(1, os.cpu_count() or 1))
     batch_tokens: Annotated[int, Meta(ge=1, description="tokens per decode step, at least slots")] = 512
-    prefills_per_step: Annotated[int, Meta(ge=0, description="prompts one step advances; 0: as many as batch_tokens holds",
+    prefills_per_step: Annotated[int, Meta(ge=0, description="prompts a step may leave unfinished (prompts that finish within the step's "
+                                                                  "batch_tokens always join it); 0: no limit",
                                            extra={"default_doc": "1; 0 for embedding models (no first token to hurry)"})] = 1
     chat_template: Annotated[str | None, Meta(description="a Jinja chat template, inline or a file next to this one; default: the model's own",
                                               extra={"load": _template_text, "form": "a template, or a file name"})] = None
@@ -344,6 +345,15 @@ class GuardrailSettings(_Table, frozen=True, kw_only=True):
     judge_threshold: Annotated[float, Meta(ge=0.0, le=1.0, description="the judge's P(yes) at which text is an injection")] = 0.5
 
 
+class DistillSettings(_Table, frozen=True, kw_only=True):
+    """Distillation: the appliance's verified answers teach its cheapest tier (docs/architecture.md)."""
+
+    tenants: Annotated[tuple[str, ...], Meta(
+        description="the tenants whose prompts and answers are kept to train on; empty: nobody's, nothing is kept",
+        extra={"rule": "a list of tenant names"})] = ()
+    retention_days: Annotated[float, Meta(ge=0.01, description="how long a kept answer stays for `appliance distill export`")] = 30.0
+
+
 @dataclass(frozen=True)
 class Section:
     """A top-level key of models.toml: a table, or an array of tables."""
@@ -357,7 +367,7 @@ SECTIONS = (
     Section("server", (ServerSettings,)), Section("defaults", (Defaults,)), Section("models", (LocalModel, UpstreamModel), array=True),
     Section("auth", (AuthSettings,)), Section("budgets", (BudgetSettings,)), Section("limits", (LimitSettings,), array=True),
     Section("cache", (CacheSettings,)), Section("tracing", (TracingSettings,)), Section("routes", (RouteSettings,), array=True),
-    Section("guardrails", (GuardrailSettings,)),
+    Section("guardrails", (GuardrailSettings,)), Section("distill", (DistillSettings,)),
 )
 
 
@@ -386,6 +396,7 @@ class Settings:
     tracing: TracingSettings = field(default_factory=TracingSettings)
     routes: tuple[RouteSettings, ...] = ()
     guardrails: GuardrailSettings = field(default_factory=GuardrailSettings)
+    distill: DistillSettings = field(default_factory=DistillSettings)
 
     @property
     def guard_pii(self) -> str:
@@ -587,7 +598,7 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         file=Path(file), server=table(ServerSettings, "server"), defaults=table(Defaults, "defaults"), models=models,
         auth=table(AuthSettings, "auth"), budgets=table(BudgetSettings, "budgets"), limits=_limits(raw, where),
         cache=_cache(raw, where), tracing=table(TracingSettings, "tracing"), routes=_routes(raw, models, where),
-        guardrails=table(GuardrailSettings, "guardrails"),
+        guardrails=table(GuardrailSettings, "guardrails"), distill=table(DistillSettings, "distill"),
     )
     # The judges answer through a grammar, which only a local model takes.
     judge = settings.guardrails.judge_model

@@ -208,7 +208,9 @@ class Replayer:
         headers = {"Authorization": f"Bearer {key}"}
         if not cached:
             headers["Cache-Control"] = "no-cache, no-store"
-        body: dict[str, Any] = {"model": model, "messages": record["messages"], "max_tokens": record["max_tokens"], "temperature": 0}
+        # The family in metadata: where the tenant opted in to distillation, its answers are kept under it (`distill export --family`).
+        body: dict[str, Any] = {"model": model, "messages": record["messages"], "max_tokens": record["max_tokens"], "temperature": 0,
+                                "metadata": {"family": record["family"]}}
         if record.get("response_format"):
             body["response_format"] = record["response_format"]
         started = time.perf_counter()

@@ -2,8 +2,9 @@
 """The whole range of prompts and clients: ours against llama.cpp's own llama-server, in one run.
 
 For each prompt length both servers run at once, sized alike (slots = the most clients, each able
-to hold the prompt and the answer; llama-server with one unified KV pool of the same cells as ours),
-and take turns cell by cell: for every client count, ours then the peer (the order alternating
+to hold the prompt and the answer),
+and take turns cell by cell (one KV stream per slot in both, or with --pool one shared pool of
+that many cells in both): for every client count, ours then the peer (the order alternating
 between repeats), each client sending `--rounds` streamed requests whose prompts are new text of
 about that length (no prefix cache can serve them). Cache off everywhere.
 
@@ -54,12 +55,14 @@ def ours(tmp: Path, logs: Path, model: Path | None, slots: int, context: int, th
 
 def peer(binary: Path, logs: Path, model: Path, slots: int, context: int, threads: int, pool: int) -> Server:
     port = free_port()
-    return Server("llama-server", [str(binary), "-m", str(model), "-a", ALIAS, "-np", str(slots), "-c", str(pool), "-kvu",
+    # llama-server's own choice with a fixed slot count is one stream per slot; a pool needs -kvu
+    unified = ["-kvu"] if pool < slots * context else []
+    return Server("llama-server", [str(binary), "-m", str(model), "-a", ALIAS, "-np", str(slots), "-c", str(pool), *unified,
                                    "-t", str(threads), "-ngl", "0", "--host", "127.0.0.1", "--port", str(port)],
                   port, "/health", ALIAS, log_path=logs / f"llama-server-{context}.log")
 
 
-def median(values: list[float]) -> float | None:
+def median(values: list[float | None]) -> float | None:
     s = sorted(v for v in values if v is not None)
     return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2 if s else None
 
@@ -85,6 +88,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="requests each client sends one after another")
     p.add_argument("--repeat", type=int, default=2, help="measurements of each cell per server, order alternating")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=0, help="tokens per slot (0: room for the prompt and the answer)")
     p.add_argument("--pool", type=int, default=0, help="KV cells both servers hold (0: slots x context); ours as kv_tokens")
     p.add_argument("--max-prompt-tokens", type=int, default=70000, help="skip cells sending more prompt tokens than this")
     p.add_argument("--extra", default="", help="TOML keys added to ours' [[models]] table")
@@ -108,7 +112,7 @@ def main() -> int:
                 log(f"{length} tokens: every cell is over --max-prompt-tokens; skipped")
                 continue
             slots = max(cells)
-            context = -(-(int(length * 1.1) + args.max_tokens + 64) // 256) * 256
+            context = args.context or -(-(int(length * 1.4) + args.max_tokens + 64) // 256) * 256
             pool = args.pool or slots * context
             servers = [ours(tmp, logs, args.model, slots, context, args.threads, pool, args.extra),
                        peer(binary, logs, model, slots, context, args.threads, pool)]
@@ -127,14 +131,16 @@ def main() -> int:
                                                        prompt_tokens=length))
                             prompt_no += clients * args.rounds
                             if run["failed"]:
-                                log(f"{server.name}: failures: {run['errors']}")
+                                log(f"{server.name}: failures: {run['errors']}\n{server.log_tail(15)}")
                             got = results.setdefault(f"{length}/{clients}", {}).setdefault(server.name, [])
                             prompt_tokens = (run["prompt_tokens"] or [length])[0]
                             got.append({"tok_s": run["tokens_per_s"], "ttft_p50": run["ttft_p50_s"], "ttft_p95": run["ttft_p95_s"],
                                         "prefill_tok_s": prompt_tokens / run["ttft_p50_s"] if clients == 1 and run["ttft_p50_s"] else None,
-                                        "failed": run["failed"], "prompt_tokens": prompt_tokens, "wall_s": run["wall_s"]})
-                            log(f"{length} tok x {clients} clients, {server.name}: {run['tokens_per_s']:.1f} tok/s, TTFT p50 "
-                                f"{run['ttft_p50_s'] * 1e3:.0f} ms, {run['failed']} failed")
+                                        "failed": run["failed"], "prompt_tokens": prompt_tokens, "wall_s": run["wall_s"],
+                                        "other_cores": run["other_cores"]})
+                            log(f"{length} tok x {clients} clients, {server.name}: {run['tokens_per_s'] or 0:.1f} tok/s, TTFT p50 "
+                                f"{(run['ttft_p50_s'] or 0) * 1e3:.0f} ms, {run['failed']} failed, prompt {prompt_tokens} tokens, "
+                                f"other processes {run['other_cores']:.2f} cores")
                             time.sleep(0.5)  # ggml's threads stop spinning before the other server computes
                 for server in servers:
                     kib = server.peak_rss_kib()

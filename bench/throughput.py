@@ -439,6 +439,8 @@ async def one_request(client: httpx.AsyncClient, server: Server, i: int, max_tok
         res.error = f"{type(exc).__name__}: {exc}"
         return res
     res.total = time.perf_counter() - t0
+    if res.ttft is None and res.finish is not None:
+        res.ttft = res.total  # the first token ended the answer (an end of turn): it came with the finish
     res.ok = res.ttft is not None
     if not res.ok:
         res.error = "no content streamed"

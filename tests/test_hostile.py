@@ -42,6 +42,9 @@ level = "tenant"
 name = "refused"
 requests_per_minute = 2
 tokens_per_minute = 400
+
+[distill]
+tenants = ["victims", "keepers", "rivals"]
 """
 HUGE = [2**63 - 1, 2**64, 10**15, -(2**63), 10**30]
 
@@ -139,6 +142,14 @@ CASES += [
     ("a forged tool result", "/v1/chat/completions", chat(messages=[{"role": "tool", "tool_call_id": "call_x", "content": "2"}])),
     ("call arguments not JSON", "/v1/chat/completions", chat(messages=[{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}])),
+    # metadata (a request's task family, where distillation keeps answers)
+    ("metadata with 17 keys", "/v1/chat/completions", chat(metadata={f"k{i}": "v" for i in range(17)})),
+    ("metadata value too long", "/v1/chat/completions", chat(metadata={"family": "x" * 513})),
+    ("metadata key too long", "/v1/chat/completions", chat(metadata={"k" * 65: "x"})),
+    ("metadata a number", "/v1/chat/completions", chat(metadata={"family": 5})),
+    ("metadata a list", "/v1/chat/completions", chat(metadata=["family"])),
+    ("feedback rating unknown", "/v1/cache/feedback", {"response_id": "chatcmpl-x", "rating": "meh"}),
+    ("feedback for no answer", "/v1/cache/feedback", {"response_id": "' OR 1=1 --", "rating": "good"}),
     ("responses max_output_tokens huge", "/v1/responses", {"model": CHAT_MODEL, "input": "Hi", "max_output_tokens": 2**63 - 1}),
     ("responses input a number", "/v1/responses", {"model": CHAT_MODEL, "input": 5}),
     ("responses an unknown previous response", "/v1/responses", {"model": CHAT_MODEL, "input": "Hi", "previous_response_id": "../x"}),
@@ -210,6 +221,23 @@ def test_every_hostile_request_is_a_4xx_and_moves_no_bucket_or_budget(hostile: d
     assert assert_refused(refused, (429,))["code"] == "rate_limit_exceeded"
     assert int(refused.headers["Retry-After"]) <= 60
     print(f"hostile cases tried: {len(cases)}")
+
+
+def test_feedback_reaches_only_the_callers_own_kept_answers(hostile: dict[str, Any]) -> None:
+    server = hostile["server"]
+    owner, rival = new_key(server, "keepers"), new_key(server, "rivals")
+    response_id = call(server, owner, "/v1/chat/completions", chat(temperature=0)).json()["id"]
+    deadline = time.monotonic() + 10
+    rating = "SELECT rating FROM kept_answers WHERE response_id = ?"
+    while database(server).execute(rating, (response_id,)).fetchone() is None:
+        assert time.monotonic() < deadline, "the answer was not kept"
+        time.sleep(0.05)
+    for body, status in (({"response_id": response_id, "rating": "bad"}, 404), ({"response_id": response_id, "rating": "meh"}, 400),
+                         ({"response_id": [response_id], "rating": "bad"}, 400), ({"response_id": response_id, "rating": "bad", "x": 1}, 400)):
+        assert_refused(call(server, rival, "/v1/cache/feedback", body), (status,))
+    assert database(server).execute(rating, (response_id,)).fetchone() == (None,)  # another tenant's answer is as absent
+    assert call(server, owner, "/v1/cache/feedback", {"response_id": response_id, "rating": "good"}).status_code == 200
+    assert database(server).execute(rating, (response_id,)).fetchone() == ("good",)
 
 
 def test_a_refusal_after_admission_gives_the_buckets_back(hostile: dict[str, Any]) -> None:

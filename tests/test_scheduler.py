@@ -81,7 +81,9 @@ def test_context_layout_keeps_invariance_rules():
     # invariant: one KV stream per sequence; flash attention only with a quantized cache
     assert context_layout(True, "q8_0") == (False, True)
     assert context_layout(True, "f16") == (False, False)
-    assert context_layout(False, "f16") == (True, True)
+    # otherwise: flash attention, one stream per sequence unless the slots share a smaller pool
+    assert context_layout(False, "f16") == (False, True)
+    assert context_layout(False, "f16", pooled=True) == (True, True)
 
 
 def test_admission_prefers_lowest_slot_unless_a_prefix_saves_enough():

@@ -18,7 +18,8 @@ def test_migrations_apply_once_and_give_the_exact_schema():
     tables = {row[0]: row[1] for row in db.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'")}
     assert set(tables) == {"migrations", "request_log", "api_keys", "auth_failures", "budget_limits", "budget_usage",
                            "reservations", "settlements", "budget_adjustments", "cache_entries", "cache_hits",
-                           "cache_feedback", "cache_sweeps", "spans", "eval_runs", "eval_answers", "eval_questions", "responses"}
+                           "cache_feedback", "cache_sweeps", "spans", "eval_runs", "eval_answers", "eval_questions", "responses",
+                           "kept_answers"}
     columns = [row[1] for row in db.execute("PRAGMA table_info(request_log)")]
     assert columns == ["id", "created_at", "endpoint", "model", "status", "finish_reason", "prompt_tokens",
                        "completion_tokens", "ttft_ms", "total_ms", "error", "tenant", "app", "user", "key_id", "cost_nanos"]
@@ -26,8 +27,10 @@ def test_migrations_apply_once_and_give_the_exact_schema():
         "run_id", "question", "ref", "family", "messages", "response_format", "adversarial_of"]
     assert [row[0] for row in db.execute("SELECT name FROM migrations")] == [
         "0001_request_log", "0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
-        "0011_responses"]
+        "0011_responses", "0012_kept_answers"]
     assert [row[1] for row in db.execute("PRAGMA table_info(responses)")] == ["tenant", "id", "created_at", "response", "conversation"]
+    assert [row[1] for row in db.execute("PRAGMA table_info(kept_answers)")] == [
+        "tenant", "response_id", "created_at", "route", "model", "family", "messages", "answer", "finish_reason", "validator", "rating"]
 
 
 def test_a_database_from_before_the_ledger_migrates_forward(tmp_path: Path):
@@ -35,7 +38,7 @@ def test_a_database_from_before_the_ledger_migrates_forward(tmp_path: Path):
     assert migrate(db, MIGRATIONS[:1]) == ["0001_request_log"]
     db.execute("INSERT INTO request_log(id, created_at, endpoint, model, status, total_ms) VALUES ('r1', 1, 'chat', 'm', 'ok', 5)")
     assert migrate(db) == ["0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
-                           "0011_responses"]
+                           "0011_responses", "0012_kept_answers"]
     assert db.execute("SELECT id, tenant, cost_nanos FROM request_log").fetchall() == [("r1", None, None)]
 
 

@@ -350,6 +350,11 @@ async def test_models_screen_loads_unloads_adds_and_removes_models(tmp_path) -> 
     from appliance.model_files import package_file
     from tests.conftest import MODEL_FILE
 
+    from appliance.model_memory import model_estimate
+    from appliance.settings import parse_settings
+
+    settings = parse_settings(_on_demand_config(), "m.toml", tmp_path)
+    mib = f"{model_estimate(settings.model('lazy'), package_file(MODEL_FILE)).total / 2**20:.0f}"  # what the row shows
     server = start_server(tmp_path / "on-demand", _on_demand_config())
 
     def resident(alias: str) -> dict:  # type: ignore[type-arg]
@@ -368,13 +373,13 @@ async def test_models_screen_loads_unloads_adds_and_removes_models(tmp_path) -> 
                 return next((r.cells for r in app.fleet if r.alias == alias and not r.retired), ())
 
             await pilot.press("6")
-            await settle(pilot, app, lambda: row("lazy")[3:5] == ("no", "227"))
+            await settle(pilot, app, lambda: row("lazy")[3:5] == ("no", mib))
             assert app.focused is table and "lazy  not loaded" in text_of(app, "#slots")
             assert text_of(app, "#memory") == "memory in use: 0 MiB (no budget)"
             await pilot.press("l")
             await settle(pilot, app, lambda: row("lazy")[3] == "yes")
             assert resident("lazy")["loaded"] and row("lazy")[-1].startswith(("9m", "10m"))  # keep_alive 10m, counting down
-            await settle(pilot, app, lambda: text_of(app, "#memory") == "memory in use: 227 MiB (no budget)")
+            await settle(pilot, app, lambda: text_of(app, "#memory") == f"memory in use: {mib} MiB (no budget)")
             await pilot.press("o")
             await settle(pilot, app, lambda: row("lazy")[3] == "no" and "lazy unloaded" in toasts(app))
             assert not resident("lazy")["loaded"]

@@ -11,6 +11,7 @@ from litestar import Request, get, post
 from appliance.api.common import authenticate, decode_body
 from appliance.api.errors import APIError, invalid
 from appliance.services import Services
+from appliance.store import kept_answers
 from policy.budgets import usd
 
 
@@ -36,15 +37,19 @@ def _ready(services: Services) -> None:
 
 @post("/v1/cache/feedback", status_code=200)
 async def feedback(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
-    """good: the answer behind this response is verified; bad: it is rejected, never served again."""
+    """good: the answer behind this response is verified; bad: it is rejected, never served again,
+    nor trained on where distillation keeps the caller's answers (then also with the cache off)."""
     principal = await authenticate(request, services)
-    _ready(services)
+    collecting = principal.tenant in services.settings.distill.tenants
+    if not collecting:
+        _ready(services)
     body: FeedbackBody = decode_body(await request.body(), FeedbackBody)
-    result = await services.cache.feedback(body.response_id, body.rating, principal.tenant)
-    if result is None:
+    result = await services.cache.feedback(body.response_id, body.rating, principal.tenant) if services.cache.ready else None
+    kept = collecting and await services.store.run(lambda db: kept_answers.rate(db, principal.tenant, body.response_id, body.rating))
+    if result is None and not kept:
         raise APIError(404, f"No cached or stored answer of yours has the response id '{body.response_id}'.",
                        type="not_found_error", param="response_id", code="response_not_found")
-    entry_id, was_hit = result
+    entry_id, was_hit = result if result is not None else (None, False)
     return {"entry_id": entry_id, "was_hit": was_hit, "state": "verified" if body.rating == "good" else "rejected"}
 
 

@@ -85,7 +85,7 @@ def cache_plan(header: str | None, services: Services, principal: Principal, bod
         **_adjustments(body),
     }
     # An adapter answers differently from its base model: its answers get their own buckets.
-    name = model.settings.alias + "".join(f":{adapter}@{scale:g}" for adapter, scale in prepared.request.adapter_key)
+    name = prepared.model_name(model.settings.alias)
     return _plan(services, directives, principal, body, name, model_version(model.settings), settings, sampling.temperature)
 
 

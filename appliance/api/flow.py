@@ -11,11 +11,12 @@ from litestar import Request, Response
 
 from appliance.api import call
 from appliance.api.cached import cache_plan, charge_judge, serve_hit
+from appliance.api.collect import both, keeper
 from appliance.api.call import WireFor
 from appliance.api.errors import APIError, invalid
 from appliance.api.routed import routed_chat
 from appliance.api.schemas import ChatCompletionRequest
-from appliance.api.translate import Prepared, chat_messages, prepare_chat, unsupported_chat
+from appliance.api.translate import Prepared, chat_messages, check_metadata, prepare_chat, unsupported_chat
 from appliance.judge import yes_probability
 from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
@@ -30,6 +31,7 @@ async def serve_chat(request: Request[Any, Any, Any], services: Services, princi
     """Guards, then the route or the model, the cache, and the call; the caller's wire format
     shapes the answer. Ends `traced` on every path that answers without a live stream."""
     unsupported_chat(body)
+    check_metadata(body.metadata)
     await guard(services, traced, [m.get("content", "") for m in chat_messages(body) if m.get("role") == "user"], principal, request_id)
     route = services.settings.route(body.model)
     if route is not None:
@@ -61,8 +63,12 @@ async def serve_chat(request: Request[Any, Any, Any], services: Services, princi
         await charge_judge(services, principal, model, request_id, found)
         plan = dataclasses.replace(plan, lookup=found)
     traced.annotate(cache__result="miss" if plan.read and plan.item is not None else "bypass")
+
+    def remember_for(p: Prepared) -> call.Remember | None:
+        return both(plan.remember(services, model, p, traced), keeper(services, principal, body, None, model.settings.alias, p))
+
     return await call.respond(request, services, principal, model, prepared, body.stream, "chat", wire_for, traced,
-                              headers=plan.headers(), remember_for=lambda p: plan.remember(services, model, p, traced))
+                              headers=plan.headers(), remember_for=remember_for)
 
 
 def annotate_principal(traced: RequestTrace, principal: Principal) -> None:

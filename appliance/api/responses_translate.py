@@ -13,13 +13,13 @@ import msgspec
 
 from appliance.api.errors import APIError, from_validation, invalid
 from appliance.api.schemas import ChatCompletionRequest, ChatMessage, ResponsesRequest
+from appliance.api.translate import check_metadata
 
 Message = dict[str, Any]  # one chat message as the chat API's JSON has it
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MEDIA_PARTS = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
-METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
 
 def new_id(prefix: str) -> str:
@@ -188,13 +188,7 @@ def _check(body: ResponsesRequest) -> None:
         raise invalid(f"'include' values are not supported by this server: {', '.join(body.include)}.", "include")
     if body.max_tool_calls is not None:
         raise invalid("'max_tool_calls' is not supported by this server.", "max_tool_calls")
-    if body.metadata is not None:
-        if len(body.metadata) > METADATA_KEYS:
-            raise invalid(f"'metadata' may have at most {METADATA_KEYS} keys.", "metadata")
-        for key, value in body.metadata.items():
-            if len(key) > METADATA_KEY_CHARS or len(value) > METADATA_VALUE_CHARS:
-                raise invalid(f"metadata keys may have at most {METADATA_KEY_CHARS} characters and values {METADATA_VALUE_CHARS}.",
-                              f"metadata.{key[:METADATA_KEY_CHARS]}")
+    check_metadata(body.metadata)
 
 
 def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
@@ -219,7 +213,7 @@ def to_chat(body: ResponsesRequest, history: list[Message]) -> tuple[ChatComplet
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
                             "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "user": body.user,
                             "response_format": _response_format(body), "frequency_penalty": body.frequency_penalty,
-                            "presence_penalty": body.presence_penalty}
+                            "presence_penalty": body.presence_penalty, "metadata": body.metadata}
     tools = chat_tools(body.tools)
     if tools is not None:
         chat["tools"] = tools

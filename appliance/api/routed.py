@@ -21,6 +21,7 @@ from litestar import Request, Response
 from appliance.api import call
 from appliance.api.cached import CachePlan, charge_judge, route_cache_plan, serve_hit
 from appliance.api.call import WireFor, known_answer
+from appliance.api.collect import both, keeper
 from appliance.api.errors import APIError
 from appliance.api.schemas import ChatCompletionRequest
 from appliance.api.translate import Prepared, chat_messages, prepare_chat
@@ -196,7 +197,8 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
             traced.annotate(route__model=alias, route__tier=index, route__attempts=len(attempts))
             traced.answered(request_id, alias, [finish.reason], finish.usage.prompt_tokens, finish.usage.completion_tokens)
             as_answered = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, id=request_id))
-            remember = plan.remember(services, model, as_answered, traced)
+            remember = both(plan.remember(services, model, as_answered, traced),
+                            keeper(services, principal, body, route.alias, alias, as_answered))
             if remember is not None:
                 remember(text, finish)
             return _respond(prepared, model.settings.alias, text, logprobs, finish, body, request_id, started, wire_for,

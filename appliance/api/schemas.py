@@ -116,6 +116,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     # The legacy forms, read as tools and tool_choice.
     functions: list[FunctionSpec] | None = None
     function_call: str | FunctionName | None = None
+    # OpenAI's tags on a request; `family` names its task family where distillation keeps answers.
+    metadata: dict[str, str] | None = None
     # OpenAI's fields this server does not serve and that would change the answer: declared so that
     # translate.unsupported_chat can refuse them by name instead of ignoring them.
     audio: Any = None

@@ -27,6 +27,8 @@ MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 # Choices per request: each is a full completion (a slot, its tokens in the budget), so a few only.
 MAX_CHOICES = 8
+# OpenAI's limits on `metadata` (chat completions and responses).
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,10 @@ class Prepared:
     messages: tuple[dict[str, Any], ...] = ()  # a chat request's turns, as the template saw them
     tools: ToolPlan | None = None  # tools offered: the answer is read for calls
     choices: int = 1  # `n`: completions of this prompt, one engine request each (choices.py)
+
+    def model_name(self, alias: str) -> str:
+        """The model that answers: the alias, with the adapters on it (an adapter answers differently)."""
+        return alias + "".join(f":{adapter}@{scale:g}" for adapter, scale in self.request.adapter_key)
 
     @property
     def replay(self) -> str:
@@ -55,6 +61,17 @@ def unsupported_chat(body: ChatCompletionRequest) -> None:
         raise invalid("Web search is not supported: the server answers offline.", "web_search_options")
     if body.reasoning_effort is not None:
         raise invalid("reasoning_effort is not supported: no served model is a reasoning model.", "reasoning_effort")
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > METADATA_KEYS:
+        raise invalid(f"'metadata' may have at most {METADATA_KEYS} keys.", "metadata")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS or len(value) > METADATA_VALUE_CHARS:
+            raise invalid(f"metadata keys may have at most {METADATA_KEY_CHARS} characters and values {METADATA_VALUE_CHARS}.",
+                          f"metadata.{key[:METADATA_KEY_CHARS]}")
 
 
 def _check_common(body: ChatCompletionRequest | CompletionRequest, model: LoadedModel) -> None:

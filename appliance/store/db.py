@@ -118,6 +118,12 @@ def _create_eval_questions(db: apsw.Connection) -> None:
     create_question_table(db)
 
 
+def _create_kept_answers(db: apsw.Connection) -> None:
+    from appliance.store.kept_answers import create_tables
+
+    create_tables(db)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     ("0001_request_log", _create_request_log),
     ("0002_api_keys", keystore.create_tables),
@@ -130,6 +136,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0009_eval_questions", _create_eval_questions),
     ("0010_spans_remote_parent", _spans_remote_parent),
     ("0011_responses", _create_responses),
+    ("0012_kept_answers", _create_kept_answers),
 )
 
 

@@ -70,12 +70,15 @@ class LlamaCppConfig:
 
 
 
-def context_layout(batch_invariant: bool, kv_type: str) -> tuple[bool, bool]:
+def context_layout(batch_invariant: bool, kv_type: str, pooled: bool = False) -> tuple[bool, bool]:
     """(kv_unified, flash_attn) for a model. Invariance needs one KV stream per sequence, and flash
     attention only where ggml's CPU kernel cannot switch paths by batch shape: its split-KV and tiled
-    paths take f16/f32 KV only, so a q8_0 cache always runs the sequential one (docs/architecture.md)."""
+    paths take f16/f32 KV only, so a q8_0 cache always runs the sequential one (docs/architecture.md).
+    Otherwise flash attention, and one stream per sequence unless the slots share a smaller pool
+    (`pooled`): in one unified stream each token attends over every sequence's cells, masked, which
+    made eight 1.1k-token prompts take 30% longer (docs/performance.md)."""
     if not batch_invariant:
-        return True, True
+        return pooled, True
     return False, kv_type not in ("f16", "bf16")
 
 
@@ -117,7 +120,8 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         try:
             # Embeddings: `slots` sequences share a forward pass, which holds every token of each.
             self.pooling = resolve_pooling(config.pooling, self.model.pooling()) if config.embeddings else None
-            kv_unified, flash_attn = context_layout(config.batch_invariant, config.kv_type)
+            pooled = 0 < config.kv_tokens < config.slots * config.context_length
+            kv_unified, flash_attn = context_layout(config.batch_invariant, config.kv_type, pooled)
             # With a KV stream per sequence llama.cpp splits a pass into equal shares of each
             # sequence, and pools a sequence over its last share only: one stream keeps a pass whole.
             kv_unified = kv_unified or config.embeddings
@@ -407,7 +411,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         """The batch found no room in the KV pool: idle slots give up the prefixes they hold (to
         host RAM where worth it); failing that, the newest request moves its KV to host RAM and
         waits, keeping its slot, until a request ends. The step is then planned again."""
-        idle = [s for s in range(self.config.slots) if s not in self._active and ("slot", s) in self._index]
+        idle = self._idle_holders()
         if idle:
             for slot in idle:
                 self._evict(slot, 0)
@@ -431,6 +435,10 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         self.prefix_stats.swapped_out += 1
         log.info("KV pool full: slot %d (%d tokens) waits in host RAM", victim.slot, victim.n_past)
 
+    def _idle_holders(self) -> list[int]:
+        """Free slots whose KV still holds a cached prefix."""
+        return [s for s in range(self.config.slots) if s not in self._active and ("slot", s) in self._index]
+
     def _swap_in(self) -> bool:
         """Brings set-aside requests back, oldest first, once a request has ended and the pool
         has room for them; True when none is left waiting."""
@@ -443,7 +451,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         for job in swapped:
             # what requests hold, counted without sharing (an upper bound), plus a step's growth
             held = sum(j.n_past + 1 for j in self._active.values() if j.swapped is None)
-            idle = [s for s in range(self.config.slots) if s not in self._active and ("slot", s) in self._index]
+            idle = self._idle_holders()
             cached = sum(len(self._index.tokens(("slot", s))) for s in idle)
             if held + job.n_past + 1 > capacity:
                 self._room_freed = False
