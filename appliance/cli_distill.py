@@ -1,7 +1,8 @@
 """`appliance distill ...`: the appliance teaches its cheapest tier from its own verified answers.
 `export` is the collect step (appliance/distill_export.py). `train` trains a LoRA adapter for a
-student model in its own process with a progress bar; Ctrl-C (or SIGTERM) stops it at the end of
-the step under way and keeps a checkpoint that the same command resumes. The finished adapter is
+student model in its own process with a progress bar, paused while a server at --url has requests;
+Ctrl-C (or SIGTERM) stops it at the end of the step under way and keeps a checkpoint that the same
+command resumes. The finished adapter is
 registered in models.toml and a running server is asked to serve it (POST /admin/config/reload)."""
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from appliance.cli_fleet import add_server_options, tell_server
+from appliance.cli_fleet import add_server_options, server_url, tell_server
 from appliance.cli_support import ledger_of, moment, settings_of
 from appliance.settings import find_config, load_settings
 
@@ -87,6 +89,9 @@ def cmd_distill_train(args: argparse.Namespace) -> int:
     left_out = f", {len(prepared.left_out)} left out as longer than {options.max_tokens} tokens" if prepared.left_out else ""
     print(f"training {spec.student}:{spec.adapter} on {spec.example_count} examples{left_out}: {prepared.steps} steps, "
           f"{spec.threads} threads at nice {spec.nice}" + (" (resuming from its last checkpoint)" if prepared.resume else ""))
+    busy = None if args.no_yield else server_busy(server_url(args), args.key)
+    if busy is not None:
+        print(f"paused whenever the server at {server_url(args)} has requests (--no-yield: never)")
     cancel = threading.Event()
     outcome: dict[str, object] = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
@@ -99,7 +104,7 @@ def cmd_distill_train(args: argparse.Namespace) -> int:
 
         def work() -> None:
             try:
-                outcome["record"] = training.run(prepared, show, cancel)
+                outcome["record"] = training.run(prepared, show, cancel, busy=busy)
             except BaseException as exc:  # shown below, on the main thread
                 outcome["error"] = exc
 
@@ -137,6 +142,30 @@ def cmd_distill_train(args: argparse.Namespace) -> int:
     return tell_server(args, config, before)
 
 
+def server_busy(url: str, key: str | None) -> Callable[[], bool] | None:
+    """A check of whether the running server has requests (its /health), when one answers at `url`."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=2)
+
+    last = [0.0, False]
+
+    def busy() -> bool:  # asked at most every 0.1 s: each ask is a request the server answers
+        if time.monotonic() - last[0] >= 0.1:
+            models = client.get("/health").json()["models"]
+            # models with upstreams run elsewhere and use no CPU here
+            last[:] = [time.monotonic(), any((m.get("slots_busy") or m.get("queue_depth")) and "upstreams" not in m for m in models.values())]
+        return bool(last[1])
+
+    try:
+        busy()
+    except (httpx.HTTPError, ValueError, KeyError, AttributeError):
+        client.close()
+        return None
+    return busy
+
+
 def add_train_command(distill: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from appliance.train.plan import Options
 
@@ -157,6 +186,8 @@ def add_train_command(distill: argparse._SubParsersAction) -> None:  # type: ign
     train.add_argument("--threads", type=int, help="the trainer's CPU threads (default: the CPU count)")
     train.add_argument("--nice", type=int, default=10, help="the trainer's priority below serving's (default 10)")
     train.add_argument("--fresh", action="store_true", help="discard a stopped run of this name instead of resuming it")
+    train.add_argument("--no-yield", action="store_true",
+                       help="keep training while the server at --url has requests (by default it pauses: serving keeps the CPU)")
     train.add_argument("--config", type=Path)
     add_server_options(train)
     train.set_defaults(func=cmd_distill_train)

@@ -4,14 +4,16 @@ registered in models.toml and served without a restart.
 
 The end-to-end test teaches the bundled model a fixed reply to a trigger phrase in a few steps,
 through a real server's admin API: the job is stopped half-way (nothing is left but its checkpoint),
-started again (it resumes from the checkpoint), and the adapter then answers the trigger with the
-trained reply through llama.cpp while the base model does not."""
+started again (it resumes from the checkpoint; it pauses while the server answers a request), and
+the adapter then answers the trigger with the trained reply through llama.cpp while the base model
+does not."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -234,8 +236,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     stop_server(server)
 
 
-def ask(server: Server, model: str) -> str:
-    r = server.client(timeout=120).chat.completions.create(model=model, messages=[{"role": "user", "content": TRIGGER}], max_tokens=16, temperature=0)
+def ask(server: Server, model: str, max_tokens: int = 16) -> str:
+    r = server.client(timeout=120).chat.completions.create(model=model, messages=[{"role": "user", "content": TRIGGER}], max_tokens=max_tokens,
+                                                           temperature=0)
     return r.choices[0].message.content or ""
 
 
@@ -280,13 +283,20 @@ def test_train_stop_resume_register_and_serve(served: Server) -> None:
     # the same request resumes from the checkpoint and finishes
     resumed = admin.post("/admin/distill/train", json=body)
     assert resumed.status_code == 202 and resumed.json()["resume"] is True, resumed.text
+    # serving comes first: while the model has a request, the trainer is paused
+    _wait(admin, resumed.json()["job"]["id"], lambda j: j["message"].startswith("training") or j["state"] != "running")
+    asking = threading.Thread(target=ask, args=(served, CHAT_MODEL, 48))
+    asking.start()
+    paused = _wait(admin, resumed.json()["job"]["id"], lambda j: j["message"].startswith("paused") or not asking.is_alive(), timeout=60)
+    asking.join()
+    assert paused["message"].startswith("paused while serving"), paused
     finished = _wait(admin, resumed.json()["job"]["id"], lambda j: j["state"] != "running")
     assert finished["state"] == "done" and finished["done"] == finished["total"] == 10, finished
     assert "now served" in finished["message"]
     folder = served.home / "adapters" / CHAT_MODEL / "vault"
     record = json.loads((folder / "training.json").read_text())
     assert record["resumed_from_step"] == int(checkpoints[0].split("-")[1]) and record["steps"] == 10
-    assert record["final_loss"] < 0.5, record
+    assert record["final_loss"] < 0.5 and record["paused_seconds"] > 0, record
     assert (folder / "adapter.gguf").is_file() and (folder / "mlx" / "adapters.safetensors").is_file()
     assert not run.exists()  # the checkpoints went with the run
     adapters = load_settings(config).model(CHAT_MODEL).adapters

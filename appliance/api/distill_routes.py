@@ -1,6 +1,7 @@
 """The admin API for distillation: train a LoRA adapter for a student model as a server job (poll
 GET /admin/jobs; DELETE /admin/jobs/{id} stops it with a checkpoint that the same request
-resumes). The finished adapter is registered in models.toml and served without a restart."""
+resumes). The trainer is paused while the server's own models have requests. The finished adapter
+is registered in models.toml and served without a restart."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from appliance.api.fleet_routes import apply_from_thread, config_file
 from appliance.jobs import Job, JobBusy, JobCancelled
 from appliance.model_admin import alias_for
 from appliance.services import Services
+from appliance.settings import LocalModel
 from appliance.train.plan import Options
 
 
@@ -29,6 +31,7 @@ class TrainBody(msgspec.Struct, forbid_unknown_fields=True):
     threads: int | None = None  # the trainer's CPU threads; default: the CPU count
     nice: int = 10  # its priority below serving's
     fresh: bool = False  # discard a stopped run of this name instead of resuming it
+    yield_to_serving: bool = True  # the trainer is paused while any local model has requests
 
 
 @post("/admin/distill/train", status_code=202)
@@ -65,7 +68,7 @@ async def train_adapter(request: Request[Any, Any, Any], services: Services) -> 
             job.message = p.phase + (f", loss {p.loss:.3f}" if p.loss is not None else "")
 
         try:
-            record = training.run(prepared, show, job.cancel)
+            record = training.run(prepared, show, job.cancel, busy=(lambda: serving_busy(services)) if body.yield_to_serving else None)
         except training.TrainCancelled as exc:
             raise JobCancelled(str(exc)) from None
         target = training.install(prepared, Path(config))
@@ -82,6 +85,16 @@ async def train_adapter(request: Request[Any, Any, Any], services: Services) -> 
         raise APIError(409, str(exc), code="job_running") from None
     return {"job": job.view(), "examples": prepared.spec.example_count, "left_out_lines": list(prepared.left_out),
             "steps": prepared.steps, "resume": prepared.resume}
+
+
+def serving_busy(services: Services) -> bool:
+    """Whether a model this machine runs has requests running or waiting (upstream ones use no CPU here)."""
+    for model in services.registry.all():
+        if isinstance(model.settings, LocalModel):
+            stats = model.engine.stats()
+            if stats.slots_busy or stats.queue_depth:
+                return True
+    return False
 
 
 ROUTES = [train_adapter]

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,10 +163,14 @@ def _identity_on_disk(paths: RunPaths) -> str | None:
         return None
 
 
-def run(prepared: Prepared, on_progress: Callable[[Progress], None], cancel: threading.Event, *, grace_s: float = 120.0) -> dict:
-    """Runs the worker to the end; returns what it wrote about the run (training.json). Raises
-    TrainCancelled when `cancel` was set (the run's checkpoint stays, to resume), TrainError when
-    the worker failed. Either way no finished files are left in staging."""
+def run(prepared: Prepared, on_progress: Callable[[Progress], None], cancel: threading.Event, *,
+        busy: Callable[[], bool] | None = None, grace_s: float = 120.0) -> dict:
+    """Runs the worker to the end; returns what it wrote about the run (training.json, with the
+    seconds it spent paused). While `busy()` says serving has work, the worker is stopped
+    (SIGSTOP) and continued once it has none: on a small CPU, ggml's spinning threads lose far
+    more than the trainer's share to it (docs/performance.md). Raises TrainCancelled when `cancel`
+    was set (the run's checkpoint stays, to resume), TrainError when the worker failed. Either way
+    no finished files are left in staging."""
     spec, paths = prepared.spec, prepared.paths
     threads = str(spec.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
@@ -174,47 +179,88 @@ def run(prepared: Prepared, on_progress: Callable[[Progress], None], cancel: thr
         # Its own session: a Ctrl-C at the terminal reaches the CLI, which stops the worker cleanly.
         process = subprocess.Popen([sys.executable, "-m", "appliance.train.worker", str(paths.spec)], cwd=ROOT, env=env,
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
-    watcher = threading.Thread(target=_stop_when_asked, args=(process, cancel, grace_s), name="train-cancel", daemon=True)
+    last = [Progress("loading", 0, prepared.steps)]
+    watch = _Watch(process, cancel, busy, grace_s, lambda paused: on_progress(
+        Progress("paused while serving" if paused else last[0].phase, last[0].step, last[0].steps, last[0].loss)))
+    watcher = threading.Thread(target=watch.run, name="train-watch", daemon=True)
     watcher.start()
-    error, last = None, Progress("loading", 0, prepared.steps)
+    error = None
     assert process.stdout is not None
     for raw in process.stdout:
         try:
             event = json.loads(raw)
         except ValueError:
             continue
-        kind = event.get("event")
+        kind, now = event.get("event"), last[0]
         if kind == "error":
             error = event.get("message")
-        elif kind in ("started", "step"):
-            last = Progress("training", event["step"], event["steps"], event.get("loss", last.loss))
+            continue
+        if kind in ("started", "step"):
+            last[0] = Progress("training", event["step"], event["steps"], event.get("loss", now.loss))
         elif kind == "saved":
-            last = Progress("saving", event["step"], last.steps, last.loss)
+            last[0] = Progress("saving", event["step"], now.steps, now.loss)
         else:
             continue
-        on_progress(last)
+        on_progress(last[0])
     code = process.wait()
     watcher.join()
     if code != 0 or cancel.is_set():
         shutil.rmtree(paths.staging, ignore_errors=True)
     if cancel.is_set() or code == CANCELLED_EXIT:
         kept = f"checkpoint kept at step {_checkpoint_step(paths)}" if _checkpoint_step(paths) else "no checkpoint yet"
-        raise TrainCancelled(f"training {spec.student}:{spec.adapter} stopped at step {last.step} of {last.steps} "
+        raise TrainCancelled(f"training {spec.student}:{spec.adapter} stopped at step {last[0].step} of {last[0].steps} "
                              f"({kept}; the same command resumes it, --fresh starts over)")
     if code != 0:
         raise TrainError(error or f"the trainer exited with status {code}; its log is {paths.log}")
-    return json.loads((paths.staging / "training.json").read_text())
+    record = json.loads((paths.staging / "training.json").read_text())
+    record["paused_seconds"] = round(watch.paused_s, 1)
+    (paths.staging / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
 
 
-def _stop_when_asked(process: subprocess.Popen, cancel: threading.Event, grace_s: float) -> None:  # type: ignore[type-arg]
-    while process.poll() is None:
-        if cancel.wait(0.2):
-            process.send_signal(signal.SIGTERM)  # it stops after the step under way, with a checkpoint
-            try:
-                process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
+class _Watch:
+    """The worker's keeper, on its own thread: stops it when asked to (it finishes its step and
+    saves a checkpoint), and pauses it while serving is busy."""
+
+    POLL_S = 0.05
+
+    def __init__(self, process: subprocess.Popen, cancel: threading.Event, busy: Callable[[], bool] | None,  # type: ignore[type-arg]
+                 grace_s: float, paused_changed: Callable[[bool], None]) -> None:
+        self.process, self.cancel, self.busy, self.grace_s, self.paused_changed = process, cancel, busy, grace_s, paused_changed
+        self.paused_s = 0.0
+        self._since: float | None = None
+
+    def run(self) -> None:
+        while self.process.poll() is None:
+            if self.cancel.wait(self.POLL_S):
+                self._pause(False)  # a stopped process takes no SIGTERM until it runs again
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(self.grace_s)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                return
+            if self.busy is not None:
+                try:
+                    wanted = self.busy()
+                except Exception:  # serving's state unknown: do not hold training up for it
+                    wanted = False
+                self._pause(wanted)
+        self._pause(False)
+
+    def _pause(self, paused: bool) -> None:
+        if paused == (self._since is not None):
             return
+        try:
+            self.process.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        if paused:
+            self._since = time.monotonic()
+        else:
+            self.paused_s += time.monotonic() - (self._since or time.monotonic())
+            self._since = None
+        self.paused_changed(paused)
 
 
 def _checkpoint_step(paths: RunPaths) -> int:

@@ -71,6 +71,7 @@ def _train(spec: Spec, emit: _Events) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     parent = os.getppid()
+    _die_with_parent()
     os.nice(spec.nice)
     try:
         import torch
@@ -146,6 +147,17 @@ def _train(spec: Spec, emit: _Events) -> int:
     })
     emit("done", step=trainer.state.global_step, loss=_last_loss(trainer.state.log_history), seconds=round(time.monotonic() - started, 1))
     return 0
+
+
+def _die_with_parent() -> None:
+    """On Linux the kernel kills this process when its parent dies, even while it is stopped
+    (paused for serving), so it cannot outlive a server that was killed; it resumes from its last
+    checkpoint. Elsewhere it notices at its next step and stops."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _load_dense(gguf: Path, torch: Any) -> Any:
