@@ -15,6 +15,7 @@ import pytest
 
 from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf
 from appliance.settings import ConfigError, parse_settings
+from engines.llama_layout import rope_unpermute
 from tests.conftest import CHAT_MODEL, INVARIANT, Server, config_text, start_server, stop_server
 
 LAYERS, EMBED, KV = 30, 576, 192  # SmolLM2-135M: 30 layers, 576 wide, 3 KV heads of 64
@@ -27,7 +28,10 @@ def write_lora(path: Path, seed: int, rank: int = 8) -> Path:
     pairs = {}
     for layer in range(LAYERS):
         for name, out in (("q_proj", EMBED), ("v_proj", KV)):
-            pairs[f"model.layers.{layer}.self_attn.{name}"] = LoraPair(rng.normal(0, 0.15, (rank, EMBED)), rng.normal(0, 0.15, (out, rank)))
+            a, b = rng.normal(0, 0.15, (rank, EMBED)), rng.normal(0, 0.15, (out, rank))
+            # In Hugging Face's row order, which the writer puts back into llama.cpp's: the file holds
+            # these draws as they are (the texts the tests compare come from them).
+            pairs[f"model.layers.{layer}.self_attn.{name}"] = LoraPair(a, rope_unpermute(b, 9) if name == "q_proj" else b)
     return write_gguf(LoraAdapter(pairs, alpha=float(rank)), path, BaseShape("llama", heads=9, kv_heads=3, layers=LAYERS))
 
 
