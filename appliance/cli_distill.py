@@ -172,7 +172,7 @@ def add_train_command(distill: argparse._SubParsersAction) -> None:  # type: ign
     d = Options()
     train = distill.add_parser("train", help="train a LoRA adapter for a student model from chat-format JSONL examples")
     train.add_argument("--student", required=True, help="the alias of the model to teach (its GGUF file is trained)")
-    train.add_argument("--data", type=Path, required=True, help="examples: one {\"messages\": [...]} a line, the answer last")
+    train.add_argument("--data", type=Path, required=True, help="the folder `appliance distill export` wrote, or a JSONL file: one {\"messages\": [...]} a line, the answer last")
     train.add_argument("--out", help="the adapter's name (default: from the data file's name); requests use STUDENT:NAME")
     train.add_argument("--epochs", type=float, default=d.epochs, help=f"passes over the examples (default {d.epochs:g})")
     train.add_argument("--steps", type=int, help="exactly this many optimizer steps instead of --epochs")

@@ -32,7 +32,8 @@ from appliance.jobs import JobCancelled, JobRunner
 from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf, write_mlx
 from appliance.model_files import package_file
 from appliance.settings import ConfigError, load_settings
-from appliance.train.data import IGNORED, DataError, Example, Message, encode, parse_examples
+from appliance.distill_export import HELD_OUT, TRAIN
+from appliance.train.data import IGNORED, DataError, Example, Message, encode, parse_examples, read_examples
 from appliance.train.plan import Options, OptionError, Refused, resume_or_start, total_steps
 from engines.llama_layout import gguf_stem, rope_permute, rope_unpermute
 from engines.llamacpp.vocabulary import LlamaVocabulary
@@ -66,6 +67,16 @@ def test_a_malformed_line_is_named_by_its_number(line: str, says: str) -> None:
     with pytest.raises(DataError) as caught:
         parse_examples([good, "\n", line], "data.jsonl")
     assert str(caught.value).startswith("data.jsonl:3: ") and says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_export_folder_trains_on_its_train_part_only(tmp_path: Path) -> None:
+    (tmp_path / TRAIN).write_text(examples_text())
+    (tmp_path / HELD_OUT).write_text(examples_text(["held out " + a for a in ASKED]))
+    read = read_examples(tmp_path)
+    assert [e.messages[0].content for e in read] == ASKED
+    (tmp_path / TRAIN).unlink()
+    with pytest.raises(DataError, match=f"{TRAIN}: no such file"):
+        read_examples(tmp_path)
 
 
 def test_an_example_is_the_served_prompt_then_the_answer_and_the_turns_end() -> None:

@@ -20,6 +20,7 @@ import msgspec
 
 from appliance.chat_prompt import pieces, render_marked, vocabulary_prompt
 from appliance.chat_template import ChatTemplate, TemplateError
+from appliance.distill_export import TRAIN
 from engines.vocabulary import Vocabulary
 
 MIN_EXAMPLES = 8
@@ -76,6 +77,9 @@ def parse_examples(lines: Iterable[str], source: str) -> list[Example]:
 
 
 def read_examples(path: Path, minimum: int = MIN_EXAMPLES) -> list[Example]:
+    """`path` is a JSONL file, or the folder `appliance distill export` wrote (its train.jsonl; never its held-out part)."""
+    if path.is_dir():
+        path = path / TRAIN
     try:
         with path.open(encoding="utf-8") as handle:
             examples = parse_examples(handle, str(path))
