@@ -44,6 +44,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, adapters: dict[str, Path]) -> Iterator[Server]:
     extra = "".join(f'\n[[models.adapters]]\nname = "{n}"\npath = "{adapters[n]}"\n' for n in ("warm", "cold"))
+    extra += f'\n[[routes]]\nalias = "distilled"\ntiers = ["{CHAT_MODEL}:warm", "{CHAT_MODEL}"]\n'  # a distilled tier below its base
     srv = start_server(tmp_path_factory.mktemp("lora-server"), config_text(slots=8, embeddings=False, model_extra=INVARIANT + extra))
     yield srv
     stop_server(srv)
@@ -145,7 +146,21 @@ def test_adapters_load_and_unload_at_runtime(server: Server, adapters: dict[str,
         ask(server, adapters=[{"name": "warm"}, {"name": "warm"}])
 
 
+def test_a_route_tier_runs_its_adapter(server: Server) -> None:
+    """A route's "alias:adapter" tier answers as the adapter does, and says which tier it was."""
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
+        "model": "distilled", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-route-model"] == f"{CHAT_MODEL}:warm" and r.json()["model"] == f"{CHAT_MODEL}:warm"
+    assert r.json()["choices"][0]["message"]["content"] == ask(server, adapters=[{"name": "warm"}]) != ask(server)
+
+
 def test_adapter_config_errors_name_the_key(tmp_path: Path) -> None:
+    route = '\n[[routes]]\nalias = "r"\ntiers = ["{tier}"]\n'
+    with pytest.raises(ConfigError, match=rf"routes\[0\]\.tiers: '{CHAT_MODEL}:nope': the model '{CHAT_MODEL}' has no adapter 'nope'"):
+        parse_settings(config_text(embeddings=False, model_extra=route.format(tier=f"{CHAT_MODEL}:nope")), "m.toml", tmp_path)
+    with pytest.raises(ConfigError, match=r"routes\[0\]\.tiers: 'ghost' is not the alias"):
+        parse_settings(config_text(embeddings=False, model_extra=route.format(tier="ghost:a")), "m.toml", tmp_path)
     with pytest.raises(ConfigError, match=r"models\[0\]\.adapters\[0\]\.path"):
         parse_settings(config_text(embeddings=False, model_extra='[[models.adapters]]\nname = "a"'), "m.toml", tmp_path)
     with pytest.raises(ConfigError, match=r"models\[0\]\.adapters\[0\]\.name"):
