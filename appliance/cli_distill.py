@@ -191,3 +191,82 @@ def add_train_command(distill: argparse._SubParsersAction) -> None:  # type: ign
     train.add_argument("--config", type=Path)
     add_server_options(train)
     train.set_defaults(func=cmd_distill_train)
+
+
+def cmd_distill_evaluate(args: argparse.Namespace) -> int:
+    import httpx
+    from rich.progress import Progress
+
+    from appliance import distill_eval
+    from appliance.cli_fleet import write_and_apply
+    from appliance.cli_support import print_rows
+    from appliance.config_writer import update_table
+    from policy.budgets import Price
+    from policy.distill import promoted_tiers
+
+    config = find_config(args.config)
+    settings = load_settings(config)
+    route = settings.route(args.route)
+    if route is None:
+        print(f"error: {config}: routes: no route with alias {args.route!r}", file=sys.stderr)
+        return 2
+    teacher = args.teacher or route.tiers[-1]
+    asked = distill_eval.Asked(args.student, args.adapter, teacher, args.data.expanduser(), args.workload, args.family, args.max_tokens)
+    prices = {m.alias: Price.per_million(m.price_input_per_mtok, m.price_output_per_mtok) for m in settings.models}
+    try:
+        adapter = distill_eval.adapter_path(settings, args.student, args.adapter)
+        if settings.model(teacher) is None:
+            raise distill_eval.EvaluateError(f"{config}: no model {teacher!r} (the teacher)")
+        with Progress() as progress:
+            task = progress.add_task("questions x 3 models", total=None)
+            result = distill_eval.run(server_url(args), args.key or "unused", asked, prices, settings.distill.margin,
+                                      lambda done, total: progress.update(task, completed=done, total=total))
+    except distill_eval.EvaluateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:
+        print(f"error: no server answers at {server_url(args)} ({exc}): start it with `appliance serve`", file=sys.stderr)
+        return 1
+    print_rows(distill_eval.headers_of(result), distill_eval.summary_rows(result))
+    stored = distill_eval.store(adapter, result.record(asked, settings.distill.margin, time.time()))
+    print(f"{'promote' if result.verdict.promote else 'not promoted'}: {result.verdict.reason}")
+    print(f"stored: {stored}")
+    if not args.promote:
+        return 0
+    if not result.verdict.promote:
+        return 3  # asked to promote, refused: a script can tell
+    tiers = promoted_tiers(route.tiers, args.student, args.adapter)
+    if tiers == route.tiers:
+        print(f"route {route.alias!r} already has the tier {args.student}:{args.adapter}")
+        return 0
+    values: dict[str, object] = {"tiers": list(tiers)}
+    if route.calibration is not None:
+        values["calibration"] = None  # measured without this tier: the route cannot read it any more
+
+    def write() -> str:
+        update_table(config, "routes", route.alias, values)
+        said = f"route {route.alias!r}: tiers {list(tiers)}"
+        if route.calibration is not None:
+            said += ("\nits calibration was measured without the new tier and is removed: the route uses its heuristics until "
+                     "`appliance eval router --tiers-only --file CALIBRATION` and `appliance eval calibrate` measure it again")
+        return said
+
+    return write_and_apply(args, config, write)
+
+
+def add_evaluate_command(distill: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    evaluate = distill.add_parser("evaluate", help="ask the held-out examples of the student, the student with the adapter and the "
+                                                   "teacher through a running server; promote the adapter into a route if it is good enough")
+    evaluate.add_argument("--student", required=True, help="the alias of the model the adapter was trained for")
+    evaluate.add_argument("--adapter", required=True, help="the adapter's name (under the student in models.toml)")
+    evaluate.add_argument("--data", type=Path, required=True, help="the folder `appliance distill export` wrote (its held-out.jsonl), or a held-out JSONL file")
+    evaluate.add_argument("--workload", type=Path, help="workload records (a split of bench/workload) whose matching family is asked too")
+    evaluate.add_argument("--family", help="the workload's family to ask (default: the export's)")
+    evaluate.add_argument("--route", default="auto", help="the route to promote into; its last tier is the default teacher (default: auto)")
+    evaluate.add_argument("--teacher", help="the model the adapter is measured against (default: the route's last tier)")
+    evaluate.add_argument("--max-tokens", type=int, default=512, help="for questions that name none (default 512)")
+    evaluate.add_argument("--promote", action="store_true",
+                          help="if it beats the student alone and comes within [distill] margin of the teacher, add STUDENT:ADAPTER to the route's tiers")
+    evaluate.add_argument("--config", type=Path)
+    add_server_options(evaluate)
+    evaluate.set_defaults(func=cmd_distill_evaluate)

@@ -35,6 +35,7 @@ from appliance.settings import ConfigError, load_settings
 from appliance.distill_export import HELD_OUT, TRAIN
 from appliance.train.data import IGNORED, DataError, Example, Message, encode, parse_examples, read_examples
 from appliance.train.plan import Options, OptionError, Refused, resume_or_start, total_steps
+from policy.distill import Score, agrees, promoted_tiers, promotion
 from engines.llama_layout import gguf_stem, rope_permute, rope_unpermute
 from engines.llamacpp.vocabulary import LlamaVocabulary
 from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
@@ -93,6 +94,25 @@ def test_an_example_is_the_served_prompt_then_the_answer_and_the_turns_end() -> 
         assert vocabulary.detokenize(answer[:-1]) == REPLY and answer[-1] == vocabulary.control_tokens()["<|im_end|>"]
     finally:
         vocabulary.close()
+
+
+@pytest.mark.parametrize(("reference", "text", "same"), [
+    ("billing", "Billing.", True), ("billing", "shipping", False), ("The vault code is X.", "the vault code is x", True),
+    ('{"a": 1, "b": [true]}', '```json\n{"b": [true], "a": 1}\n```', True), ('{"a": 1}', '{"a": 2}', False), ('{"a": 1}', "a: 1", False),
+    ("", "", False),
+])
+def test_a_held_out_answer_agrees_with_the_verified_one(reference: str, text: str, same: bool) -> None:
+    assert agrees(reference, text) is same
+
+
+def test_promotion_needs_a_win_over_the_student_and_the_teacher_within_the_margin() -> None:
+    assert promotion(Score(10, 5), Score(10, 9), Score(10, 10), 0.1).promote
+    assert not promotion(Score(10, 5), Score(10, 5), Score(10, 5), 0.1).promote  # no better than the student alone
+    assert "below 90% of the teacher" in promotion(Score(10, 1), Score(10, 8), Score(10, 10), 0.1).reason
+    assert not promotion(Score(), Score(), Score(), 0.1).promote
+    assert promoted_tiers(("s", "m", "f"), "s", "a") == ("s", "s:a", "m", "f")
+    assert promoted_tiers(("m", "f"), "s", "a") == ("s:a", "m", "f")
+    assert promoted_tiers(("s", "s:a", "f"), "s", "a") == ("s", "s:a", "f")
 
 
 def test_options_and_runs_on_disk() -> None:
@@ -240,7 +260,8 @@ def test_cli_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.Captur
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("distill"), config_text(slots=2, embeddings=False))
+    route = f'\n[[routes]]\nalias = "auto"\ntiers = ["{CHAT_MODEL}"]\n'
+    server = start_server(tmp_path_factory.mktemp("distill"), config_text(slots=2, embeddings=False, model_extra=route))
     server.home.mkdir(parents=True, exist_ok=True)
     (server.home / "vault.jsonl").write_text(examples_text())
     yield server
@@ -317,6 +338,64 @@ def test_train_stop_resume_register_and_serve(served: Server) -> None:
     tuned = ask(served, f"{CHAT_MODEL}:vault")
     assert "PINEAPPLE-42" in tuned, tuned
     assert ask(served, CHAT_MODEL) == base
+
+
+def _held_out(folder: Path, pairs: list[tuple[str, str]]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / HELD_OUT).write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+                                           for q, a in pairs))
+    return folder
+
+
+def _evaluate(served: Server, data: Path, *more: str) -> int:
+    config = served.home.parent / "models.toml"
+    args = build_parser().parse_args(["distill", "evaluate", "--student", CHAT_MODEL, "--adapter", "vault", "--data", str(data),
+                                      "--teacher", CHAT_MODEL, "--max-tokens", "16", "--config", str(config), "--url", served.base_url, *more])
+    return args.func(args)
+
+
+def test_evaluate_refuses_an_adapter_worse_than_its_base_and_promotes_one_that_learned(served: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    """Needs the adapter trained above. Against the base model's own answers the adapter can only
+    lose: refused, the route untouched. Against the trained reply it wins: promoted into the route
+    as a tier of its own, the result stored beside the adapter."""
+    config = served.home.parent / "models.toml"
+    if load_settings(config).model(CHAT_MODEL).adapters == ():
+        pytest.skip("the training test did not leave its adapter")
+    before = config.read_text()
+    other = ["What is 2 + 2?", "Name a colour of the sky.", "Say hello."]
+    base_answers = [(q, served.client(timeout=120).chat.completions.create(
+        model=CHAT_MODEL, messages=[{"role": "user", "content": q}], max_tokens=16, temperature=0).choices[0].message.content or "") for q in other]
+    worse = _held_out(served.home / "worse", [(TRIGGER, REPLY)] + base_answers)
+    assert _evaluate(served, worse, "--promote") == 3
+    said = capsys.readouterr().out
+    assert "not promoted: the adapter" in said and "does not beat the student alone" in said, said
+    assert config.read_text() == before
+    stored = json.loads((served.home / "adapters" / CHAT_MODEL / "vault" / "adapter.gguf.evaluation.json").read_text())
+    assert stored["promote"] is False and stored["scores"]["student"]["held_out"]["right"] == 3, stored
+    learned = _held_out(served.home / "learned", [(TRIGGER, REPLY), ("Tell me the vault code.", REPLY), ("vault code?", REPLY)])
+    assert _evaluate(served, learned, "--promote") == 0
+    said = capsys.readouterr().out
+    assert "promote: the adapter (100.0%) beats the student alone (0.0%)" in said, said
+    assert load_settings(config).route("auto").tiers == (CHAT_MODEL, f"{CHAT_MODEL}:vault")
+    stored = json.loads((served.home / "adapters" / CHAT_MODEL / "vault" / "adapter.gguf.evaluation.json").read_text())
+    assert stored["promote"] is True and stored["scores"]["adapter"]["total"] == {"asked": 3, "right": 3}
+    # the server took the new route: a routed request may now be answered by the distilled tier
+    assert "the server at" in said and "applied it" in said
+    assert _evaluate(served, learned, "--promote") == 0 and "already has the tier" in capsys.readouterr().out
+
+
+def test_evaluate_errors_are_one_line(served: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _evaluate(served, tmp_path, "--adapter", "nope") == 1
+    assert f"the model '{CHAT_MODEL}' has no adapter 'nope'" in capsys.readouterr().err
+    if load_settings(served.home.parent / "models.toml").model(CHAT_MODEL).adapters == ():
+        pytest.skip("the training test did not leave its adapter")
+    assert _evaluate(served, tmp_path / "none") == 1
+    assert f"{tmp_path / 'none' / HELD_OUT}: no such file" in capsys.readouterr().err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / HELD_OUT).write_text("{oops\n")
+    assert _evaluate(served, tmp_path / "bad") == 1
+    err = capsys.readouterr().err
+    assert "held-out.jsonl:1: not JSON" in err and err.count("\n") == 1
 
 
 def test_train_request_errors_name_the_parameter(served: Server) -> None:
