@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from datetime import datetime
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def cmd_distill_train(args: argparse.Namespace) -> int:
 
     from appliance.model_admin import alias_for
     from appliance.train import job as training
-    from appliance.train.plan import Options
+    from appliance.train.plan import OptionError, Options, wait_until
 
     config = find_config(args.config)
     options = Options(epochs=args.epochs, steps=args.steps, rank=args.rank, alpha=args.alpha, learning_rate=args.learning_rate,
@@ -79,6 +80,11 @@ def cmd_distill_train(args: argparse.Namespace) -> int:
                       modules=tuple(m.strip() for m in args.modules.split(",")) if args.modules else Options().modules)
     data = args.data.expanduser().resolve()
     name = args.out or alias_for(data)
+    try:
+        wait_until(args.start_at, datetime.now())
+    except OptionError as exc:
+        print(f"error: --start-at: {str(exc).removeprefix('start_at ')}", file=sys.stderr)
+        return 1
     try:
         prepared = training.prepare(load_settings(config), args.student, data, name, options, fresh=args.fresh,
                                     threads=args.threads, nice=args.nice)
@@ -104,7 +110,7 @@ def cmd_distill_train(args: argparse.Namespace) -> int:
 
         def work() -> None:
             try:
-                outcome["record"] = training.run(prepared, show, cancel, busy=busy)
+                outcome["record"] = training.run(prepared, show, cancel, busy=busy, start_at=args.start_at)
             except BaseException as exc:  # shown below, on the main thread
                 outcome["error"] = exc
 
@@ -185,6 +191,7 @@ def add_train_command(distill: argparse._SubParsersAction) -> None:  # type: ign
     train.add_argument("--modules", help=f"the projections to adapt, comma-separated (default {','.join(d.modules)})")
     train.add_argument("--threads", type=int, help="the trainer's CPU threads (default: the CPU count)")
     train.add_argument("--nice", type=int, default=10, help="the trainer's priority below serving's (default 10)")
+    train.add_argument("--start-at", metavar="HH:MM", help="hold the job until this local time (quiet hours); Ctrl-C ends the wait")
     train.add_argument("--fresh", action="store_true", help="discard a stopped run of this name instead of resuming it")
     train.add_argument("--no-yield", action="store_true",
                        help="keep training while the server at --url has requests (by default it pauses: serving keeps the CPU)")

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from appliance.model_files import package_file
 from appliance.settings import ConfigError, load_settings
 from appliance.distill_export import HELD_OUT, TRAIN
 from appliance.train.data import IGNORED, DataError, Example, Message, encode, parse_examples, read_examples
-from appliance.train.plan import Options, OptionError, Refused, resume_or_start, total_steps
+from appliance.train.plan import Options, OptionError, Refused, resume_or_start, total_steps, wait_until
 from policy.distill import Score, agrees, promoted_tiers, promotion
 from engines.llama_layout import gguf_stem, rope_permute, rope_unpermute
 from engines.llamacpp.vocabulary import LlamaVocabulary
@@ -250,6 +251,7 @@ def test_cli_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.Captur
     assert "only a chat model this machine runs" in refused("--student", "remote", "--data", str(good))
     assert "llama.cpp cannot read" in refused("--student", "broken", "--data", str(good))
     assert "no such file" in refused("--student", CHAT_MODEL, "--data", str(tmp_path / "none.jsonl"))
+    assert "--start-at: '7pm' is not a time of day" in refused("--student", CHAT_MODEL, "--data", str(good), "--start-at", "7pm")
     assert "rank must be between 1 and 256" in refused("--student", CHAT_MODEL, "--data", str(good), "--rank", "0")
     monkeypatch.setitem(sys.modules, "peft", None)  # as if it were not installed: find_spec says so
     assert "pip install 'appliance[train]'" in refused("--student", CHAT_MODEL, "--data", str(good))
@@ -398,6 +400,31 @@ def test_evaluate_errors_are_one_line(served: Server, tmp_path: Path, capsys: py
     assert "held-out.jsonl:1: not JSON" in err and err.count("\n") == 1
 
 
+def test_a_job_held_for_quiet_hours_waits_and_can_be_stopped_meanwhile(served: Server) -> None:
+    admin = httpx.Client(base_url=served.base_url, timeout=60)
+    later = (datetime.now() + timedelta(minutes=2)).strftime("%H:%M")
+    body = {"student": CHAT_MODEL, "data": "vault.jsonl", "name": "later", "options": OPTIONS, "start_at": later}
+    started = admin.post("/admin/distill/train", json=body)
+    assert started.status_code == 202, started.text
+    job_id = started.json()["job"]["id"]
+    waiting = _wait(admin, job_id, lambda j: j["message"].startswith("waiting") or j["state"] != "running")
+    assert waiting["message"] == f"waiting until {later}" and waiting["state"] == "running", waiting
+    assert admin.delete(f"/admin/jobs/{job_id}").status_code == 200
+    stopped = _wait(admin, job_id, lambda j: j["state"] != "running", timeout=10)
+    assert stopped["state"] == "cancelled" and "while waiting" in stopped["message"], stopped
+    assert not (served.home / "distill" / "runs" / f"{CHAT_MODEL}--later" / "checkpoints").exists()
+
+
+def test_wait_until_is_the_next_such_time_of_day() -> None:
+    now = datetime(2026, 12, 4, 23, 30, 15)
+    assert wait_until(None, now) == 0 and wait_until("23:30", now) == 0
+    assert wait_until("23:45", now) == 14 * 60 + 45
+    assert wait_until("02:00", now) == 2 * 3600 + 29 * 60 + 45  # tomorrow
+    for bad in ("24:00", "2:00", "02:60", "noon", "02:00:00"):
+        with pytest.raises(OptionError, match="HH:MM"):
+            wait_until(bad, now)
+
+
 def test_train_request_errors_name_the_parameter(served: Server) -> None:
     admin = httpx.Client(base_url=served.base_url, timeout=60)
     (served.home / "bad.jsonl").write_text(examples_text() + "not json\n")
@@ -415,6 +442,7 @@ def test_train_request_errors_name_the_parameter(served: Server) -> None:
     assert refused({"options": {"steps": 0}})["param"] == "options.steps"
     assert refused({"options": {"rank": "x"}})["param"] == "options.rank"
     assert refused({"nice": 40})["param"] == "nice"
+    assert refused({"start_at": "25:00"})["param"] == "start_at"
     assert admin.delete("/admin/jobs/nope").status_code == 404
     assert not [j for j in admin.get("/admin/jobs").json()["jobs"] if j["state"] == "running"]
 

@@ -6,6 +6,7 @@ is registered in models.toml and served without a restart."""
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from appliance.jobs import Job, JobBusy, JobCancelled
 from appliance.model_admin import alias_for
 from appliance.services import Services
 from appliance.settings import LocalModel
-from appliance.train.plan import Options
+from appliance.train.plan import OptionError, Options, wait_until
 
 
 class TrainBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -32,6 +33,7 @@ class TrainBody(msgspec.Struct, forbid_unknown_fields=True):
     nice: int = 10  # its priority below serving's
     fresh: bool = False  # discard a stopped run of this name instead of resuming it
     yield_to_serving: bool = True  # the trainer is paused while any local model has requests
+    start_at: str | None = None  # "HH:MM": the job waits for this local time (quiet hours), stoppable meanwhile
 
 
 @post("/admin/distill/train", status_code=202)
@@ -48,6 +50,10 @@ async def train_adapter(request: Request[Any, Any, Any], services: Services) -> 
         raise invalid("threads must be between 1 and 1024.", "threads")
     if not 0 <= body.nice <= 19:
         raise invalid("nice must be between 0 and 19.", "nice")
+    try:
+        wait_until(body.start_at, datetime.now())
+    except OptionError as exc:
+        raise invalid(f"{exc}.", "start_at") from None
     running = [j for j in services.jobs.list() if j["state"] == "running"]
     if running:
         raise APIError(409, f"{running[0]['kind']} job {running[0]['id']} is still running ({running[0]['description']})", code="job_running")
@@ -68,7 +74,8 @@ async def train_adapter(request: Request[Any, Any, Any], services: Services) -> 
             job.message = p.phase + (f", loss {p.loss:.3f}" if p.loss is not None else "")
 
         try:
-            record = training.run(prepared, show, job.cancel, busy=(lambda: serving_busy(services)) if body.yield_to_serving else None)
+            record = training.run(prepared, show, job.cancel, busy=(lambda: serving_busy(services)) if body.yield_to_serving else None,
+                                  start_at=body.start_at)
         except training.TrainCancelled as exc:
             raise JobCancelled(str(exc)) from None
         target = training.install(prepared, Path(config))

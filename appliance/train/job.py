@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from appliance.model_files import ModelFileError, resolve
 from appliance.settings import NAME, NAME_RULE, LocalModel, Settings
 from appliance.train.data import MIN_EXAMPLES, DataError, check_count, encode_all, read_examples, write_encoded
 from appliance.train.plan import (INSTALL_HINT, TRAINABLE_ARCHS, TRAINER_MODULES, OptionError, Options, Refused, RunPaths, Spec,
-                                  adapter_file, default_threads, identity, resume_or_start, total_steps)
+                                  adapter_file, default_threads, identity, resume_or_start, total_steps, wait_until)
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the worker runs this checkout's code
 CANCELLED_EXIT = 3  # appliance/train/worker.py's
@@ -164,7 +165,7 @@ def _identity_on_disk(paths: RunPaths) -> str | None:
 
 
 def run(prepared: Prepared, on_progress: Callable[[Progress], None], cancel: threading.Event, *,
-        busy: Callable[[], bool] | None = None, grace_s: float = 120.0) -> dict:
+        busy: Callable[[], bool] | None = None, grace_s: float = 120.0, start_at: str | None = None) -> dict:
     """Runs the worker to the end; returns what it wrote about the run (training.json, with the
     seconds it spent paused). While `busy()` says serving has work, the worker is stopped
     (SIGSTOP) and continued once it has none: on a small CPU, ggml's spinning threads lose far
@@ -172,6 +173,11 @@ def run(prepared: Prepared, on_progress: Callable[[Progress], None], cancel: thr
     was set (the run's checkpoint stays, to resume), TrainError when the worker failed. Either way
     no finished files are left in staging."""
     spec, paths = prepared.spec, prepared.paths
+    delay = wait_until(start_at, datetime.now())
+    if delay:  # held for the quiet hours; a stop request ends the wait
+        on_progress(Progress(f"waiting until {start_at}", 0, prepared.steps))
+        if cancel.wait(delay):
+            raise TrainCancelled(f"training {spec.student}:{spec.adapter} was stopped while waiting until {start_at}; nothing ran")
     threads = str(spec.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}  # the student is a local file: nothing leaves the machine

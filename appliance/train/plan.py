@@ -16,6 +16,7 @@ import hashlib
 import math
 import os
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import msgspec
@@ -158,3 +159,22 @@ def resume_or_start(on_disk: str | None, wanted: str, fresh: bool) -> str:
 
 def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
+
+
+def wait_until(clock: str | None, now: datetime) -> float:
+    """Seconds from `now` (local time) to the next `clock` ("HH:MM", 24-hour): a job held for the
+    quiet hours. None or the present minute: 0."""
+    if clock is None:
+        return 0.0
+    try:
+        hour, minute = (int(part) for part in clock.split(":"))
+        if not (0 <= hour < 24 and 0 <= minute < 60 and len(clock) == 5):
+            raise ValueError
+    except ValueError:
+        raise OptionError("start_at", f"{clock!r} is not a time of day as HH:MM (24-hour), for example \"02:00\"") from None
+    start = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    if (start.hour, start.minute) == (now.hour, now.minute):
+        return 0.0
+    if start < now:
+        start += timedelta(days=1)
+    return (start - now).total_seconds()
