@@ -15,7 +15,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from appliance import __version__
-from appliance.api import admin_routes, cache_routes, embeddings, fleet_routes, model_routes, openai_routes, responses_routes
+from appliance.api import admin_routes, cache_routes, distill_routes, embeddings, fleet_routes, model_routes, openai_routes, responses_routes
 from appliance.api.common import authenticate
 from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from appliance.api.headers import response_headers
@@ -109,7 +109,7 @@ def create_app(services: Services) -> Litestar:
             health, metrics,
             openai_routes.list_models, openai_routes.retrieve_model, openai_routes.chat_completions,
             openai_routes.completions, embeddings.embeddings, *responses_routes.ROUTES, *admin_routes.ROUTES, *cache_routes.ROUTES, *model_routes.ROUTES,
-            *fleet_routes.ROUTES,
+            *fleet_routes.ROUTES, *distill_routes.ROUTES,
         ],
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},

@@ -14,10 +14,13 @@ import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.chat_template import ChatTemplate, TemplateError
 from appliance.tool_calls import strings
+
+if TYPE_CHECKING:
+    from engines.vocabulary import Vocabulary
 
 Tokenize = Callable[[str], list[int]]  # plain text to tokens, control tokens never parsed
 
@@ -118,3 +121,12 @@ def chat_prompt(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], c
     for piece in pieces(text, spans, list(controls)):
         tokens += [controls[piece.text]] if piece.control else tokenize(piece.text)
     return text, tokens
+
+
+def vocabulary_prompt(template: ChatTemplate, vocabulary: Vocabulary, messages: Sequence[Mapping[str, Any]],
+                      tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[int]]:
+    """chat_prompt with a model's own vocabulary (an engine, or a file's vocabulary alone): what
+    serving sends the model, and what training teaches it to answer."""
+    bos = vocabulary.tokenize("", add_special=vocabulary.add_bos(), parse_special=False)
+    return chat_prompt(template, messages, vocabulary.control_tokens(),
+                       lambda t: vocabulary.tokenize(t, add_special=False, parse_special=False), bos, tools)

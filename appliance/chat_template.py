@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import json
 
 import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from engines.vocabulary import Vocabulary
 
 # Used when a model ships no template of its own.
 CHATML = (
@@ -58,3 +61,9 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template failed: {exc}") from None
+
+
+def template_of(configured: str | None, vocabulary: Vocabulary) -> ChatTemplate:
+    """A model's template: the config's, else the one its file ships, else ChatML. Serving and
+    training read it here, so an adapter learns from the prompts it will be served."""
+    return ChatTemplate(configured or vocabulary.chat_template() or CHATML, vocabulary.special_tokens())

@@ -564,6 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     distill = sub.add_parser("distill", help="teach a cheap model from verified answers").add_subparsers(dest="distill_command", required=True)
     cli_distill.add_export_command(distill)
+    cli_distill.add_train_command(distill)
+    cli_distill.add_evaluate_command(distill)
 
     tui = sub.add_parser("tui", help="the operator's terminal UI, over the admin API")
     tui.add_argument("--url", help="the appliance (default: the config's host and port)")

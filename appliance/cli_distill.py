@@ -1,14 +1,24 @@
 """`appliance distill ...`: the appliance teaches its cheapest tier from its own verified answers.
-`export` is the collect step (appliance/distill_export.py)."""
+`export` is the collect step (appliance/distill_export.py). `train` trains a LoRA adapter for a
+student model in its own process with a progress bar, paused while a server at --url has requests;
+Ctrl-C (or SIGTERM) stops it at the end of the step under way and keeps a checkpoint that the same
+command resumes. The finished adapter is
+registered in models.toml and a running server is asked to serve it (POST /admin/config/reload)."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
+from datetime import datetime
+from collections.abc import Callable
 from pathlib import Path
 
+from appliance.cli_fleet import add_server_options, server_url, tell_server
 from appliance.cli_support import ledger_of, moment, settings_of
+from appliance.settings import find_config, load_settings
 
 
 def cmd_distill_export(args: argparse.Namespace) -> int:
@@ -55,3 +65,215 @@ def add_export_command(distill: argparse._SubParsersAction) -> None:  # type: ig
     export.add_argument("--seed", type=int, default=0, help="another seed, another (still deterministic) split")
     export.add_argument("--config", type=Path)
     export.set_defaults(func=cmd_distill_export)
+
+
+def cmd_distill_train(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from appliance.model_admin import alias_for
+    from appliance.train import job as training
+    from appliance.train.plan import OptionError, Options, wait_until
+
+    config = find_config(args.config)
+    options = Options(epochs=args.epochs, steps=args.steps, rank=args.rank, alpha=args.alpha, learning_rate=args.learning_rate,
+                      batch_size=args.batch_size, max_tokens=args.max_tokens, save_every=args.save_every,
+                      modules=tuple(m.strip() for m in args.modules.split(",")) if args.modules else Options().modules)
+    data = args.data.expanduser().resolve()
+    name = args.out or alias_for(data)
+    try:
+        wait_until(args.start_at, datetime.now())
+    except OptionError as exc:
+        print(f"error: --start-at: {str(exc).removeprefix('start_at ')}", file=sys.stderr)
+        return 1
+    try:
+        prepared = training.prepare(load_settings(config), args.student, data, name, options, fresh=args.fresh,
+                                    threads=args.threads, nice=args.nice)
+    except training.TrainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    spec = prepared.spec
+    left_out = f", {len(prepared.left_out)} left out as longer than {options.max_tokens} tokens" if prepared.left_out else ""
+    print(f"training {spec.student}:{spec.adapter} on {spec.example_count} examples{left_out}: {prepared.steps} steps, "
+          f"{spec.threads} threads at nice {spec.nice}" + (" (resuming from its last checkpoint)" if prepared.resume else ""))
+    busy = None if args.no_yield else server_busy(server_url(args), args.key)
+    if busy is not None:
+        print(f"paused whenever the server at {server_url(args)} has requests (--no-yield: never)")
+    cancel = threading.Event()
+    outcome: dict[str, object] = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task("loading the student", total=prepared.steps, loss="-")
+
+        def show(p: training.Progress) -> None:
+            bar.update(task, completed=p.step, total=p.steps, description=p.phase,
+                       loss="-" if p.loss is None else f"{p.loss:.3f}")
+
+        def work() -> None:
+            try:
+                outcome["record"] = training.run(prepared, show, cancel, busy=busy, start_at=args.start_at)
+            except BaseException as exc:  # shown below, on the main thread
+                outcome["error"] = exc
+
+        def stop(signum: int, frame: object) -> None:  # the worker finishes its step and saves a checkpoint
+            cancel.set()
+            bar.update(task, description="stopping after this step")
+
+        # Ctrl-C and a plain `kill` both stop it cleanly (a handler of our own: a shell may start us with SIGINT ignored).
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            worker = threading.Thread(target=work, name="train", daemon=True)
+            worker.start()
+            while worker.is_alive():
+                worker.join(0.2)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    error = outcome.get("error")
+    if isinstance(error, training.TrainCancelled):
+        print(str(error), file=sys.stderr)
+        return 130
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    record = outcome["record"]
+    assert isinstance(record, dict)
+    before = config.read_text()
+    try:
+        target = training.install(prepared, config)
+    except Exception as exc:  # a refused models.toml change: nothing was left behind
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"trained in {record['seconds_this_session']:.0f}s, final loss {record['final_loss']:.3f}\n{prepared.paths.adapter}\n"
+          f"registered as {spec.student}:{spec.adapter} ({target.name}) in {config}")
+    return tell_server(args, config, before)
+
+
+def server_busy(url: str, key: str | None) -> Callable[[], bool] | None:
+    """A check of whether the running server has requests (its /health), when one answers at `url`."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=2)
+
+    last = [0.0, False]
+
+    def busy() -> bool:  # asked at most every 0.1 s: each ask is a request the server answers
+        if time.monotonic() - last[0] >= 0.1:
+            models = client.get("/health").json()["models"]
+            # models with upstreams run elsewhere and use no CPU here
+            last[:] = [time.monotonic(), any((m.get("slots_busy") or m.get("queue_depth")) and "upstreams" not in m for m in models.values())]
+        return bool(last[1])
+
+    try:
+        busy()
+    except (httpx.HTTPError, ValueError, KeyError, AttributeError):
+        client.close()
+        return None
+    return busy
+
+
+def add_train_command(distill: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from appliance.train.plan import Options
+
+    d = Options()
+    train = distill.add_parser("train", help="train a LoRA adapter for a student model from chat-format JSONL examples")
+    train.add_argument("--student", required=True, help="the alias of the model to teach (its GGUF file is trained)")
+    train.add_argument("--data", type=Path, required=True, help="the folder `appliance distill export` wrote, or a JSONL file: one {\"messages\": [...]} a line, the answer last")
+    train.add_argument("--out", help="the adapter's name (default: from the data file's name); requests use STUDENT:NAME")
+    train.add_argument("--epochs", type=float, default=d.epochs, help=f"passes over the examples (default {d.epochs:g})")
+    train.add_argument("--steps", type=int, help="exactly this many optimizer steps instead of --epochs")
+    train.add_argument("--rank", type=int, default=d.rank, help=f"LoRA rank (default {d.rank})")
+    train.add_argument("--alpha", type=float, help="LoRA alpha; the update is scaled by alpha / rank (default: twice the rank)")
+    train.add_argument("--learning-rate", type=float, default=d.learning_rate, help=f"(default {d.learning_rate:g})")
+    train.add_argument("--batch-size", type=int, default=d.batch_size, help=f"examples a step (default {d.batch_size})")
+    train.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"longer examples are left out (default {d.max_tokens})")
+    train.add_argument("--save-every", type=int, default=d.save_every, help=f"steps between checkpoints (default {d.save_every})")
+    train.add_argument("--modules", help=f"the projections to adapt, comma-separated (default {','.join(d.modules)})")
+    train.add_argument("--threads", type=int, help="the trainer's CPU threads (default: the CPU count)")
+    train.add_argument("--nice", type=int, default=10, help="the trainer's priority below serving's (default 10)")
+    train.add_argument("--start-at", metavar="HH:MM", help="hold the job until this local time (quiet hours); Ctrl-C ends the wait")
+    train.add_argument("--fresh", action="store_true", help="discard a stopped run of this name instead of resuming it")
+    train.add_argument("--no-yield", action="store_true",
+                       help="keep training while the server at --url has requests (by default it pauses: serving keeps the CPU)")
+    train.add_argument("--config", type=Path)
+    add_server_options(train)
+    train.set_defaults(func=cmd_distill_train)
+
+
+def cmd_distill_evaluate(args: argparse.Namespace) -> int:
+    import httpx
+    from rich.progress import Progress
+
+    from appliance import distill_eval
+    from appliance.cli_fleet import write_and_apply
+    from appliance.cli_support import print_rows
+    from appliance.config_writer import update_table
+    from policy.budgets import Price
+    from policy.distill import promoted_tiers
+
+    config = find_config(args.config)
+    settings = load_settings(config)
+    route = settings.route(args.route)
+    if route is None:
+        print(f"error: {config}: routes: no route with alias {args.route!r}", file=sys.stderr)
+        return 2
+    teacher = args.teacher or route.tiers[-1]
+    asked = distill_eval.Asked(args.student, args.adapter, teacher, args.data.expanduser(), args.workload, args.family, args.max_tokens)
+    prices = {m.alias: Price.per_million(m.price_input_per_mtok, m.price_output_per_mtok) for m in settings.models}
+    try:
+        adapter = distill_eval.adapter_path(settings, args.student, args.adapter)
+        if settings.model(teacher) is None:
+            raise distill_eval.EvaluateError(f"{config}: no model {teacher!r} (the teacher)")
+        with Progress() as progress:
+            task = progress.add_task("questions x 3 models", total=None)
+            result = distill_eval.run(server_url(args), args.key or "unused", asked, prices, settings.distill.margin,
+                                      lambda done, total: progress.update(task, completed=done, total=total))
+    except distill_eval.EvaluateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:
+        print(f"error: no server answers at {server_url(args)} ({exc}): start it with `appliance serve`", file=sys.stderr)
+        return 1
+    print_rows(distill_eval.headers_of(result), distill_eval.summary_rows(result))
+    stored = distill_eval.store(adapter, result.record(asked, settings.distill.margin, time.time()))
+    print(f"{'promote' if result.verdict.promote else 'not promoted'}: {result.verdict.reason}")
+    print(f"stored: {stored}")
+    if not args.promote:
+        return 0
+    if not result.verdict.promote:
+        return 3  # asked to promote, refused: a script can tell
+    tiers = promoted_tiers(route.tiers, args.student, args.adapter)
+    if tiers == route.tiers:
+        print(f"route {route.alias!r} already has the tier {args.student}:{args.adapter}")
+        return 0
+    values: dict[str, object] = {"tiers": list(tiers)}
+    if route.calibration is not None:
+        values["calibration"] = None  # measured without this tier: the route cannot read it any more
+
+    def write() -> str:
+        update_table(config, "routes", route.alias, values)
+        said = f"route {route.alias!r}: tiers {list(tiers)}"
+        if route.calibration is not None:
+            said += ("\nits calibration was measured without the new tier and is removed: the route uses its heuristics until "
+                     "`appliance eval router --tiers-only --file CALIBRATION` and `appliance eval calibrate` measure it again")
+        return said
+
+    return write_and_apply(args, config, write)
+
+
+def add_evaluate_command(distill: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    evaluate = distill.add_parser("evaluate", help="ask the held-out examples of the student, the student with the adapter and the "
+                                                   "teacher through a running server; promote the adapter into a route if it is good enough")
+    evaluate.add_argument("--student", required=True, help="the alias of the model the adapter was trained for")
+    evaluate.add_argument("--adapter", required=True, help="the adapter's name (under the student in models.toml)")
+    evaluate.add_argument("--data", type=Path, required=True, help="the folder `appliance distill export` wrote (its held-out.jsonl), or a held-out JSONL file")
+    evaluate.add_argument("--workload", type=Path, help="workload records (a split of bench/workload) whose matching family is asked too")
+    evaluate.add_argument("--family", help="the workload's family to ask (default: the export's)")
+    evaluate.add_argument("--route", default="auto", help="the route to promote into; its last tier is the default teacher (default: auto)")
+    evaluate.add_argument("--teacher", help="the model the adapter is measured against (default: the route's last tier)")
+    evaluate.add_argument("--max-tokens", type=int, default=512, help="for questions that name none (default 512)")
+    evaluate.add_argument("--promote", action="store_true",
+                          help="if it beats the student alone and comes within [distill] margin of the teacher, add STUDENT:ADAPTER to the route's tiers")
+    evaluate.add_argument("--config", type=Path)
+    add_server_options(evaluate)
+    evaluate.set_defaults(func=cmd_distill_evaluate)

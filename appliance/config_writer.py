@@ -130,6 +130,39 @@ def update_table(config: Path, array: str, alias: str, values: dict[str, Any]) -
     return _edit(config, change)
 
 
+def append_nested(config: Path, array: str, alias: str, key: str, values: dict[str, Any]) -> Settings:
+    """Adds `values` as one more `[[array.key]]` table (a model's adapter) of the `[[array]]` table
+    whose alias is `alias`, checked with the whole table against its declarations; the table's
+    other keys and comments stay."""
+
+    def change(doc: tomlkit.TOMLDocument) -> None:
+        index = _find(config, doc, array, alias)
+        table = doc[array][index]
+        existing = table.get(key)
+        new = {k: to_toml(v) for k, v in values.items()}
+        merged = table.unwrap() | {key: [*(existing.unwrap() if existing is not None else []), new]}
+        entry = table_values(config, array, index, merged)[key][-1]
+        if existing is None:
+            spaced = table.as_string().endswith("\n\n")  # a blank line before the next table, as the operator spaced them
+            table.append(key, tomlkit.aot())
+            existing = table[key]
+        else:
+            spaced = isinstance(existing, tomlkit.items.AoT) and len(existing) > 0 and existing[-1].as_string().endswith("\n\n")
+        if isinstance(existing, tomlkit.items.AoT):
+            item = tomlkit.table()
+            for k, v in entry.items():
+                item.add(k, v)
+            if spaced:
+                item.add(tomlkit.nl())
+            existing.append(item)
+        else:  # written inline by the operator: stays inline
+            inline = tomlkit.inline_table()
+            inline.update(entry)
+            existing.append(inline)
+
+    return _edit(config, change)
+
+
 def restore(config: Path, before: str, written: str) -> bool:
     """Puts back the text a change replaced, when the running server could not apply it; only
     while the file still holds that change (another writer's later change stays)."""

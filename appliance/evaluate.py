@@ -25,6 +25,7 @@ import apsw
 import httpx
 import numpy as np
 
+from appliance.settings import split_tier
 from policy.budgets import Price
 from policy.router import Features, Observation, buckets, features
 from policy.router_knn import FEATURE_COLUMNS, Knn, KnnSettings, feature_vector, train
@@ -274,7 +275,7 @@ def ask(client: httpx.Client, q: Question, name: str, tier: int | None, bucket: 
     # A routed answer also paid for its failed attempts (and its classifier call is settled
     # apart): x-route-cost-nanousd sums every attempt.
     usage = data["usage"]
-    price = prices.get(served) or prices.get(data["model"]) or Price(0, 0)
+    price = prices.get(split_tier(served)[0]) or prices.get(split_tier(data["model"])[0]) or Price(0, 0)  # an adapter costs its base's
     routed_cost = response.headers.get("x-route-cost-nanousd")
     cost = int(routed_cost) if routed_cost is not None else price.cost(usage["prompt_tokens"], usage["completion_tokens"])
     return Answer(i, name, tier, bucket, correct, cost, latency, served)

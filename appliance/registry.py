@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.chat_prompt import chat_prompt
-from appliance.chat_template import CHATML, ChatTemplate, TemplateError
+from appliance.chat_prompt import vocabulary_prompt
+from appliance.chat_template import ChatTemplate, TemplateError, template_of
 from appliance.model_files import package_file, resolve, sha256
 from appliance.fleet_change import FleetChange
 from appliance.model_manager import ModelManager, total_ram
@@ -35,10 +35,7 @@ class LoadedModel:
         token (appliance/chat_prompt.py). Raises TemplateError."""
         if self.template is None:
             raise TemplateError(f"the model '{self.settings.alias}' has no chat template")
-        engine = self.engine
-        bos = engine.tokenize("", add_special=engine.add_bos(), parse_special=False)
-        text, tokens = chat_prompt(self.template, messages, engine.control_tokens(),
-                                   lambda t: engine.tokenize(t, add_special=False, parse_special=False), bos, tools)
+        text, tokens = vocabulary_prompt(self.template, self.engine, messages, tools)
         return text, tuple(tokens)
 
 
@@ -197,8 +194,7 @@ def load_model(model: ModelSettings, settings: Settings, engine: Engine | None =
     engine = engine or build_engine(model, settings)
     template = None
     if model.kind == "chat" and not engine.takes_messages:
-        source = model.chat_template or engine.chat_template() or CHATML
-        template = ChatTemplate(source, engine.special_tokens())
+        template = template_of(model.chat_template, engine)
     if engine.takes_messages:
         log.info("loaded %s (upstream: %s)", model.alias, ", ".join(u.base_url for u in model.upstreams))
     else:

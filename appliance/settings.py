@@ -313,8 +313,9 @@ class RouteSettings(_Table, frozen=True, kw_only=True):
     smallest tier that does the job, escalating when an answer fails its validators."""
 
     alias: Annotated[Alias, Meta(description="the name clients send as `model`, for example \"auto\"")]
-    tiers: Annotated[tuple[str, ...], Meta(min_length=1, description="the chat models it may send a request to, cheapest first",
-                                           extra={"rule": "a non-empty list of chat model aliases, cheapest first"})]
+    tiers: Annotated[tuple[str, ...], Meta(min_length=1, description="the chat models it may send a request to, cheapest first; "
+                                           "\"<alias>:<adapter>\" is a model with one of its LoRA adapters (a distilled tier)",
+                                           extra={"rule": "a non-empty list of chat model aliases (or alias:adapter), cheapest first"})]
     default_response: Annotated[str, Meta(description="the answer when no tier gives a reliable one")] = \
         "I can't give a reliable answer to that right now. Please try again later or rephrase."
     min_confidence: Annotated[float, Meta(ge=0.0, le=1.0, description="the geometric-mean token probability an answer needs")] = 0.0
@@ -336,6 +337,12 @@ class RouteSettings(_Table, frozen=True, kw_only=True):
         return min(len(self.tiers) - 1, ("small", "mid").index(name))
 
 
+def split_tier(tier: str) -> tuple[str, str | None]:
+    """A route's tier: a chat model's alias, or "<alias>:<adapter>" (the model with that LoRA adapter)."""
+    alias, _, adapter = tier.partition(":")
+    return alias, adapter or None
+
+
 class GuardrailSettings(_Table, frozen=True, kw_only=True):
     pii: Annotated[Literal["off", "flag", "block"], Meta(
         description="personal data in a request: \"flag\" (traced and counted) or \"block\" (refused, 400)")] = "flag"
@@ -352,6 +359,7 @@ class DistillSettings(_Table, frozen=True, kw_only=True):
         description="the tenants whose prompts and answers are kept to train on; empty: nobody's, nothing is kept",
         extra={"rule": "a list of tenant names"})] = ()
     retention_days: Annotated[float, Meta(ge=0.01, description="how long a kept answer stays for `appliance distill export`")] = 30.0
+    margin: Annotated[float, Meta(ge=0.0, le=1.0, description="how far below the teacher's accuracy a distilled adapter may score (a share of it) and still be promoted")] = 0.1
 
 
 @dataclass(frozen=True)
@@ -557,15 +565,21 @@ def _cache(raw: dict[str, Any], where: Where) -> CacheSettings:
 def _routes(raw: dict[str, Any], models: tuple[ModelSettings, ...], where: Where) -> tuple[RouteSettings, ...]:
     chat = {m.alias for m in models if m.kind == "chat"}
     upstream = {m.alias for m in models if isinstance(m, UpstreamModel)}
+    adapters = {m.alias: {a.name for a in getattr(m, "adapters", ())} for m in models}
     routes: list[RouteSettings] = []
     for i, table in enumerate(_array(raw, "routes", where)):
         key = f"routes[{i}]"
         r = decode(RouteSettings, table, key, where)
         if r.alias in {m.alias for m in models}:
             raise where.fail(f"{key}.alias", f"{r.alias!r} is already a model's alias")
-        unknown = [t for t in r.tiers if t not in chat]
-        if unknown:
-            raise where.fail(f"{key}.tiers", f"{unknown[0]!r} is not the alias of a chat model in this file")
+        for tier in r.tiers:
+            alias, adapter = split_tier(tier)
+            if alias not in chat:
+                raise where.fail(f"{key}.tiers", f"{alias!r} is not the alias of a chat model in this file")
+            if adapter is not None and adapter not in adapters.get(alias, ()):
+                raise where.fail(f"{key}.tiers", f"{tier!r}: the model {alias!r} has no adapter {adapter!r} in this file")
+        if len(set(r.tiers)) != len(r.tiers):
+            raise where.fail(f"{key}.tiers", "a tier is named twice")
         if r.classifier_model is not None and r.classifier_model not in chat:
             raise where.fail(f"{key}.classifier_model", f"{r.classifier_model!r} is not the alias of a chat model in this file")
         if r.classifier_model in upstream:

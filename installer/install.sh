@@ -106,6 +106,14 @@ fi
 
 # --- the project (editable, so `appliance` runs this checkout), its deps and the bundled model --
 say "installing the appliance and its dependencies"
+# The training stack (the [train] extra, part of [test]): on Linux without a GPU build, torch's CPU wheel from PyTorch's
+# own index (PyPI's Linux wheel carries gigabytes of CUDA libraries). Asked for torch alone with no retries: an index out
+# of reach then costs a second, whereas as an extra index it costs a retry wait on every package (8 s each, measured).
+if [ "$OS" = Linux ] && [ "$ACCEL" = cpu ]; then
+    TORCH=$(grep -o '"torch==[^"]*"' "$ROOT/pyproject.toml" | tr -d '"')
+    "${PIP[@]}" install -q --retries 0 --timeout 15 --index-url "${APPLIANCE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" \
+        "$TORCH" 2>/dev/null || say "PyTorch's CPU index is out of reach; torch comes from the default index"
+fi
 "${PIP[@]}" install -q -e "$ROOT[test]"
 
 # --- MLX: Metal on Apple silicon, the CPU build elsewhere on Linux ----------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import unicodedata
 from dataclasses import dataclass
 
 from policy.guardrails import find_pii
@@ -146,3 +148,67 @@ def select(rows: list[Kept], wanted: Wanted) -> Selection:
     train = tuple(e for key, e in chosen if not is_held_out(key, wanted.held_out, wanted.seed))
     counts = Counts(len(found), len(verified), len(opted_in), len(opted_in) - len(clean), len(clean) - len(best), len(train), len(held))
     return Selection(train, held, counts)
+
+
+# --- evaluate: is the adapter good enough to serve? --------------------------------------------
+
+def _words(text: str) -> str:
+    return " ".join(re.findall(r"\w+", unicodedata.normalize("NFKC", text).casefold()))
+
+
+def agrees(reference: str, text: str) -> bool:
+    """A held-out answer is right when it says what the verified answer says: the same JSON value
+    when the verified answer is JSON, else the same words (case, spacing and punctuation aside)."""
+    try:
+        expected = json.loads(reference)
+    except ValueError:
+        return _words(reference) == _words(text) and bool(_words(text))
+    if not isinstance(expected, (dict, list)):
+        return _words(reference) == _words(text)
+    try:
+        return bool(json.loads(text.strip().removeprefix("```json").removeprefix("```").removesuffix("```")) == expected)
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class Score:
+    asked: int = 0
+    right: int = 0
+
+    @property
+    def accuracy(self) -> float:
+        return self.right / self.asked if self.asked else 0.0
+
+    def __add__(self, other: Score) -> Score:
+        return Score(self.asked + other.asked, self.right + other.right)
+
+
+@dataclass(frozen=True)
+class Promotion:
+    promote: bool
+    reason: str
+
+
+def promotion(student: Score, adapter: Score, teacher: Score, margin: float) -> Promotion:
+    """The adapter serves only if it beats the student alone and comes within `margin` (a share of
+    the teacher's accuracy) of the teacher, on the same questions."""
+    if adapter.asked == 0:
+        return Promotion(False, "no held-out question was asked")
+    if adapter.accuracy <= student.accuracy:
+        return Promotion(False, f"the adapter ({adapter.accuracy:.1%}) does not beat the student alone ({student.accuracy:.1%})")
+    floor = (1 - margin) * teacher.accuracy
+    if adapter.accuracy < floor:
+        return Promotion(False, f"the adapter ({adapter.accuracy:.1%}) is below {1 - margin:.0%} of the teacher's {teacher.accuracy:.1%}")
+    return Promotion(True, f"the adapter ({adapter.accuracy:.1%}) beats the student alone ({student.accuracy:.1%}) "
+                           f"and reaches {adapter.accuracy / teacher.accuracy if teacher.accuracy else 1:.0%} of the teacher's {teacher.accuracy:.1%}")
+
+
+def promoted_tiers(tiers: tuple[str, ...], student: str, adapter: str) -> tuple[str, ...]:
+    """The route's tiers with the distilled tier just above its student (the same price, better on
+    what it was taught), or where the student would be when the route does not run the student."""
+    tier = f"{student}:{adapter}"
+    if tier in tiers:
+        return tiers
+    at = tiers.index(student) + 1 if student in tiers else 0
+    return (*tiers[:at], tier, *tiers[at:])

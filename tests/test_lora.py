@@ -1,5 +1,5 @@
 """LoRA adapters on the bundled model, over real HTTP. The adapters are real GGUF LoRA files the
-test writes with the `gguf` package (random low-rank updates to every layer's Q and V)."""
+test writes with appliance/lora_files.py (random low-rank updates to every layer's Q and V)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import gguf
 import httpx
 import numpy as np
 import openai
 import pytest
 
+from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf
 from appliance.settings import ConfigError, parse_settings
+from engines.llama_layout import rope_unpermute
 from tests.conftest import CHAT_MODEL, INVARIANT, Server, config_text, start_server, stop_server
 
 LAYERS, EMBED, KV = 30, 576, 192  # SmolLM2-135M: 30 layers, 576 wide, 3 KV heads of 64
@@ -22,21 +23,16 @@ QUESTION = "Name three colours of the rainbow."
 
 
 def write_lora(path: Path, seed: int, rank: int = 8) -> Path:
+    """Random low-rank updates to every layer's Q and V, written as training writes its adapters."""
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_string("general.type", "adapter")
-    writer.add_string("adapter.type", "lora")
-    writer.add_float32("adapter.lora.alpha", float(rank))
+    pairs = {}
     for layer in range(LAYERS):
-        for name, out in (("attn_q", EMBED), ("attn_v", KV)):
-            # numpy's (rows, cols) is ggml's (ne1, ne0): A maps the input down to the rank, B back up
-            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_a", rng.normal(0, 0.15, (rank, EMBED)).astype(np.float32))
-            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_b", rng.normal(0, 0.15, (out, rank)).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        for name, out in (("q_proj", EMBED), ("v_proj", KV)):
+            a, b = rng.normal(0, 0.15, (rank, EMBED)), rng.normal(0, 0.15, (out, rank))
+            # In Hugging Face's row order, which the writer puts back into llama.cpp's: the file holds
+            # these draws as they are (the texts the tests compare come from them).
+            pairs[f"model.layers.{layer}.self_attn.{name}"] = LoraPair(a, rope_unpermute(b, 9) if name == "q_proj" else b)
+    return write_gguf(LoraAdapter(pairs, alpha=float(rank)), path, BaseShape("llama", heads=9, kv_heads=3, layers=LAYERS))
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +44,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, adapters: dict[str, Path]) -> Iterator[Server]:
     extra = "".join(f'\n[[models.adapters]]\nname = "{n}"\npath = "{adapters[n]}"\n' for n in ("warm", "cold"))
+    extra += f'\n[[routes]]\nalias = "distilled"\ntiers = ["{CHAT_MODEL}:warm", "{CHAT_MODEL}"]\n'  # a distilled tier below its base
     srv = start_server(tmp_path_factory.mktemp("lora-server"), config_text(slots=8, embeddings=False, model_extra=INVARIANT + extra))
     yield srv
     stop_server(srv)
@@ -149,7 +146,21 @@ def test_adapters_load_and_unload_at_runtime(server: Server, adapters: dict[str,
         ask(server, adapters=[{"name": "warm"}, {"name": "warm"}])
 
 
+def test_a_route_tier_runs_its_adapter(server: Server) -> None:
+    """A route's "alias:adapter" tier answers as the adapter does, and says which tier it was."""
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
+        "model": "distilled", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-route-model"] == f"{CHAT_MODEL}:warm" and r.json()["model"] == f"{CHAT_MODEL}:warm"
+    assert r.json()["choices"][0]["message"]["content"] == ask(server, adapters=[{"name": "warm"}]) != ask(server)
+
+
 def test_adapter_config_errors_name_the_key(tmp_path: Path) -> None:
+    route = '\n[[routes]]\nalias = "r"\ntiers = ["{tier}"]\n'
+    with pytest.raises(ConfigError, match=rf"routes\[0\]\.tiers: '{CHAT_MODEL}:nope': the model '{CHAT_MODEL}' has no adapter 'nope'"):
+        parse_settings(config_text(embeddings=False, model_extra=route.format(tier=f"{CHAT_MODEL}:nope")), "m.toml", tmp_path)
+    with pytest.raises(ConfigError, match=r"routes\[0\]\.tiers: 'ghost' is not the alias"):
+        parse_settings(config_text(embeddings=False, model_extra=route.format(tier="ghost:a")), "m.toml", tmp_path)
     with pytest.raises(ConfigError, match=r"models\[0\]\.adapters\[0\]\.path"):
         parse_settings(config_text(embeddings=False, model_extra='[[models.adapters]]\nname = "a"'), "m.toml", tmp_path)
     with pytest.raises(ConfigError, match=r"models\[0\]\.adapters\[0\]\.name"):

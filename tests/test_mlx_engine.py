@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-
+import numpy as np
 import openai
 import pytest
 
+from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_mlx
 from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
 
 pytest.importorskip("mlx_lm", reason="the installer installs mlx[cpu] and mlx-lm on Linux")
@@ -19,8 +20,6 @@ pytest.importorskip("mlx_lm", reason="the installer installs mlx[cpu] and mlx-lm
 
 def write_mlx_adapter(folder: Path, seed: int, modules: tuple[str, ...] = ("q_proj", "v_proj"), rank: int = 8) -> Path:
     """A real mlx-lm LoRA adapter (random low-rank pairs) for the bundled model's attention."""
-    import mlx.core as mx
-
     from appliance.model_files import package_file
     from engines.llamacpp.runtime import Model
 
@@ -31,19 +30,11 @@ def write_mlx_adapter(folder: Path, seed: int, modules: tuple[str, ...] = ("q_pr
     finally:
         meta.close()
     out = {"q_proj": hidden, "k_proj": hidden // heads * kv_heads, "v_proj": hidden // heads * kv_heads, "o_proj": hidden}
-    key = mx.random.key(seed)
-    tensors = {}
-    for layer in range(layers):
-        for module in modules:
-            key, ka, kb = mx.random.split(key, 3)
-            path = f"model.layers.{layer}.self_attn.{module}"
-            tensors[f"{path}.lora_a"] = 0.02 * mx.random.normal((hidden, rank), key=ka)
-            tensors[f"{path}.lora_b"] = 0.02 * mx.random.normal((rank, out[module]), key=kb)
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "adapters.safetensors"), tensors)
-    (folder / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": layers,
-                                                             "lora_parameters": {"rank": rank, "scale": 20.0, "dropout": 0.0}}))
-    return folder
+    rng = np.random.default_rng(seed)
+    pairs = {f"model.layers.{layer}.self_attn.{module}": LoraPair(0.02 * rng.normal(size=(rank, hidden)), 0.02 * rng.normal(size=(out[module], rank)))
+             for layer in range(layers) for module in modules}
+    # alpha / rank = 20, mlx-lm's default scale
+    return write_mlx(LoraAdapter(pairs, alpha=20.0 * rank), folder, BaseShape("llama", heads, kv_heads, layers))
 
 
 @pytest.fixture(scope="module")

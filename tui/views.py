@@ -349,7 +349,10 @@ def progress_bar(fraction: float | None, width: int = 20) -> str:
 def job_lines(jobs: dict[str, Any], width: int = 20) -> list[str]:
     lines = []
     for j in jobs["jobs"]:
-        size = f"{j['done_bytes'] / 1e6:.0f} MB" + (f" of ~{j['total_bytes'] / 1e6:.0f} MB" if j.get("total_bytes") else "")
+        if j.get("unit", "bytes") == "bytes":
+            size = f"{j['done_bytes'] / 1e6:.0f} MB" + (f" of ~{j['total_bytes'] / 1e6:.0f} MB" if j.get("total_bytes") else "")
+        else:  # a training job counts steps
+            size = f"{j['done']}" + (f" of {j['total']}" if j.get("total") else "") + f" {j['unit']}"
         pct = "" if j["fraction"] is None else f" {j['fraction']:.0%}"
         lines.append(f"{j['kind']:<9}{j['state']:<8}{progress_bar(j['fraction'], width)}{pct}  {j['description']}  {size}")
         if j["message"]:

@@ -20,7 +20,7 @@ from appliance.api.translate import Prepared, chat_messages
 from appliance.registry import LoadedModel
 from appliance.semantic_cache import Lookup, model_version
 from appliance.services import Services, price_of
-from appliance.settings import RouteSettings
+from appliance.settings import RouteSettings, split_tier
 from engines.base import FinishEvent, Usage
 from policy.cache import Cacheable, NotCacheable, classify
 from policy.identity import Principal
@@ -139,9 +139,9 @@ def route_cache_plan(header: str | None, services: Services, principal: Principa
         **_adjustments(body),
     }
     versions = []
-    for alias in route.tiers:
-        model = services.registry.get(alias)
-        versions.append(f"{alias}={model_version(model.settings) if model else '?'}")
+    for tier in route.tiers:  # a distilled tier ("alias:adapter") keeps its own answers, apart from its base's
+        model = services.registry.get(split_tier(tier)[0])
+        versions.append(f"{tier}={model_version(model.settings) if model else '?'}")
     return _plan(services, directives, principal, body, route.alias, ";".join(versions), settings, temperature)
 
 

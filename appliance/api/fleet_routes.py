@@ -162,12 +162,12 @@ async def unload_model_now(request: Request[Any, Any, Any], services: Services, 
 
 
 def apply_from_thread(services: Services, loop: asyncio.AbstractEventLoop) -> str:
-    """For a job thread that registered a model: applies the file on the server's loop."""
+    """For a job thread that registered a model or an adapter: applies the file on the server's loop."""
     try:
         change = asyncio.run_coroutine_threadsafe(apply_config(services), loop).result()
     except Exception as exc:
         return f"; the running server could not serve it yet ({exc}): fix it and POST /admin/config/reload"
-    return "; now served" if change.added else ""
+    return "; now served" if change.added or change.changed else ""
 
 
 ROUTES = [reload_config, add_model, edit_model, remove_model, load_model_now, unload_model_now]

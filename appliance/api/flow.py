@@ -16,7 +16,7 @@ from appliance.api.call import WireFor
 from appliance.api.errors import APIError, invalid
 from appliance.api.routed import routed_chat
 from appliance.api.schemas import ChatCompletionRequest
-from appliance.api.translate import Prepared, chat_messages, check_metadata, prepare_chat, unsupported_chat
+from appliance.api.translate import Prepared, chat_messages, check_metadata, prepare_chat, unsupported_chat, with_adapters
 from appliance.judge import yes_probability
 from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
@@ -112,10 +112,6 @@ def model_with_adapters(services: Services, alias: str, chosen: list[Any] | None
             raise invalid("An adapter's scale must be between -10 and 10.", "adapters")
         out.append((name, info.scale if scale is None else scale))
     return model, tuple(out)
-
-
-def with_adapters(prepared: Prepared, adapters: tuple[tuple[str, float], ...]) -> Prepared:
-    return dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, adapters=adapters)) if adapters else prepared
 
 
 async def guard(services: Services, traced: RequestTrace, texts: list[str], principal: Principal, request_id: str) -> None:

@@ -164,10 +164,10 @@ async def quantize_model(request: Request[Any, Any, Any], services: Services) ->
     loop = asyncio.get_running_loop()
 
     def work(job: Job) -> str:
-        job.total_bytes = estimated_size(src, file_type(src), body.type)
+        job.total = estimated_size(src, file_type(src), body.type)
         quantize(src, dst, body.type, threads=threads, allow_requantize=body.allow_requantize,
-                 progress=lambda size: setattr(job, "done_bytes", size))
-        job.done_bytes = dst.stat().st_size
+                 progress=lambda size: setattr(job, "done", size))
+        job.done = dst.stat().st_size
         register(config, alias, dst, sha256(dst), like=configured.alias if configured else None)
         return f"wrote {dst} and registered it as {alias!r} in {config}" + apply_from_thread(services, loop)
 
@@ -192,7 +192,7 @@ async def pull_model(request: Request[Any, Any, Any], services: Services) -> dic
 
     def work(job: Job) -> str:
         path, digest = download(body.repo, body.file, data_dir, tqdm_class=_progress_into(job))
-        job.done_bytes = job.total_bytes = path.stat().st_size
+        job.done = job.total = path.stat().st_size
         register(config, alias, path, digest)
         return f"downloaded {path} and registered it as {alias!r} in {config}" + apply_from_thread(services, loop)
 
@@ -223,7 +223,7 @@ def _progress_into(job: Job) -> Any:
 
         def update(self, n: float | None = 1) -> bool | None:
             shown = super().update(n)
-            job.done_bytes, job.total_bytes = int(self.n), int(self.total) if self.total else None
+            job.done, job.total = int(self.n), int(self.total) if self.total else None
             return shown
 
     return JobProgress
@@ -235,4 +235,20 @@ async def list_jobs(request: Request[Any, Any, Any], services: Services) -> dict
     return {"jobs": services.jobs.list()}
 
 
-ROUTES = [list_loaded_models, models_in_memory, list_adapters, load_adapter, unload_adapter, quantize_model, pull_model, list_jobs]
+@delete("/admin/jobs/{job_id:str}", status_code=200)
+async def cancel_job(request: Request[Any, Any, Any], services: Services, job_id: str) -> dict[str, Any]:
+    """Asks a running job to stop; it ends as "cancelled" (a training job at the end of its step,
+    keeping a checkpoint). Quantize and pull jobs cannot be stopped: 409."""
+    await _admin(request, services)
+    job = services.jobs.get(job_id)
+    if job is None:
+        raise APIError(404, f"There is no job {job_id}.", type="not_found_error", param="job_id", code="job_not_found")
+    if job.state != "running":
+        raise APIError(409, f"The job {job_id} has already ended ({job.state}).", param="job_id", code="job_not_running")
+    if not services.jobs.cancel(job_id):
+        raise APIError(409, f"A {job.kind} job cannot be stopped once started.", param="job_id", code="job_not_cancellable")
+    return {"job": job.view()}
+
+
+ROUTES = [list_loaded_models, models_in_memory, list_adapters, load_adapter, unload_adapter, quantize_model, pull_model, list_jobs,
+          cancel_job]

@@ -11,10 +11,10 @@ from appliance.api import call, render
 from appliance.api.common import authenticate, decode_body
 from appliance.api.errors import APIError
 from appliance.api.headers import new_request_id
-from appliance.api.flow import annotate_principal, guard, model_with_adapters, serve_chat, with_adapters
+from appliance.api.flow import annotate_principal, guard, model_with_adapters, serve_chat
 from appliance.api.routed import route_meta
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
-from appliance.api.translate import prepare_completion
+from appliance.api.translate import prepare_completion, with_adapters
 from appliance.services import Services
 from appliance.tracing import RequestTrace
 

@@ -24,11 +24,11 @@ from appliance.api.call import WireFor, known_answer
 from appliance.api.collect import both, keeper
 from appliance.api.errors import APIError
 from appliance.api.schemas import ChatCompletionRequest
-from appliance.api.translate import Prepared, chat_messages, prepare_chat
+from appliance.api.translate import Prepared, chat_messages, prepare_chat, with_adapters
 from appliance.embedders import Embedder
 from appliance.registry import LoadedModel
 from appliance.services import Services, price_of
-from appliance.settings import RouteSettings
+from appliance.settings import RouteSettings, split_tier
 from appliance.tool_calls import answer_problem
 from appliance.tracing import RequestTrace, annotate
 from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
@@ -133,16 +133,14 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
             annotate(span, cache__result="hit" if found.entry is not None else "miss", cache__similarity=found.similarity,
                      cache__reason=found.reason)
         if found.entry is not None:
-            first = services.registry.get(route.tiers[0])
-            assert first is not None
+            first, _ = tier_model(services, route.tiers[0])
             prepared = prepare_chat(body, first, services.settings.defaults, request_id)
             traced.annotate(cache__result="hit", route__model="cache")
             response = await serve_hit(services, principal, first, prepared, found, body.stream, wire_for)
             traced.answered(request_id, first.settings.alias, [found.entry.finish_reason])
             response.headers["x-route"] = route.alias
             return response
-        first = services.registry.get(route.tiers[0])
-        assert first is not None
+        first, _ = tier_model(services, route.tiers[0])
         await charge_judge(services, principal, first, request_id, found)
         plan = dataclasses.replace(plan, lookup=found)
     cache_headers = plan.headers()
@@ -184,9 +182,8 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
         if _cooling.get(alias, 0) > time.monotonic():
             attempts.append({"model": alias, "outcome": "cooling down"})
             continue
-        model = services.registry.get(alias)
-        assert model is not None  # settings checked the tiers
-        outcome = await _attempt(request, services, principal, body, model, route, f"{request_id}.{len(attempts) + 1}",
+        model, adapters = tier_model(services, alias)
+        outcome = await _attempt(request, services, principal, body, model, adapters, route, f"{request_id}.{len(attempts) + 1}",
                                  index, traced, schema, wants_json, spent)
         attempts.append({"model": alias, "outcome": outcome[0]})
         if outcome[0] == "context too small":
@@ -201,7 +198,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
                             keeper(services, principal, body, route.alias, alias, as_answered))
             if remember is not None:
                 remember(text, finish)
-            return _respond(prepared, model.settings.alias, text, logprobs, finish, body, request_id, started, wire_for,
+            return _respond(prepared, alias, text, logprobs, finish, body, request_id, started, wire_for,
                             {"x-route": route.alias, "x-route-model": alias, "x-route-tier": str(index),
                              "x-route-attempts": json.dumps(attempts), "x-route-cost-nanousd": str(sum(spent)), **cache_headers})
     if attempts and all(a["outcome"] == "context too small" for a in attempts):
@@ -210,8 +207,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     # Every tier failed: the route's deterministic default, marked as such.
     services.metrics.route_answers.labels(route.alias, "default").inc()
     traced.annotate(route__default=True, route__attempts=len(attempts))
-    model = services.registry.get(route.tiers[0])
-    assert model is not None
+    model, _ = tier_model(services, route.tiers[0])
     prepared = prepare_chat(body, model, services.settings.defaults, request_id)
     finish = FinishEvent("stop", Usage(prepared.request.prompt_length, 0))
     traced.answered(request_id, route.alias, ["stop"], prepared.request.prompt_length, 0)
@@ -220,13 +216,24 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
                      "x-route-cost-nanousd": str(sum(spent))})
 
 
+def tier_model(services: Services, tier: str) -> tuple[LoadedModel, tuple[tuple[str, float], ...]]:
+    """A route's tier: its model, and the LoRA adapter a distilled tier ("alias:adapter") runs with, at its configured scale."""
+    alias, adapter = split_tier(tier)
+    model = services.registry.get(alias)
+    assert model is not None  # settings checked the tiers
+    if adapter is None:
+        return model, ()
+    scale = next((a.scale for a in model.engine.adapters() if a.name == adapter), 1.0)
+    return model, ((adapter, scale),)
+
+
 async def _attempt(request: Request[Any, Any, Any], services: Services, principal: Principal, body: ChatCompletionRequest,
-                   model: LoadedModel, route: RouteSettings, attempt_id: str, index: int, traced: RequestTrace,
-                   schema: dict | None, wants_json: bool, spent: list[int]) -> tuple:
+                   model: LoadedModel, adapters: tuple[tuple[str, float], ...], route: RouteSettings, attempt_id: str, index: int,
+                   traced: RequestTrace, schema: dict | None, wants_json: bool, spent: list[int]) -> tuple:
     """One tier: reserve, generate (with log-probabilities when confidence is checked), settle,
     validate. Returns ("ok", prepared, text, logprobs, finish) or (why it failed,)."""
     try:
-        prepared = prepare_chat(body, model, services.settings.defaults, attempt_id)
+        prepared = with_adapters(prepare_chat(body, model, services.settings.defaults, attempt_id), adapters)
     except APIError as exc:
         if exc.code == "context_length_exceeded":  # a bigger tier may have the room
             return ("context too small", exc)

@@ -4,7 +4,7 @@ the parameter at fault."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -229,6 +229,10 @@ def _template_chat(body: ChatCompletionRequest, model: LoadedModel) -> tuple[lis
             raise invalid(f"A tool call contains the control token {found!r}, which this model's template cannot keep as text.",
                           f"messages[{i}].tool_calls")
     return messages, tools, plan
+
+
+def with_adapters(prepared: Prepared, adapters: tuple[tuple[str, float], ...]) -> Prepared:
+    return replace(prepared, request=replace(prepared.request, adapters=adapters)) if adapters else prepared
 
 
 def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:

@@ -19,11 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
+from engines.llama_layout import BLOCK_NAMES, rope_unpermute
+
 # Pre-tokenizers we can rebuild, by the name GGUF gives them.
 _PRE_TOKENIZERS = {"smollm", "gpt2", "default"}
 
@@ -46,13 +43,6 @@ def _value(meta: dict[str, Any], key: str, default: Any = None) -> Any:
     return value
 
 
-def _unpermute(x: Any, heads: int) -> Any:
-    """Inverse of llama.cpp's rope permutation of Q/K rows (also right for packed rows: it moves
-    whole rows, and quantization groups run along them)."""
-    rows = x.shape[0]
-    return x.reshape(heads, rows // heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-
 def _hf_name(gguf_name: str) -> str:
     stem, _, kind = gguf_name.rpartition(".")
     if stem == "token_embd":
@@ -62,8 +52,8 @@ def _hf_name(gguf_name: str) -> str:
     if stem == "output":
         return f"lm_head.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _NAMES:
-        return f"model.layers.{parts[1]}.{_NAMES[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{BLOCK_NAMES[parts[2]]}.{kind}"
     raise ConversionError(f"tensor {gguf_name} has no counterpart in mlx-lm's llama model")
 
 
@@ -110,9 +100,9 @@ def gguf_to_mlx(src: Path, dst: Path) -> ConversionReport:
             report.unquantized += 1
         for kind, array in arrays.items():
             if ".attn_q." in name:
-                array = _unpermute(array, heads)
+                array = rope_unpermute(array, heads)
             elif ".attn_k." in name:
-                array = _unpermute(array, kv_heads)
+                array = rope_unpermute(array, kv_heads)
             out[f"{layer}.{kind}"] = array
     tied = "output.weight" not in weights
     config: dict[str, Any] = {

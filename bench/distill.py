@@ -1,0 +1,218 @@
+"""Distillation end to end, measured: the appliance teaches its cheapest tier from its own verified
+answers on two task families of the economics workload, and the adapter is checked on examples no
+training saw.
+
+    .venv/bin/python bench/distill.py --workdir ~/.cache/appliance/distill-bench [--check]
+
+The steps, each through the appliance's own CLI and HTTP API, each kept in the work folder so the
+same command run again goes on where it stopped:
+1. teach: training traffic (bench/workload/distill_traffic.py: written independently of the
+   workload's items) is asked of the teacher through a server whose tenant opted in
+   (`[distill] tenants`); the caller checks each answer (bench/workload/check.py) and says so through
+   POST /v1/cache/feedback, as a team's validators would.
+2. export: `appliance distill export` per family (verified, opted-in, personal-data-free, deduplicated,
+   with a held-out part).
+3. train: `appliance distill train` on both families' training parts: one adapter for the student.
+4. evaluate: `appliance distill evaluate` per family, on the export's held-out part and on the
+   economics workload's evaluation split of that family: the student alone, with the adapter, the teacher.
+
+With --check the exit status is 1 unless, on every family, the adapter reaches 90% of the teacher's
+accuracy from no more than 1,000 verified examples; the last line states the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import tomlkit
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "workload"))
+
+from appliance_server import start, stop, write_config  # noqa: E402
+from distill_traffic import records as traffic  # noqa: E402
+
+FAMILIES = ("classification", "extraction")
+EVALUATION = ROOT / "bench" / "workload" / "splits" / "evaluation.jsonl"
+MAX_EXAMPLES = 1000
+TARGET = 0.9
+
+
+def load_check() -> Any:
+    spec = importlib.util.spec_from_file_location("workload_check", ROOT / "bench" / "workload" / "check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.check
+
+
+def bench_config(fleet: Path, student: str, teacher: str) -> str:
+    """The fleet's student and teacher, open mode with admin (training registers the adapter and asks
+    the server to reload), the open tenant opted in, no cache or budgets: the bench measures models."""
+    doc = tomlkit.parse(fleet.read_text())
+    doc.pop("server", None)
+    doc["auth"] = {"mode": "open", "open_principal": {"tenant": "distill-bench", "admin": True}}
+    doc["cache"] = {"enabled": False}
+    doc["budgets"] = {"enabled": False}
+    doc["tracing"] = {"store": False}
+    doc["distill"] = {"tenants": ["distill-bench"]}
+    models = tomlkit.aot()
+    for model in doc["models"]:
+        if model["alias"] in (student, teacher):
+            if "path" in model:
+                model["path"] = str(Path(str(model["path"])).expanduser())
+            # The fleet pins the invariant layout for the economics runs' reproducibility; this bench
+            # needs the default (faster) one.
+            model.pop("batch_invariant", None)
+            model.pop("kv_cache_type", None)
+            models.append(model)
+    doc["models"] = models
+    doc["routes"] = tomlkit.aot()
+    doc["routes"].append({"alias": "auto", "tiers": [student, teacher], "attempt_timeout_s": 900})
+    return tomlkit.dumps(doc)
+
+
+def appliance(workdir: Path, url: str | None, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "APPLIANCE_HOME": str(workdir / "home")}
+    more = ["--url", url] if url else []
+    command = [sys.executable, "-m", "appliance.cli", *args, "--config", str(workdir / "models.toml"), *more]
+    print("$ appliance " + " ".join(args), flush=True)
+    return subprocess.run(command, env=env, cwd=ROOT, text=True, capture_output=True)
+
+
+class Log:
+    """One JSON line per finished step or request, so a run goes on where it stopped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def done(self, kind: str) -> dict[str, dict[str, Any]]:
+        return {r["id"]: r for r in self.rows if r["kind"] == kind}
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+def teach(base: str, log: Log, requests: list[dict[str, Any]], teacher: str, check: Any) -> None:
+    done = log.done("teach")
+    left = [r for r in requests if r["id"] not in done]
+    print(f"teach: {len(done)} of {len(requests)} asked before; {len(left)} to go", flush=True)
+    with httpx.Client(base_url=base, timeout=900) as client:
+        started = time.monotonic()
+        for n, record in enumerate(left, 1):
+            body = {"model": teacher, "messages": record["messages"], "max_tokens": record["max_tokens"] or 256, "temperature": 0,
+                    "metadata": {"family": record["family"]}}
+            if record["response_format"]:
+                body["response_format"] = record["response_format"]
+            response = client.post("/v1/chat/completions", json=body)
+            response.raise_for_status()
+            data = response.json()
+            text = data["choices"][0]["message"]["content"] or ""
+            good = bool(check(record, text))
+            client.post("/v1/cache/feedback", json={"response_id": data["id"], "rating": "good" if good else "bad"}).raise_for_status()
+            log.add({"kind": "teach", "id": record["id"], "family": record["family"], "good": good})
+            if n % 10 == 0 or n == len(left):
+                rate = n / (time.monotonic() - started)
+                print(f"teach: {len(done) + n}/{len(requests)} ({rate * 60:.1f}/min)", flush=True)
+
+
+def must(done: subprocess.CompletedProcess[str]) -> str:
+    if done.returncode not in (0, 3):  # 3: evaluate refused to promote, a result too
+        raise SystemExit(f"error: exit {done.returncode}\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, required=True, help="keeps every step; the same command again goes on where it stopped")
+    parser.add_argument("--fleet", type=Path, default=ROOT / "bench" / "fleet.toml")
+    parser.add_argument("--student", default="smollm2-135m")
+    parser.add_argument("--teacher", default="qwen-1.5b")
+    parser.add_argument("--examples", type=int, default=300, help="training traffic per family (default 300)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", default="2")
+    parser.add_argument("--until", choices=("teach", "export", "train", "evaluate"), default="evaluate", help="stop after this step")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    args = parser.parse_args(argv)
+
+    workdir = args.workdir.expanduser().resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not (workdir / "models.toml").exists():  # once: training adds the adapter to it
+        write_config(workdir, bench_config(args.fleet, args.student, args.teacher))
+    log = Log(workdir / "steps.jsonl")
+    requests = [r for family in FAMILIES for r in traffic(family, args.examples, args.seed)]
+    requests.sort(key=lambda r: (int(r["id"].rsplit("-", 1)[1]), r["family"]))  # the families interleaved, as traffic comes
+    proc, base = start(workdir)
+    try:
+        teach(base, log, requests, args.teacher, load_check())
+        if args.until == "teach":
+            return 0
+        good = {f: sum(1 for r in log.done("teach").values() if r["family"] == f and r["good"]) for f in FAMILIES}
+        print(f"verified teacher answers: {good}")
+        data = {f: workdir / f"data-{f}" for f in FAMILIES}
+        if "export" not in log.done("step"):
+            for f in FAMILIES:
+                print(must(appliance(workdir, None, "distill", "export", "--route", "auto", "--family", f, "--since", "365d", "--out", str(data[f]))))
+            log.add({"kind": "step", "id": "export"})
+        if args.until == "export":
+            return 0
+        adapter = "distilled"
+        if "train" not in log.done("step"):
+            both = workdir / "train.jsonl"  # one adapter for both families: one distilled tier
+            both.write_text("".join((data[f] / "train.jsonl").read_text() for f in FAMILIES))
+            started = time.monotonic()
+            print(must(appliance(workdir, base, "distill", "train", "--student", args.student, "--data", str(both), "--out", adapter,
+                                 "--epochs", args.epochs)))
+            log.add({"kind": "step", "id": "train", "seconds": time.monotonic() - started,
+                     "examples": sum(1 for _ in both.open())})
+        if args.until == "train":
+            return 0
+        results: dict[str, dict[str, Any]] = {}
+        folder = workdir / "home" / "adapters" / args.student / adapter
+        for f in FAMILIES:
+            if f not in log.done("evaluate"):
+                print(must(appliance(workdir, base, "distill", "evaluate", "--student", args.student, "--adapter", adapter, "--data", str(data[f]),
+                                     "--workload", str(EVALUATION), "--family", f, "--teacher", args.teacher)))
+                stored = json.loads((folder / "adapter.gguf.evaluation.json").read_text())
+                log.add({"kind": "evaluate", "id": f, "result": stored})
+            results[f] = log.done("evaluate")[f]["result"]
+    finally:
+        stop(proc)
+    return report(results, log, args.check)
+
+
+def report(results: dict[str, dict[str, Any]], log: Log, check: bool) -> int:
+    trained = log.done("step")["train"]
+    print(f"\ntrained on {trained['examples']} verified examples in {trained['seconds'] / 60:.1f} min")
+    header = f"{'family':16} {'part':9} {'student':>9} {'adapter':>9} {'teacher':>9} {'adapter/teacher':>16}"
+    print(header)
+    ratios = {}
+    for family, result in results.items():
+        for part in ("held_out", "workload", "total"):
+            s = {role: result["scores"][role][part] for role in ("student", "adapter", "teacher")}
+            acc = {role: v["right"] / v["asked"] if v["asked"] else 0.0 for role, v in s.items()}
+            ratio = acc["adapter"] / acc["teacher"] if acc["teacher"] else 0.0
+            if part == "total":
+                ratios[family] = ratio
+            print(f"{family:16} {part:9} {acc['student']:9.1%} {acc['adapter']:9.1%} {acc['teacher']:9.1%} {ratio:16.1%}")
+    met = trained["examples"] <= MAX_EXAMPLES and all(r >= TARGET for r in ratios.values())
+    print(f"distill: adapter/teacher {', '.join(f'{f} {r:.1%}' for f, r in ratios.items())}; {trained['examples']} examples; "
+          f"target {TARGET:.0%} from <= {MAX_EXAMPLES}: {'met' if met else 'missed'}")
+    return 1 if check and not met else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
