@@ -113,23 +113,30 @@ def factual() -> list[Item]:
     return [_accepted(row, "factual", "inkwell", "facts", False) for row in read_jsonl(HANDWRITTEN / "factual.jsonl")]
 
 
+def classification_item(key: str, tenant: str, prompt: str, text: str, gold: str,
+                        prompts: dict[str, dict[str, dict[str, Any]]]) -> Item:
+    """One classification request; bench/workload/distill_traffic.py makes its training ones here too."""
+    return Item(key, "classification", tenant, prompt, text,
+                {"type": "label", "labels": prompts[tenant][prompt]["labels"], "gold": gold})
+
+
 def classification() -> list[Item]:
     prompts = tenants()
-    return [Item(row["id"], "classification", row["tenant"], row["prompt"], row["text"],
-                 {"type": "label", "labels": prompts[row["tenant"]][row["prompt"]]["labels"], "gold": row["gold"]})
+    return [classification_item(row["id"], row["tenant"], row["prompt"], row["text"], row["gold"], prompts)
             for row in read_jsonl(HANDWRITTEN / "classification.jsonl")]
 
 
-def extraction() -> list[Item]:
+def extraction_item(key: str, tenant: str, prompt: str, text: str, schema: dict[str, Any], gold: dict[str, Any]) -> Item:
     """The schema goes in the message as well as in response_format, so a server that ignores
     response_format still asks the model for the right fields."""
-    items = []
-    for row in read_jsonl(HANDWRITTEN / "extraction.jsonl"):
-        schema = json.dumps(row["schema"], separators=(", ", ": "))
-        response_format = {"type": "json_schema", "json_schema": {"name": "record", "schema": row["schema"], "strict": True}}
-        items.append(Item(row["id"], "extraction", row["tenant"], row["prompt"], f"JSON Schema: {schema}\n\nText: {row['text']}",
-                          {"type": "json_fields", "gold": row["gold"]}, response_format=response_format))
-    return items
+    response_format = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema, "strict": True}}
+    user = f"JSON Schema: {json.dumps(schema, separators=(', ', ': '))}\n\nText: {text}"
+    return Item(key, "extraction", tenant, prompt, user, {"type": "json_fields", "gold": gold}, response_format=response_format)
+
+
+def extraction() -> list[Item]:
+    return [extraction_item(row["id"], row["tenant"], row["prompt"], row["text"], row["schema"], row["gold"])
+            for row in read_jsonl(HANDWRITTEN / "extraction.jsonl")]
 
 
 def rewrite() -> list[Item]:
