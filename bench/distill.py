@@ -23,7 +23,6 @@ accuracy from no more than 1,000 verified examples; the last line states the fig
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -42,6 +41,8 @@ sys.path.insert(0, str(ROOT / "bench" / "workload"))
 from appliance_server import start, stop, write_config  # noqa: E402
 from distill_traffic import records as traffic  # noqa: E402
 
+from appliance.evaluate import load_checker  # noqa: E402
+
 FAMILIES = ("classification", "extraction")
 EVALUATION = ROOT / "bench" / "workload" / "splits" / "evaluation.jsonl"
 MAX_EXAMPLES = 1000
@@ -49,11 +50,8 @@ TARGET = 0.9
 
 
 def load_check() -> Any:
-    spec = importlib.util.spec_from_file_location("workload_check", ROOT / "bench" / "workload" / "check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.check
+    """The workload's checker (bench/workload/check.py), loaded as `appliance eval router` loads it."""
+    return load_checker(ROOT / "bench" / "workload" / "check.py")
 
 
 def bench_config(fleet: Path, student: str, teacher: str) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import sys
 import tempfile
@@ -46,17 +45,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 from appliance_server import cli, start, stop, write_config  # noqa: E402
 from economics_report import Outcome, PassFigures, Targets, cache_figures, figures, manipulated, random_line, targets  # noqa: E402
 
+from appliance.evaluate import load_checker  # noqa: E402
 from policy.budgets import Price  # noqa: E402
 
 SPLITS = ROOT / "bench" / "workload" / "splits"
 
 
 def load_check() -> Callable[[dict[str, Any], str], bool]:
-    spec = importlib.util.spec_from_file_location("workload_check", ROOT / "bench" / "workload" / "check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.check
+    """The workload's checker (bench/workload/check.py), loaded as `appliance eval router` loads it."""
+    return load_checker(ROOT / "bench" / "workload" / "check.py")
 
 
 def load_split(name: str) -> tuple[list[dict[str, Any]], str]:
