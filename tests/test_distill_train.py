@@ -403,7 +403,9 @@ def test_evaluate_errors_are_one_line(served: Server, tmp_path: Path, capsys: py
 def test_a_job_held_for_quiet_hours_waits_and_can_be_stopped_meanwhile(served: Server) -> None:
     admin = httpx.Client(base_url=served.base_url, timeout=60)
     later = (datetime.now() + timedelta(minutes=2)).strftime("%H:%M")
-    body = {"student": CHAT_MODEL, "data": "vault.jsonl", "name": "later", "options": OPTIONS, "start_at": later}
+    (served.home / "export").mkdir(exist_ok=True)
+    (served.home / "export" / TRAIN).write_text(examples_text())  # a folder `appliance distill export` wrote
+    body = {"student": CHAT_MODEL, "data": "export", "name": "later", "options": OPTIONS, "start_at": later}
     started = admin.post("/admin/distill/train", json=body)
     assert started.status_code == 202, started.text
     job_id = started.json()["job"]["id"]

@@ -277,6 +277,33 @@ async def test_models_screen_loads_and_unloads_adapters_and_quantizes(served: Se
     assert jobs[0]["kind"] == "quantize" and jobs[0]["state"] == "done"
 
 
+async def test_models_screen_starts_a_training_job_for_the_quiet_hours_and_stops_it(served: Server) -> None:
+    """t starts `POST /admin/distill/train` (held until a time of day, so nothing trains here), the
+    jobs pane shows it waiting, and s stops it."""
+    from datetime import datetime, timedelta
+
+    from tests.test_distill_train import examples_text
+
+    (served.home / "tui-train.jsonl").write_text(examples_text())
+    later = (datetime.now() + timedelta(minutes=3)).strftime("%H:%M")
+    app = ApplianceTUI(served.base_url, None, interval_s=0.5)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("6")
+        await pilot.press("T", *keys(f"{CHAT_MODEL} tui-train.jsonl tuitrain at {later}"), "enter")
+        await settle(pilot, app, lambda: f"waiting until {later}" in text_of(app, "#jobs"), timeout=30)
+        assert "train" in text_of(app, "#jobs") and "running" in text_of(app, "#jobs")
+        await pilot.press("s")
+        await settle(pilot, app, lambda: "cancelled" in text_of(app, "#jobs"), timeout=30)
+    job = next(j for j in httpx.get(f"{served.base_url}/admin/jobs").json()["jobs"] if j["kind"] == "train")
+    assert job["state"] == "cancelled" and "while waiting" in job["message"], job
+
+
+def test_train_prompt_words() -> None:
+    assert views.train_args(["s", "d.jsonl"]) == ("s", "d.jsonl", None, None)
+    assert views.train_args(["s", "d", "n", "at", "02:00"]) == ("s", "d", "n", "02:00")
+    assert views.train_args(["s"]) is None and views.train_args(["s", "d", "n", "x"]) is None
+
+
 async def test_models_screen_pulls_a_model_from_the_hub(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`p` asks the server to download a GGUF through huggingface-hub (a local hub here) and
     register it; the job's progress bar ends at 100% and models.toml names the file."""

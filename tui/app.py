@@ -31,14 +31,16 @@ PROMPTS = {
     "adapter": "load adapter: MODEL NAME PATH [SCALE]",
     "quantize": "quantize: SOURCE TYPE [requantize]   (SOURCE an alias or a path on the server, TYPE e.g. Q4_K_M)",
     "pull": "pull from the hub: REPO FILE.gguf",
+    "train": "train an adapter: STUDENT DATA [NAME] [at HH:MM]   (DATA a JSONL file or an export folder on the server)",
     "add_model": "add a model file on the server: PATH [ALIAS] [like MODEL]",
     "remove": "remove {alias} from models.toml (its file stays): type {alias} to confirm",
 }
 
 # The screen each action belongs to: the footer lists, and the keys run, only the current screen's.
 ASKED_ON = {"key": "keys", "budget": "budgets", "search": "cache", "traces": "traces",
-            "adapter": "models", "quantize": "models", "pull": "models", "add_model": "models", "remove": "models"}
-ACTION_ON = {"unload": "models", "load_model": "models", "unload_model": "models", "remove_model": "models",
+            "adapter": "models", "quantize": "models", "pull": "models", "train": "models", "add_model": "models",
+            "remove": "models"}
+ACTION_ON = {"unload": "models", "load_model": "models", "unload_model": "models", "remove_model": "models", "stop_job": "models",
              "revoke": "keys", "invalidate": "cache", "mark": "cache", "cycle_filter": "traces"}
 # What takes the keys when a screen is shown, so Enter and the arrows act on it at once.
 FOCUS_ON = {"budgets": "#budget-tree", "cache": "#cache-buckets", "traces": "#trace-table", "keys": "#key-table", "models": "#model-table"}
@@ -65,6 +67,8 @@ class ApplianceTUI(App[None]):
         Binding("u", "unload", "Unload adapter", show=False),
         Binding("z", "ask('quantize')", "Quantize", show=False),
         Binding("p", "ask('pull')", "Pull", show=False),
+        Binding("T", "ask('train')", "Train adapter", show=False),
+        Binding("s", "stop_job", "Stop job", show=False),
         Binding("n", "ask('key')", "New key"),
         Binding("n", "ask('add_model')", "Add model"),
         Binding("d", "revoke", "Revoke"),
@@ -236,7 +240,8 @@ class ApplianceTUI(App[None]):
         self.query_one("#slots", Static).update("\n".join(views.slot_lines(models, loaded)))
         _fill(self.query_one("#adapter-table", DataTable), views.adapter_rows(models))
         lines = views.job_lines(jobs, 24)
-        self.query_one("#jobs", Static).update("\n".join(["jobs (z quantize, p pull)", *lines]) if lines else "no jobs (z quantize, p pull)")
+        self.query_one("#jobs", Static).update("\n".join(["jobs (z quantize, p pull, T train, s stop)", *lines]) if lines
+                                                else "no jobs (z quantize, p pull, T train)")
 
     # -- actions -------------------------------------------------------------------------------
 
@@ -329,6 +334,11 @@ class ApplianceTUI(App[None]):
                 job = await self.client.pull(words[0], words[1])
                 self.notify(f"pull job {job['job']['id']} started")
                 self.action_show("models")
+            elif what == "train" and (asked := views.train_args(words)) is not None:
+                job = await self.client.train(*asked)
+                self.notify(f"train job {job['job']['id']} started: {job['examples']} examples, {job['steps']} steps"
+                            + (" (resuming)" if job["resume"] else ""))
+                self.action_show("models")
             elif what == "add_model" and (added := views.add_model_args(event.value)) is not None:
                 self.notify(f"adding {added[0]}…")
                 self._change(lambda: self.client.add_model(*added), lambda done: f"{done['alias']} added to models.toml, served now")
@@ -357,6 +367,20 @@ class ApplianceTUI(App[None]):
         try:
             await self.client.revoke_key(key_id)
             self.notify(f"revoked {key_id}")
+        except AdminError as exc:
+            self.notify(exc.message, severity="error")
+        self.poll()
+
+    async def action_stop_job(self) -> None:
+        try:
+            job = views.running_job(await self.client.jobs())
+            if job is None:
+                self.notify("no job is running", severity="warning")
+            elif not job.get("cancellable"):
+                self.notify(f"{job['kind']} job {job['id']} cannot be stopped", severity="warning")
+            else:
+                await self.client.stop_job(job["id"])
+                self.notify(f"stopping {job['kind']} job {job['id']} at the end of its step")
         except AdminError as exc:
             self.notify(exc.message, severity="error")
         self.poll()

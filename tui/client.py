@@ -103,6 +103,13 @@ class AdminClient:
     async def pull(self, repo: str, file: str) -> dict[str, Any]:
         return await self._json("POST", "/admin/models/pull", json={"repo": repo, "file": file})
 
+    async def train(self, student: str, data: str, name: str | None = None, start_at: str | None = None) -> dict[str, Any]:
+        body = {"student": student, "data": data} | ({"name": name} if name else {}) | ({"start_at": start_at} if start_at else {})
+        return await self._json("POST", "/admin/distill/train", json=body)
+
+    async def stop_job(self, job_id: str) -> dict[str, Any]:
+        return await self._json("DELETE", f"/admin/jobs/{job_id}")
+
     async def close(self) -> None:
         await self._http.aclose()
 

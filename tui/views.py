@@ -338,6 +338,21 @@ def adapter_rows(models: dict[str, Any]) -> list[tuple[str, ...]]:
             for m in models["models"] for a in m["adapters"]]
 
 
+def train_args(words: list[str]) -> tuple[str, str, str | None, str | None] | None:
+    """`STUDENT DATA [NAME] [at HH:MM]` as (student, data, name, start_at); None when it is not that shape."""
+    start_at = None
+    if len(words) >= 4 and words[-2] == "at":
+        words, start_at = words[:-2], words[-1]
+    if len(words) not in (2, 3):
+        return None
+    return words[0], words[1], words[2] if len(words) == 3 else None, start_at
+
+
+def running_job(jobs: dict[str, Any]) -> dict[str, Any] | None:
+    """The job a stop request would end: the one running (the server runs one at a time)."""
+    return next((j for j in jobs["jobs"] if j["state"] == "running"), None)
+
+
 def progress_bar(fraction: float | None, width: int = 20) -> str:
     """A text bar; an unknown total shows as a moving-free placeholder."""
     if fraction is None:

@@ -17,6 +17,7 @@ from appliance.api.admin_routes import _admin, server_path
 from appliance.api.common import decode_body
 from appliance.api.errors import APIError, invalid
 from appliance.api.fleet_routes import apply_from_thread, config_file
+from appliance.distill_export import TRAIN
 from appliance.jobs import Job, JobBusy, JobCancelled
 from appliance.model_admin import alias_for
 from appliance.services import Services
@@ -44,8 +45,8 @@ async def train_adapter(request: Request[Any, Any, Any], services: Services) -> 
     body: TrainBody = decode_body(await request.body(), TrainBody)
     config = config_file(services)
     data = server_path(services, body.data, "data")
-    if not data.is_file():
-        raise invalid(f"There is no file {data} on the server.", "data")
+    if not (data.is_file() or (data / TRAIN).is_file()):
+        raise invalid(f"There is no file {data} on the server (a JSONL file, or a folder `appliance distill export` wrote).", "data")
     if body.threads is not None and not 1 <= body.threads <= 1024:
         raise invalid("threads must be between 1 and 1024.", "threads")
     if not 0 <= body.nice <= 19:
