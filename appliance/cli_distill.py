@@ -255,7 +255,8 @@ def cmd_distill_evaluate(args: argparse.Namespace) -> int:
         said = f"route {route.alias!r}: tiers {list(tiers)}"
         if route.calibration is not None:
             said += ("\nits calibration was measured without the new tier and is removed: the route uses its heuristics until "
-                     "`appliance eval router --tiers-only --file CALIBRATION` and `appliance eval calibrate` measure it again")
+                     "`appliance eval router --tiers-only --file CALIBRATION --resume RUN` (asks only the new tier) and "
+                     "`appliance eval calibrate --run RUN` measure it again")
         return said
 
     return write_and_apply(args, config, write)

@@ -46,7 +46,7 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
         url = args.url or f"http://{settings.server.host}:{settings.server.port}"
         names = ([] if args.tiers_only else [route.alias]) + list(route.tiers)
         answers: list[evaluate.Answer] = []
-        done: frozenset[int] = frozenset()
+        done: dict[int, frozenset[str]] = {}
         dataset = args.file.name if args.file else "gsm8k"
         if args.resume is not None:
             stored = evaluate.resume(db, args.resume, names)
@@ -58,12 +58,13 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
                       f"give the same --file and --limit (or a higher --limit to add questions)", file=sys.stderr)
                 return 2
             evaluate.extend(db, args.resume, questions)
-            run_id, answers, done = args.resume, list(stored.answers), stored.done
+            run_id, answers, done = args.resume, list(stored.answers), stored.answered
         else:
             run_id = evaluate.begin(db, dataset, questions, list(route.tiers))
-        print(f"eval run {run_id}: {len(questions)} questions, {len(done)} already answered", file=sys.stderr)
+        whole = sum(1 for answered in done.values() if answered >= set(names))
+        print(f"eval run {run_id}: {len(questions)} questions, {whole} already answered by every target", file=sys.stderr)
         with Progress() as progress:
-            task = progress.add_task(f"{len(questions)} questions x {len(names)} targets", total=len(questions), completed=len(done))
+            task = progress.add_task(f"{len(questions)} questions x {len(names)} targets", total=len(questions), completed=whole)
             summary = evaluate.run(url, args.key or "unused", route.alias, list(route.tiers), prices, questions, args.max_tokens,
                                    lambda finished: progress.update(task, advance=1), answers, include_route=not args.tiers_only,
                                    check=check, done=done, answered=lambda _, found: evaluate.record(db, run_id, found))

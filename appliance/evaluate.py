@@ -226,25 +226,26 @@ def summarize(answers: Sequence[Answer], n: int, route: str, tiers: Sequence[str
 
 def run(base_url: str, key: str, route: str, tiers: list[str], prices: dict[str, Price], questions: list[Question],
         max_tokens: int, progress: Any = None, answers: list[Answer] | None = None, include_route: bool = True,
-        check: Checker | None = None, done: frozenset[int] = frozenset(),
+        check: Checker | None = None, done: dict[int, frozenset[str]] | None = None,
         answered: Callable[[int, list[Answer]], None] | None = None) -> dict[str, Any]:
     """Every question through the route and each tier alone; `answers`, when given, receives each
-    question's result per target (and may hold a resumed run's, whose questions are in `done` and
-    are not asked again); `answered` is told each question's results as soon as it has them. A
-    workload record's answer is judged by `check`; `max_tokens` is for questions that do not name
-    their own."""
+    question's result per target (and may hold a resumed run's: `done` names the targets that
+    answered each question, which are not asked again); `answered` is told each question's new
+    results as soon as it has them. A workload record's answer is judged by `check`; `max_tokens`
+    is for questions that do not name their own."""
     names = ([route] if include_route else []) + tiers
     found: list[Answer] = answers if answers is not None else []
     headers = {"Authorization": f"Bearer {key}", "Cache-Control": "no-cache, no-store"}  # measure models, not the cache
     with httpx.Client(base_url=base_url, headers=headers, timeout=600) as client:
         for i, q in enumerate(questions):
-            if i in done:
+            wanted = [name for name in names if name not in (done or {}).get(i, frozenset())]
+            if not wanted:
                 continue
             if q.gold is None and (check is None or q.record is None):
                 raise ValueError(f"question {q.ref} has neither a gold number nor a checker")
             bucket = buckets(features(list(q.messages), q.structured))[0]  # the same features the router computes
             mine = [ask(client, q, name, tiers.index(name) if name != route else None, bucket, i, max_tokens, prices, check)
-                    for name in names]
+                    for name in wanted]
             found.extend(mine)
             if answered is not None:
                 answered(i, mine)
@@ -346,12 +347,19 @@ def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, 
 
 @dataclass(frozen=True)
 class Stored:
-    """What a run cut short had measured: its questions' refs in order, and the answers of each
-    question that every target answered without failing."""
+    """What a run cut short had measured: its questions' refs in order, every answer a target gave
+    without failing, and which targets answered each question. A route with a tier added since
+    (a distilled one) is measured by asking only the new tier."""
     dataset: str
     refs: tuple[str, ...]
     answers: tuple[Answer, ...]
-    done: frozenset[int]
+    answered: dict[int, frozenset[str]]
+
+    @property
+    def done(self) -> frozenset[int]:
+        return frozenset(q for q, names in self.answered.items() if names >= self.targets)
+
+    targets: frozenset[str] = frozenset()
 
 
 def resume(db: apsw.Connection, run_id: int, targets: Sequence[str]) -> Stored | None:
@@ -364,9 +372,10 @@ def resume(db: apsw.Connection, run_id: int, targets: Sequence[str]) -> Stored |
                              "FROM eval_answers WHERE run_id = ?", (run_id,)):
         a = Answer(values[0], values[1], values[2], values[3], bool(values[4]), values[5], values[6], values[7])
         by_question.setdefault(a.question, []).append(a)
-    # A failed request measured the server, not the target: its question is asked again.
-    whole = {q: found for q, found in by_question.items() if {a.target for a in found if a.answered_by is not None} >= set(targets)}
-    return Stored(row[0], refs, tuple(a for q in sorted(whole) for a in whole[q]), frozenset(whole))
+    # A failed request measured the server, not the target: that target is asked again.
+    kept = {q: [a for a in found if a.answered_by is not None] for q, found in by_question.items()}
+    return Stored(row[0], refs, tuple(a for q in sorted(kept) for a in kept[q]),
+                  {q: frozenset(a.target for a in found) for q, found in kept.items()}, frozenset(targets))
 
 
 def observations(db: apsw.Connection, run_ids: list[int], tiers: tuple[str, ...]) -> list[Observation]:

@@ -622,7 +622,7 @@ def test_workload_records_are_evaluated_stored_and_learned_from(routed: tuple[Se
     assert [always[f"always {t}"]["accuracy"] for t in CALIBRATED_TIERS] == [round(r / 3, 4) for r in right]
 
 
-def test_an_eval_run_cut_short_is_resumed_without_asking_again(routed: tuple[Server, dict[str, str], Collector], tmp_path: Path) -> None:
+def test_an_eval_run_cut_short_is_resumed_asking_only_what_is_missing(routed: tuple[Server, dict[str, str], Collector], tmp_path: Path) -> None:
     from tests.test_gate_api import cli
 
     server, keys, _ = routed
@@ -643,9 +643,12 @@ def test_an_eval_run_cut_short_is_resumed_without_asking_again(routed: tuple[Ser
     again = db.execute("SELECT question, target, latency_s FROM eval_answers WHERE run_id = ? ORDER BY 1, 2", (run_id,)).fetchall()
     summary = json.loads(db.execute("SELECT summary FROM eval_runs WHERE id = ?", (run_id,)).fetchone()[0])
     db.close()
-    # question 0 was kept as measured; question 1, stored only in part, was asked again, and question 2 added
+    # question 0 was kept as measured; of question 1, stored only in part, only the missing target was
+    # asked (a tier added to a route is measured the same way), and question 2 was added
     assert len(kept) == 6 and [row for row in again if row[0] == 0] == [row for row in kept if row[0] == 0]
-    assert [row for row in again if row[0] == 1] != [row for row in kept if row[0] == 1]
+    assert [row for row in again if row[0] == 1 and row[1] != CALIBRATED_TIERS[0]] == \
+        [row for row in kept if row[0] == 1 and row[1] != CALIBRATED_TIERS[0]]
+    assert [row[1] for row in again if row[0] == 1] == sorted(CALIBRATED_TIERS)
     assert len(again) == 9 and {row[0] for row in again} == {0, 1, 2} and "_partial" not in summary
     assert sum(summary[t]["answered_by"].get(t, 0) for t in CALIBRATED_TIERS) == 9
     other = tmp_path / "other.jsonl"
