@@ -513,3 +513,19 @@ def test_a_burst_for_many_cold_models_stays_inside_the_memory_budget(tmp_path: P
         assert httpx.get(f"{srv.base_url}/health", timeout=10).json()["status"] == "ok"
     finally:
         stop_server(srv)
+
+
+def test_training_is_for_admins_and_its_inputs_cannot_escape(hostile: dict[str, Any]) -> None:
+    """Distillation's endpoints: a member cannot start or stop a job; an admin's data path cannot
+    leave the server's folders, and a malformed start time or adapter name is a 400 naming it."""
+    server, admin, mallory = hostile["server"], hostile["admin"], hostile["mallory"]
+    body = {"student": CHAT_MODEL, "data": "kept.jsonl"}
+    assert_refused(call(server, mallory, "/admin/distill/train", body), (401, 403))
+    assert_refused(call(server, mallory, "/admin/jobs/anything", method="DELETE"), (401, 403))
+    assert assert_refused(call(server, admin, "/admin/distill/train", {**body, "data": "../../../../etc/passwd"}), (400, 403))["param"] == "data"
+    (server.home / "kept.jsonl").write_text("")
+    for bad, param in (({"start_at": "25:99"}, "start_at"), ({"start_at": ["02:00"]}, None), ({"name": "a:b"}, "name"),
+                       ({"name": "../x"}, "name"), ({"options": {"steps": 10**30}}, None)):
+        error = assert_refused(call(server, admin, "/admin/distill/train", {**body, **bad}))
+        assert param is None or error["param"] == param, (bad, error)
+    assert not [j for j in admin_call(server, admin, "GET", "/admin/jobs").json()["jobs"] if j["kind"] == "train"]
