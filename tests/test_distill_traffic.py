@@ -7,7 +7,6 @@ hand-written items whose evaluation split the trained model is scored on."""
 from __future__ import annotations
 
 import datetime as dt
-import importlib.util
 import json
 import re
 import sys
@@ -27,16 +26,7 @@ N = 600
 RUN = 6  # words in a row that a generated text may not share with a hand-written one
 
 
-def _load(name: str, path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-wc = _load("workload_check", WORKLOAD / "check.py")
+from tests.test_workload import wc  # noqa: E402  (the workload's checker, loaded once)
 sys.path.insert(0, str(WORKLOAD))
 import distill_classification  # noqa: E402
 import distill_extraction  # noqa: E402
