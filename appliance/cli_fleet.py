@@ -48,7 +48,8 @@ def tell_server(args: argparse.Namespace, config: Path, before: str) -> int:
         return 0
     if response.status_code == 200:
         change = response.json()["change"]
-        done = [f"{what} {', '.join(change[what])}" for what in ("added", "removed", "changed") if change[what]]
+        done = [f"{what.replace('_', ' ')} {', '.join(change[what])}" for what in ("added", "removed", "changed", "adapters_changed")
+                if change.get(what)]
         print(f"the server at {url} applied it" + (f" ({'; '.join(done)})" if done else ""))
         if change["restart_needed_for"]:
             print(f"a restart applies the changes to [{'], ['.join(change['restart_needed_for'])}]")

@@ -13,11 +13,13 @@ the status the API answers with.
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from appliance.fleet_change import AdapterSwap
 from appliance.model_manager import Entry, ModelManager, ModelUnavailable
 from appliance.settings import AdapterSettings, LocalModel
 from engines.base import (
@@ -36,6 +38,8 @@ from engines.base import (
 )
 from engines.stream import EventStream
 from engines.vocabulary import SpeaksVocabulary, Vocabulary
+
+log = logging.getLogger("appliance.on_demand")
 
 
 def _error_event(request: GenerationRequest, exc: EngineError) -> FinishEvent:
@@ -136,6 +140,16 @@ class OnDemandEngine(SpeaksVocabulary):
             await real.unload_adapter(name)  # type: ignore[attr-defined]
         self._remember_adapters([a for a in self._adapter_settings() if a.name != name])
 
+    async def swap_adapters(self, swap: AdapterSwap, adapters: tuple[AdapterSettings, ...]) -> None:
+        """Serves `adapters` from now on without reloading the base: a loaded model (or one loading)
+        swaps them in its engine; an unloaded one remembers them for its next load. Raises
+        EngineError when the engine refuses (an adapter being replaced or removed is serving
+        requests), with whatever it had swapped put back."""
+        if self.entry.real is not None or self.entry.loading:
+            async with self._manager.hold(self.entry) as real:
+                await apply_swap(real, swap, self._adapter_settings())
+        self._remember_adapters(list(adapters))
+
     def _adapter_settings(self) -> tuple[AdapterSettings, ...]:
         return self.entry.settings.adapters  # type: ignore[union-attr]
 
@@ -159,3 +173,30 @@ class OnDemandEngine(SpeaksVocabulary):
     def close(self) -> None:
         """The manager closes the engine; this closes the vocabulary."""
         self.vocabulary.close()
+
+
+async def apply_swap(engine: Any, swap: AdapterSwap, before: tuple[AdapterSettings, ...]) -> None:
+    """Swaps a loaded engine's adapters (`before` are the ones it has): loads first, then unloads;
+    on a refusal, each adapter touched goes back as it was and EngineError is raised."""
+    old = {a.name: a for a in before}
+    touched: list[str] = []
+    try:
+        for a in swap.load:
+            await engine.load_adapter(a.name, a.path, a.scale)
+            touched.append(a.name)
+        for name in swap.unload:
+            try:
+                await engine.unload_adapter(name)
+            except UnknownAdapter:
+                pass  # already unloaded through the admin API
+            touched.append(name)
+    except EngineError:
+        for name in reversed(touched):
+            try:
+                if name in old:
+                    await engine.load_adapter(name, old[name].path, old[name].scale)
+                else:
+                    await engine.unload_adapter(name)
+            except EngineError as exc:  # logged: the caller's error is the one that matters
+                log.error("adapter %s: could not be put back: %s", name, exc)
+        raise

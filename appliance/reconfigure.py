@@ -43,7 +43,7 @@ async def apply_config(services: Services, edit: Callable[[Path], object] | None
             if before is not None:
                 await asyncio.to_thread(restore, config, before, written)
             raise
-    log.info("applied %s: added %s, removed %s, changed %s%s%s", config, list(change.added), list(change.removed),
-             list(change.changed), "; routes changed" if change.routes_changed else "",
+    log.info("applied %s: added %s, removed %s, changed %s, adapters changed %s%s%s", config, list(change.added), list(change.removed),
+             list(change.changed), list(change.adapters), "; routes changed" if change.routes_changed else "",
              f"; a restart applies [{'], ['.join(change.restart_sections)}]" if change.restart_sections else "")
     return change

@@ -8,14 +8,14 @@ import os
 import platform
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from appliance.chat_prompt import vocabulary_prompt
 from appliance.chat_template import ChatTemplate, TemplateError, template_of
 from appliance.model_files import package_file, resolve, sha256
-from appliance.fleet_change import FleetChange
+from appliance.fleet_change import FleetChange, adapter_swap
 from appliance.model_manager import ModelManager, total_ram
 from appliance.settings import LocalModel, ModelSettings, Settings
 from engines.base import Capabilities, Engine, EngineError
@@ -377,9 +377,46 @@ class Registry:
             for item, _ in made.values():
                 await asyncio.to_thread(item.discard)
             raise
-        # From here on nothing awaits: no request sees half of a fleet.
-        from appliance.on_demand import OnDemandEngine
+        from appliance.on_demand import OnDemandEngine, apply_swap
 
+        async def swap_to(loaded: LoadedModel, old: LocalModel, new: LocalModel) -> None:
+            swap = adapter_swap(old, new)
+            assert swap is not None  # fleet_change's decision
+            if isinstance(loaded.engine, OnDemandEngine):
+                await loaded.engine.swap_adapters(swap, new.adapters)
+            else:  # loaded at start for good
+                await apply_swap(loaded.engine, swap, old.adapters)
+                entry = self.manager.entry(new.alias)
+                if entry is not None:
+                    entry.settings = new
+
+        # Models whose adapters alone changed keep their base loaded and swap the adapters; one whose
+        # engine refuses (an adapter to replace is serving requests) is served again instead.
+        swapped: dict[str, tuple[LoadedModel, LocalModel]] = {}
+        try:
+            for alias in change.adapters:
+                loaded, old, model = self._models[alias], self.settings.model(alias), settings.model(alias)
+                assert isinstance(old, LocalModel) and isinstance(model, LocalModel)
+                try:
+                    await swap_to(loaded, old, model)
+                    swapped[alias] = (replace(loaded, settings=model), old)
+                except EngineError as exc:
+                    log.info("%s: serving it again for its new adapters: %s", alias, exc)
+                    need = await asyncio.to_thread(_need_or_zero, model, settings, budget)
+                    made[alias] = (await asyncio.to_thread(_make, model, settings, need, on_demand=True),
+                                   model.loads_at_start(settings.server))
+                    going.add(alias)
+        except BaseException:
+            for alias, (loaded, old) in swapped.items():  # back to the adapters the file had
+                try:
+                    await swap_to(loaded, loaded.settings, old)  # type: ignore[arg-type]
+                except EngineError as exc:  # the error being raised is the one the caller needs
+                    log.error("%s: its earlier adapters could not be put back: %s", alias, exc)
+            for item, _ in made.values():
+                await asyncio.to_thread(item.discard)
+            raise
+        # From here on nothing awaits: no request sees half of a fleet.
+        self._models.update({alias: loaded for alias, (loaded, _) in swapped.items()})
         for alias in going:
             old = self._models.pop(alias)  # its vocabulary closes with it; a full engine, when the manager unloads it
             self.manager.retire(alias, old.engine.close if isinstance(old.engine, OnDemandEngine) else lambda: None)

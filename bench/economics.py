@@ -16,7 +16,9 @@ With --check the exit status is 1 when a target is missed; the last line states 
 A whole split takes hours on a small CPU box. With --workdir DIR the run keeps its server's data
 (keys, ledger, the semantic cache) and every request's outcome there as it comes, so the same command
 run again goes on where it stopped, each pass from its first unanswered request; the report counts
-every outcome kept, and the ledger's charges of each stretch of a pass.
+every outcome kept, and the ledger's charges of each stretch of a pass. Its state.json and
+outcomes.jsonl alone carry a run to another machine: there the server starts on fresh data, so the
+tenants get new keys, and a cache pass not finished starts over (the cache it had built is gone).
 """
 
 from __future__ import annotations
@@ -133,6 +135,20 @@ class Kept:
             self.found.setdefault(name, {})[outcome.id] = outcome
             with open(self.outcome_file, "a") as out:
                 out.write(json.dumps({"pass": name, **outcome.__dict__}) + "\n")
+
+    def forget_server(self, unfinished: set[str]) -> None:
+        """The server's data is gone (another machine): its keys are void, and the passes in
+        `unfinished` lose what they kept, since they depended on it."""
+        with self.lock:
+            self.state["keys"] = {}
+            for name in unfinished:
+                self.found.pop(name, None)
+                self.state["charged"].pop(name, None)
+            rows = [{"pass": name, **o.__dict__} for name, found in self.found.items() for o in found.values()]
+            temporary = self.outcome_file.with_suffix(".tmp")
+            temporary.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            temporary.replace(self.outcome_file)
+            self._save()
 
     def charge(self, name: str, nanos: int) -> None:
         self.state["charged"][name] = self.state["charged"].get(name, 0) + nanos
@@ -286,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         kept = Kept(workdir, {"split": args.split, "sha256": digest, "route": args.route, "config": config})
+        if not (workdir / "home" / "appliance.db").exists() and kept.keys():
+            whole = kept.outcomes("whole")
+            unfinished = {"whole"} if whole and len(whole) < len(records) else set()
+            print(f"{workdir}: no server data beside the kept outcomes; new keys"
+                  + (", and the cache pass starts over" if unfinished else ""), file=sys.stderr)
+            kept.forget_server(unfinished)
         write_config(workdir, config)
         proc, base = start(workdir)
         try:

@@ -186,6 +186,27 @@ def test_fleet_change_names_what_changed_and_what_waits_for_a_restart() -> None:
     assert running.server.port == 8099 and [m.alias for m in running.models] == ["small"]
 
 
+def test_a_change_of_adapters_alone_is_a_swap_in_the_running_model() -> None:
+    from appliance.fleet_change import adapter_swap, fleet_change
+
+    def parsed(adapters: str = "", slots: int = 2) -> Any:
+        return parse_settings(CONFIG.replace("slots = 2", f"slots = {slots}").replace(
+            "context_length = 1024\n", "context_length = 1024\n" + (f"adapters = [{adapters}]\n" if adapters else "")))
+
+    a, b = '{ name = "a", path = "/x/a.gguf" }', '{ name = "b", path = "/x/b.gguf" }'
+    old, new = parsed(a), parsed(f"{a.replace('a.gguf', 'a2.gguf')}, {b}")
+    change = fleet_change(old, new)
+    assert change.adapters == ("small",) and change.changed == () and not change.empty
+    swap = adapter_swap(old.model("small"), new.model("small"))
+    assert swap is not None and swap.unload == () and [(x.name, str(x.path)) for x in swap.load] == [("a", "/x/a2.gguf"), ("b", "/x/b.gguf")]
+    swap = adapter_swap(new.model("small"), parsed().model("small"))
+    assert swap is not None and swap.unload == ("a", "b") and swap.load == ()
+    # Anything else changing too serves the model again, its adapters with it.
+    assert fleet_change(old, parsed(b, slots=3)).changed == ("small",) and fleet_change(old, parsed(b, slots=3)).adapters == ()
+    assert adapter_swap(old.model("small"), parsed(b, slots=3).model("small")) is None
+    assert fleet_change(old, parsed(a)).empty
+
+
 def test_the_caches_embedder_model_changes_only_at_a_restart() -> None:
     from appliance.fleet_change import fleet_change, running_settings
 

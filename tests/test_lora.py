@@ -146,6 +146,34 @@ def test_adapters_load_and_unload_at_runtime(server: Server, adapters: dict[str,
         ask(server, adapters=[{"name": "warm"}, {"name": "warm"}])
 
 
+def test_an_adapter_registered_in_the_file_is_served_without_loading_the_base_again(server: Server, adapters: dict[str, Path]) -> None:
+    """What `appliance distill train` does when it finishes: models.toml gains an adapter under the
+    student and the server is asked to apply it; the running base takes the adapter in place."""
+    from appliance.config_writer import append_nested
+
+    admin = httpx.Client(base_url=server.base_url, timeout=120)
+    config = server.home.parent / "models.toml"
+
+    def row() -> dict:
+        return next(m for m in admin.get("/admin/models/loaded").json()["models"] if m["alias"] == CHAT_MODEL and not m["retired"])
+
+    base, loads, before = ask(server), row()["loads"], config.read_text()
+    append_nested(config, "models", CHAT_MODEL, "adapters", {"name": "filed", "path": str(adapters["late"])})
+    r = admin.post("/admin/config/reload")
+    assert r.status_code == 200, r.text
+    assert r.json()["change"]["adapters_changed"] == [CHAT_MODEL] and r.json()["change"]["changed"] == []
+    filed = ask(server, f"{CHAT_MODEL}:filed")
+    assert filed not in (base, ask(server, f"{CHAT_MODEL}:warm"))
+    assert row()["loads"] == loads and not row()["retired"]  # the same engine, never loaded again
+    assert [a["name"] for a in admin.get(f"/admin/models/{CHAT_MODEL}/adapters").json()["adapters"]] == ["cold", "filed", "warm"]
+    config.write_text(before)  # the operator takes it out by hand
+    r = admin.post("/admin/config/reload")
+    assert r.status_code == 200 and r.json()["change"]["adapters_changed"] == [CHAT_MODEL], r.text
+    with pytest.raises(openai.NotFoundError):
+        ask(server, f"{CHAT_MODEL}:filed")
+    assert ask(server) == base and row()["loads"] == loads
+
+
 def test_a_route_tier_runs_its_adapter(server: Server) -> None:
     """A route's "alias:adapter" tier answers as the adapter does, and says which tier it was."""
     r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={

@@ -167,7 +167,7 @@ def apply_from_thread(services: Services, loop: asyncio.AbstractEventLoop) -> st
         change = asyncio.run_coroutine_threadsafe(apply_config(services), loop).result()
     except Exception as exc:
         return f"; the running server could not serve it yet ({exc}): fix it and POST /admin/config/reload"
-    return "; now served" if change.added or change.changed else ""
+    return "; now served" if change.added or change.changed or change.adapters else ""
 
 
 ROUTES = [reload_config, add_model, edit_model, remove_model, load_model_now, unload_model_now]
