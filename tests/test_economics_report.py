@@ -65,3 +65,24 @@ def test_targets_name_what_is_missed() -> None:
     missed = targets(dear, dear, cheap, top, [outcome(0, False, 0, role="trap", where="cache")],
                      [outcome(0, True, 1, chosen=0), outcome(1, True, 1, chosen=2, base="r0")])
     assert len(missed.misses()) == 4
+
+
+def test_a_kept_run_moved_without_its_server_data_keeps_the_cache_off_passes_only(tmp_path: Path) -> None:
+    """bench/economics.py's work folder carried to another machine as state.json and outcomes.jsonl:
+    the keys are void there, and an unfinished cache pass starts over (its cache is gone)."""
+    from economics import Kept
+
+    identity = {"split": "s", "sha256": "x", "route": "auto", "config": ""}
+    kept = Kept(tmp_path, identity)
+    kept.save_keys({"t1": "sk-old"})
+    for name in ("whole", "routed"):
+        kept.add(name, outcome(0, True, 5))
+        kept.charge(name, 5)
+    (tmp_path / "outcomes.jsonl").open("a").write('{"pass": "whole", "id": "r1", "fam')  # a line cut by a kill
+    moved = Kept(tmp_path, identity)
+    moved.forget_server({"whole"})
+    again = Kept(tmp_path, identity)
+    assert again.keys() == {} and again.outcomes("whole") == {} and again.charged("whole") == 0
+    assert list(again.outcomes("routed")) == ["r0"] and again.charged("routed") == 5
+    with pytest.raises(SystemExit, match="another split"):
+        Kept(tmp_path, {**identity, "split": "t"})
