@@ -77,7 +77,8 @@ def cmd_distill_train(args: argparse.Namespace) -> int:
     config = find_config(args.config)
     options = Options(epochs=args.epochs, steps=args.steps, rank=args.rank, alpha=args.alpha, learning_rate=args.learning_rate,
                       batch_size=args.batch_size, max_tokens=args.max_tokens, save_every=args.save_every,
-                      modules=tuple(m.strip() for m in args.modules.split(",")) if args.modules else Options().modules)
+                      modules=tuple(m.strip() for m in args.modules.split(",")) if args.modules else Options().modules,
+                      trainer=args.trainer)
     data = args.data.expanduser().resolve()
     name = args.out or alias_for(data)
     try:
@@ -189,6 +190,8 @@ def add_train_command(distill: argparse._SubParsersAction) -> None:  # type: ign
     train.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"longer examples are left out (default {d.max_tokens})")
     train.add_argument("--save-every", type=int, default=d.save_every, help=f"steps between checkpoints (default {d.save_every})")
     train.add_argument("--modules", help=f"the projections to adapt, comma-separated (default {','.join(d.modules)})")
+    train.add_argument("--trainer", choices=("auto", "torch", "mlx"), default=d.trainer,
+                       help="mlx-lm or PyTorch; auto: mlx-lm on Apple silicon, PyTorch elsewhere")
     train.add_argument("--threads", type=int, help="the trainer's CPU threads (default: the CPU count)")
     train.add_argument("--nice", type=int, default=10, help="the trainer's priority below serving's (default 10)")
     train.add_argument("--start-at", metavar="HH:MM", help="hold the job until this local time (quiet hours); Ctrl-C ends the wait")

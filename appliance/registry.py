@@ -120,7 +120,7 @@ def _digest_of(path: str, size: int, mtime_ns: int) -> str:
     return sha256(Path(path))
 
 
-def _mlx_folder(model: ModelSettings, settings: Settings) -> tuple[Path, Path | None]:
+def mlx_folder(model: ModelSettings, settings: Settings) -> tuple[Path, Path | None]:
     """An MLX folder as given, or a GGUF converted once into the data directory (no second
     download); and the GGUF whose vocabulary it shares, when known."""
     from engines.mlx.convert import ConversionError, gguf_to_mlx, source_of
@@ -146,12 +146,12 @@ def _mlx_config(model: ModelSettings, settings: Settings) -> Any:
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine is not installed here ({exc.name})") from None
     if model.kind != "chat" or model.speculation_mode == "prompt_lookup":
         raise RuntimeError(f"{settings.file}: model {model.alias!r}: the MLX engine serves chat models, and speculates with a draft model only")
-    folder, vocabulary = _mlx_folder(model, settings)
+    folder, vocabulary = mlx_folder(model, settings)
     draft = None
     if model.speculation_mode == "draft":
         draft_settings = settings.model(model.draft_model or "")
         assert draft_settings is not None  # checked when the config was parsed
-        draft, _ = _mlx_folder(draft_settings, settings)
+        draft, _ = mlx_folder(draft_settings, settings)
     cache_bytes = model.prefix_cache_host_mb << 20 if model.prefix_cache else 0
     return MlxConfig(folder, model.slots, model.context_length, settings.server.max_queue, cache_bytes, vocabulary=vocabulary,
                      adapters=tuple((a.name, a.path, a.scale) for a in model.adapters), draft=draft,
@@ -252,12 +252,12 @@ def memory_need(model: ModelSettings, settings: Settings) -> int:
     from appliance.model_memory import ModelShapeError, estimate, mlx_estimate, model_estimate, onnx_memory
 
     if engine_for(model) == "mlx":
-        folder, _ = _mlx_folder(model, settings)
+        folder, _ = mlx_folder(model, settings)
         need = mlx_estimate(folder, model.slots, model.context_length).total
         if model.speculation_mode == "draft":
             draft = settings.model(model.draft_model or "")
             assert draft is not None  # checked when the config was parsed
-            need += mlx_estimate(_mlx_folder(draft, settings)[0], 1, model.context_length).total  # it drafts for one request at a time
+            need += mlx_estimate(mlx_folder(draft, settings)[0], 1, model.context_length).total  # it drafts for one request at a time
         return need
     path = resolve(model, settings.server.data_dir, allow_download=True)
     if model.engine == "onnx":

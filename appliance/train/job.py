@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -33,8 +34,8 @@ from appliance.config_writer import append_nested
 from appliance.model_files import ModelFileError, resolve
 from appliance.settings import NAME, NAME_RULE, LocalModel, Settings
 from appliance.train.data import MIN_EXAMPLES, DataError, check_count, encode_all, read_examples, write_encoded
-from appliance.train.plan import (INSTALL_HINT, TRAINABLE_ARCHS, TRAINER_MODULES, OptionError, Options, Refused, RunPaths, Spec,
-                                  adapter_file, default_threads, identity, resume_or_start, total_steps, wait_until)
+from appliance.train.plan import (TRAINABLE_ARCHS, TRAINERS, OptionError, Options, Refused, RunPaths, Spec, adapter_file,
+                                  default_threads, identity, resume_or_start, total_steps, trainer_for, wait_until)
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the worker runs this checkout's code
 CANCELLED_EXIT = 3  # appliance/train/worker.py's
@@ -70,9 +71,9 @@ class Progress:
     loss: float | None = None
 
 
-def trainer_missing() -> str | None:
-    """The first package of the training stack that is not installed, looked up without importing it."""
-    return next((m for m in TRAINER_MODULES if importlib.util.find_spec(m) is None), None)
+def trainer_missing(trainer: str = "torch") -> str | None:
+    """The first package of the trainer's stack that is not installed, looked up without importing it."""
+    return next((m for m in TRAINERS[trainer][0] if importlib.util.find_spec(m) is None), None)
 
 
 def student_file(settings: Settings, alias: str) -> tuple[LocalModel, Path, str]:
@@ -103,13 +104,15 @@ def prepare(settings: Settings, student: str, data: Path, name: str, options: Op
     """Everything checked, the examples encoded and the run folder written; raises TrainError."""
     from engines.llamacpp.vocabulary import LlamaVocabulary
 
-    missing = trainer_missing()
-    if missing is not None:
-        raise TrainError(f"the trainer is not installed ({missing} is missing): {INSTALL_HINT}", code="trainer_not_installed")
     try:
         options.check()
     except OptionError as exc:
         raise TrainError(str(exc), f"options.{exc.param}") from None
+    trainer = trainer_for(options.trainer, sys.platform, platform.machine())
+    missing = trainer_missing(trainer)
+    if missing is not None:
+        raise TrainError(f"the {trainer} trainer is not installed ({missing} is missing): {TRAINERS[trainer][1]}",
+                         code="trainer_not_installed")
     if not NAME.match(name):
         raise TrainError(f"adapter name {name!r}: expected {NAME_RULE}", "name")
     model, gguf, engine = student_file(settings, student)
@@ -118,6 +121,7 @@ def prepare(settings: Settings, student: str, data: Path, name: str, options: Op
     paths = RunPaths.of(settings.server.data_dir, student, name)
     if paths.adapter.exists():
         raise TrainError(f"{paths.adapter} exists already; remove it or choose another name", "name")
+    mlx_student = _mlx_student(settings, model) if trainer == "mlx" else None
     try:
         vocabulary = LlamaVocabulary.of_file(gguf)
     except Exception as exc:  # llama.cpp refuses a file that is not a GGUF model
@@ -151,10 +155,22 @@ def prepare(settings: Settings, student: str, data: Path, name: str, options: Op
     shutil.rmtree(paths.staging, ignore_errors=True)  # an earlier run's unfinished files
     spec = Spec(student=student, adapter=name, gguf=str(gguf), arch=arch, heads=shape[0], kv_heads=shape[1], layers=shape[2],
                 examples=str(paths.examples), example_count=len(encoded), checkpoints=str(paths.checkpoints),
-                staging=str(paths.staging), options=options, identity=wanted, threads=threads or default_threads(), nice=nice)
+                staging=str(paths.staging), options=options, identity=wanted, threads=threads or default_threads(), nice=nice,
+                trainer=trainer, mlx_folder=str(mlx_student) if mlx_student is not None else None)
     write_encoded(encoded, paths.examples)
     paths.spec.write_bytes(msgspec.json.encode(spec))
     return Prepared(spec, paths, engine, total_steps(len(encoded), options), start == "resume", tuple(left_out))
+
+
+def _mlx_student(settings: Settings, model: LocalModel) -> Path:
+    """The folder the MLX engine serves the student from (converted from its GGUF once, into the
+    data directory): mlx-lm trains over the same weights."""
+    from appliance.registry import mlx_folder
+
+    try:
+        return mlx_folder(model, settings)[0]
+    except (RuntimeError, ModelFileError) as exc:
+        raise TrainError(f"student {model.alias!r}: {exc}", "student") from None
 
 
 def _identity_on_disk(paths: RunPaths) -> str | None:

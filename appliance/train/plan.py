@@ -25,8 +25,11 @@ from engines.llama_layout import PROJECTIONS
 
 # Architectures whose GGUF both transformers reads and whose tensor names engines/llama_layout.py knows.
 TRAINABLE_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
-TRAINER_MODULES = ("torch", "peft", "transformers", "accelerate", "gguf", "safetensors")
-INSTALL_HINT = "pip install 'appliance[train]'"
+# Each trainer's packages, and how to install them.
+TRAINERS = {
+    "torch": (("torch", "peft", "transformers", "accelerate", "gguf", "safetensors"), "pip install 'appliance[train]'"),
+    "mlx": (("mlx", "mlx_lm", "gguf"), "pip install mlx mlx-lm gguf (the installer adds mlx and mlx-lm on a Mac)"),
+}
 
 
 class OptionError(ValueError):
@@ -48,6 +51,7 @@ class Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     save_every: int = 20  # steps between checkpoints
     modules: tuple[str, ...] = PROJECTIONS
     seed: int = 0
+    trainer: str = "auto"  # "mlx" (mlx-lm) on Apple silicon, "torch" (PyTorch + peft) elsewhere
 
     def check(self) -> None:
         """Raises OptionError naming the option."""
@@ -61,6 +65,7 @@ class Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             ("max_tokens", self.max_tokens >= 16, "must be 16 or more"),
             ("save_every", self.save_every >= 1, "must be 1 or more"),
             ("modules", bool(self.modules) and set(self.modules) <= set(PROJECTIONS), f"must name some of {', '.join(PROJECTIONS)}"),
+            ("trainer", self.trainer in ("auto", *TRAINERS), f"must be auto, {' or '.join(TRAINERS)}"),
         ]
         for name, ok, rule in rules:
             if not ok:
@@ -89,6 +94,8 @@ class Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     identity: str  # what must match for a run on disk to be resumed
     threads: int
     nice: int
+    trainer: str = "torch"
+    mlx_folder: str | None = None  # the mlx trainer's student: the folder the MLX engine serves, converted from the GGUF
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,14 @@ class RunPaths:
     @property
     def log(self) -> Path:
         return self.run / "train.log"
+
+
+def trainer_for(choice: str, system: str, machine: str) -> str:
+    """"auto" is mlx-lm on Apple silicon (Metal; on a CPU its matrix products are about 20 times
+    slower than PyTorch's, docs/performance.md) and PyTorch everywhere else."""
+    if choice != "auto":
+        return choice
+    return "mlx" if system == "darwin" and machine == "arm64" else "torch"
 
 
 def adapter_file(adapter_folder: Path, engine: str) -> Path:

@@ -1,8 +1,9 @@
 """The trainer's own process: `python -m appliance.train.worker SPEC.json`.
 
 PyTorch with peft's LoRA and transformers' Trainer (its checkpoints, resume, schedule and
-optimizer), on the student's weights read by transformers from the same GGUF the engine serves.
-It runs at the spec's `nice` with its own thread count, so serving keeps the CPU first.
+optimizer), on the student's weights read by transformers from the same GGUF the engine serves;
+or, with the spec's trainer "mlx", mlx-lm's (appliance/train/mlx_trainer.py). It runs at the
+spec's `nice` with its own thread count, so serving keeps the CPU first.
 
 It reports on its stdout, one JSON object a line (library output goes to its stderr, the run's log):
     {"event": "loading"} | {"event": "started", "step", "steps"} | {"event": "step", "step", "steps", "loss", "epoch"}
@@ -23,12 +24,15 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from appliance.train.plan import INSTALL_HINT, Spec
+from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf, write_mlx
+from appliance.train.plan import TRAINERS, Spec
 
 CANCELLED_EXIT = 3
 
@@ -73,12 +77,31 @@ def _train(spec: Spec, emit: _Events) -> int:
     parent = os.getppid()
     _die_with_parent()
     os.nice(spec.nice)
+
+    def stopping() -> bool:  # asked to stop, or the server went away
+        return stop.is_set() or os.getppid() != parent
+
+    if spec.trainer == "mlx":
+        from appliance.train.mlx_trainer import train_mlx as trainer
+    else:
+        trainer = _train_torch
+    outcome = trainer(spec, emit, stopping)
+    if isinstance(outcome, int):
+        return outcome
+    pairs, record = outcome
+    _write_adapter(pairs, spec, Path(spec.staging), record)
+    emit("done", step=record["steps"], loss=record["final_loss"], seconds=record["seconds_this_session"])
+    return 0
+
+
+def _train_torch(spec: Spec, emit: Callable[..., None], stopping: Callable[[], bool]) -> tuple[dict[str, Any], dict[str, Any]] | int:
+    """PyTorch's run: the adapter's pairs and what to record, or the exit status when it stopped."""
     try:
         import torch
         from peft import LoraConfig, get_peft_model
         from transformers import Trainer, TrainerCallback, TrainingArguments
     except ImportError as exc:
-        emit("error", message=f"the trainer is not installed ({exc.name} is missing): {INSTALL_HINT}")
+        emit("error", message=f"the torch trainer is not installed ({exc.name} is missing): {TRAINERS['torch'][1]}")
         return 2
     torch.set_num_threads(spec.threads)
     options = spec.options
@@ -89,7 +112,7 @@ def _train(spec: Spec, emit: _Events) -> int:
     except Exception as exc:  # transformers raises many kinds for a file it cannot read
         emit("error", message=f"student {spec.student!r}: transformers cannot load {gguf} ({type(exc).__name__}: {exc})")
         return 1
-    if stop.is_set():
+    if stopping():
         emit("cancelled", step=0)
         return CANCELLED_EXIT
     model = get_peft_model(base, LoraConfig(r=options.rank, lora_alpha=options.lora_alpha, lora_dropout=0.0,
@@ -116,7 +139,7 @@ def _train(spec: Spec, emit: _Events) -> int:
                 emit("step", step=state.global_step, steps=state.max_steps, loss=logs["loss"], epoch=state.epoch)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if stop.is_set() or os.getppid() != parent:  # asked to stop, or the server went away
+            if stopping():
                 control.should_save = True
                 control.should_training_stop = True
 
@@ -139,14 +162,19 @@ def _train(spec: Spec, emit: _Events) -> int:
     if trainer.state.global_step < trainer.state.max_steps:
         emit("cancelled", step=trainer.state.global_step)
         return CANCELLED_EXIT
-    _write_adapter(model, spec, Path(spec.staging), {
-        "steps": trainer.state.global_step, "final_loss": _last_loss(trainer.state.log_history),
+    pairs = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            pairs[name.removeprefix("base_model.model.")] = LoraPair(
+                module.lora_A["default"].weight.detach().float().cpu().numpy(),
+                module.lora_B["default"].weight.detach().float().cpu().numpy())
+    return pairs, {
+        "steps": trainer.state.global_step, "first_loss": _first_loss(trainer.state.log_history),
+        "final_loss": _last_loss(trainer.state.log_history),
         "mean_loss": result.training_loss, "resumed_from_step": int(resume.name.rpartition("-")[2]) if resume else 0,
         "seconds_this_session": round(time.monotonic() - started, 1),
-        "versions": {"torch": torch.__version__, "peft": _version("peft"), "transformers": _version("transformers")},
-    })
-    emit("done", step=trainer.state.global_step, loss=_last_loss(trainer.state.log_history), seconds=round(time.monotonic() - started, 1))
-    return 0
+        "versions": {"torch": torch.__version__, "peft": version("peft"), "transformers": version("transformers")},
+    }
 
 
 def _die_with_parent() -> None:
@@ -170,34 +198,27 @@ def _load_dense(gguf: Path, torch: Any) -> Any:
                                                 quantization_config=GgufConfig(dequantize=True))
 
 
-def _write_adapter(model: Any, spec: Spec, staging: Path, record: dict[str, Any]) -> None:
-    from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf, write_mlx
-
-    pairs = {}
-    for name, module in model.named_modules():
-        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
-            pairs[name.removeprefix("base_model.model.")] = LoraPair(
-                module.lora_A["default"].weight.detach().float().cpu().numpy(),
-                module.lora_B["default"].weight.detach().float().cpu().numpy())
+def _write_adapter(pairs: dict[str, LoraPair], spec: Spec, staging: Path, record: dict[str, Any]) -> None:
+    """Both formats from the same pairs (Hugging Face's names and row order): llama.cpp's GGUF and
+    mlx-lm's folder, with training.json."""
     adapter = LoraAdapter(pairs, alpha=spec.options.lora_alpha)
     base = BaseShape(spec.arch, spec.heads, spec.kv_heads, spec.layers)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     write_gguf(adapter, staging / "adapter.gguf", base)
     write_mlx(adapter, staging / "mlx", base)
-    about = {"student": spec.student, "adapter": spec.adapter, "student_file": spec.gguf, "examples": spec.example_count,
-             "identity": spec.identity, "options": msgspec.to_builtins(spec.options), **record}
+    about = {"student": spec.student, "adapter": spec.adapter, "student_file": spec.gguf, "trainer": spec.trainer,
+             "examples": spec.example_count, "identity": spec.identity, "options": msgspec.to_builtins(spec.options), **record}
     (staging / "training.json").write_text(json.dumps(about, indent=2) + "\n")
+
+
+def _first_loss(history: list[dict[str, Any]]) -> float | None:
+    """This session's first step's loss (after a resume, the first step it took)."""
+    return next((h["loss"] for h in history if "loss" in h), None)
 
 
 def _last_loss(history: list[dict[str, Any]]) -> float | None:
     return next((h["loss"] for h in reversed(history) if "loss" in h), None)
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
 
 
 if __name__ == "__main__":

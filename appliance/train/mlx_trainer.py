@@ -1,0 +1,133 @@
+"""mlx-lm's LoRA trainer (`mlx_lm.tuner`), the worker's trainer on Apple silicon.
+
+The student is the folder the MLX engine serves (converted from the same GGUF); mlx-lm wraps the
+chosen projections in its LoRA layers and runs its training loop. This module adds what the job
+needs around it, as the PyTorch trainer does: the run's examples with their prompts masked, a
+linear schedule that continues across a resume, checkpoints in `checkpoint-<step>/` (the adapter's
+weights, then trainer_state.json, written last), a stop at the end of the step under way, and the
+trained pairs in Hugging Face's layout for appliance/lora_files.py to write in both formats.
+
+On a resume mlx-lm's optimizer starts afresh (it keeps no optimizer state): the adapter's weights
+and the schedule's position carry over, Adam's moments do not.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from appliance.lora_files import LoraPair
+from appliance.train.plan import TRAINERS, Spec, total_steps
+
+CANCELLED_EXIT = 3  # the worker's
+ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+
+
+class _Stopped(Exception):
+    pass
+
+
+def prompt_length(labels: list[int], ignored: int = -100) -> int:
+    """Where the answer starts: mlx-lm's loss counts the tokens from this offset on."""
+    return next((i for i, label in enumerate(labels) if label != ignored), len(labels))
+
+
+def lora_keys(modules: tuple[str, ...]) -> list[str]:
+    """The projections' paths inside a transformer block, as mlx-lm's llama and qwen2 name them."""
+    return [f"{'self_attn' if m in ATTENTION else 'mlp'}.{m}" for m in modules]
+
+
+def train_mlx(spec: Spec, emit: Callable[..., None], stopping: Callable[[], bool]) -> tuple[dict[str, LoraPair], dict[str, Any]] | int:
+    try:
+        import mlx.core as mx
+        import mlx.optimizers as optim
+        import numpy as np
+        from mlx.utils import tree_flatten
+        from mlx_lm import load
+        from mlx_lm.tuner.callbacks import TrainingCallback
+        from mlx_lm.tuner.trainer import TrainingArgs, train
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+    except ImportError as exc:
+        emit("error", message=f"the mlx trainer is not installed ({exc.name} is missing): {TRAINERS['mlx'][1]}")
+        return 2
+    from appliance.train.worker import latest_checkpoint
+
+    options = spec.options
+    emit("loading")
+    assert spec.mlx_folder is not None  # job.prepare sets it for this trainer
+    try:
+        model, _ = load(spec.mlx_folder)
+    except Exception as exc:  # mlx-lm raises many kinds for a folder it cannot read
+        emit("error", message=f"student {spec.student!r}: mlx-lm cannot load {spec.mlx_folder} ({type(exc).__name__}: {exc})")
+        return 1
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": options.rank, "scale": options.lora_alpha / options.rank,
+                                                      "dropout": 0.0, "keys": lora_keys(options.modules)})
+    checkpoints = Path(spec.checkpoints)
+    resume = latest_checkpoint(checkpoints)
+    done = 0
+    if resume is not None:
+        model.load_weights(str(resume / "adapters.safetensors"), strict=False)
+        done = int(json.loads((resume / "trainer_state.json").read_text())["global_step"])
+    total = total_steps(spec.example_count, options)
+    rows = [json.loads(line) for line in Path(spec.examples).read_text().splitlines()]
+    dataset = [(r["tokens"], prompt_length(r["labels"])) for r in rows]
+    if stopping():
+        emit("cancelled", step=done)
+        return CANCELLED_EXIT
+    np.random.seed(options.seed + done)  # mlx-lm draws the batches' order from numpy
+    mx.random.seed(options.seed)
+    rate = options.learning_rate
+
+    def schedule(step: Any) -> Any:  # linear to 0 over the whole run, where the last session left it
+        return rate * (1.0 - (step + done) / total)
+
+    losses: list[float] = []
+
+    def save(step: int) -> None:
+        folder = checkpoints / f"checkpoint-{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(folder / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))  # last: the checkpoint is whole
+        for older in checkpoints.glob("checkpoint-*"):
+            if older != folder:
+                shutil.rmtree(older, ignore_errors=True)
+        emit("saved", step=step)
+
+    class Report(TrainingCallback):  # type: ignore[misc]
+        def on_train_loss_report(self, info: dict[str, Any]) -> None:
+            step = done + int(info["iteration"])
+            losses.append(float(info["train_loss"]))
+            emit("step", step=step, steps=total, loss=losses[-1])
+            if step < total and (step % options.save_every == 0 or stopping()):
+                save(step)
+            if step < total and stopping():
+                raise _Stopped(step)
+
+    started = time.monotonic()
+    emit("started", step=done, steps=total)
+    left = total - done
+    if left > 0:
+        args = TrainingArgs(batch_size=min(options.batch_size, len(dataset)), iters=left, steps_per_report=1,
+                            steps_per_save=left + 1, max_seq_length=options.max_tokens,
+                            adapter_file=str(checkpoints / "last.safetensors"))  # mlx-lm's own save, at the end
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        try:
+            train(model, optim.Adam(learning_rate=schedule), dataset, args=args, training_callback=Report())
+        except _Stopped as stopped:
+            emit("cancelled", step=stopped.args[0])
+            return CANCELLED_EXIT
+    pairs = {name: LoraPair(np.array(module.lora_a.astype(mx.float32)).T, np.array(module.lora_b.astype(mx.float32)).T)
+             for name, module in model.named_modules() if hasattr(module, "lora_a")}
+    return pairs, {
+        "steps": total, "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+        "mean_loss": sum(losses) / len(losses) if losses else None, "resumed_from_step": done,
+        "seconds_this_session": round(time.monotonic() - started, 1),
+        "versions": {"mlx": version("mlx"), "mlx-lm": version("mlx-lm")},
+    }
+
