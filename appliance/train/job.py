@@ -35,7 +35,7 @@ from appliance.model_files import ModelFileError, resolve
 from appliance.settings import NAME, NAME_RULE, LocalModel, Settings
 from appliance.train.data import MIN_EXAMPLES, DataError, check_count, encode_all, read_examples, write_encoded
 from appliance.train.plan import (TRAINABLE_ARCHS, TRAINERS, OptionError, Options, Refused, RunPaths, Spec, adapter_file,
-                                  default_threads, identity, resume_or_start, total_steps, trainer_for, wait_until)
+                                  default_threads, identity, not_installed, resume_or_start, total_steps, trainer_for, wait_until)
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the worker runs this checkout's code
 CANCELLED_EXIT = 3  # appliance/train/worker.py's
@@ -111,8 +111,7 @@ def prepare(settings: Settings, student: str, data: Path, name: str, options: Op
     trainer = trainer_for(options.trainer, sys.platform, platform.machine())
     missing = trainer_missing(trainer)
     if missing is not None:
-        raise TrainError(f"the {trainer} trainer is not installed ({missing} is missing): {TRAINERS[trainer][1]}",
-                         code="trainer_not_installed")
+        raise TrainError(not_installed(trainer, missing), code="trainer_not_installed")
     if not NAME.match(name):
         raise TrainError(f"adapter name {name!r}: expected {NAME_RULE}", "name")
     model, gguf, engine = student_file(settings, student)

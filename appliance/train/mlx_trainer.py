@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.lora_files import LoraPair
-from appliance.train.plan import TRAINERS, Spec, total_steps
+from appliance.train.plan import Spec, not_installed, total_steps
 
 CANCELLED_EXIT = 3  # the worker's
 ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
@@ -53,7 +53,7 @@ def train_mlx(spec: Spec, emit: Callable[..., None], stopping: Callable[[], bool
         from mlx_lm.tuner.trainer import TrainingArgs, train
         from mlx_lm.tuner.utils import linear_to_lora_layers
     except ImportError as exc:
-        emit("error", message=f"the mlx trainer is not installed ({exc.name} is missing): {TRAINERS['mlx'][1]}")
+        emit("error", message=not_installed("mlx", exc.name))
         return 2
     from appliance.train.worker import latest_checkpoint
 

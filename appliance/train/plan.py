@@ -128,6 +128,10 @@ class RunPaths:
         return self.run / "train.log"
 
 
+def not_installed(trainer: str, module: str | None) -> str:
+    return f"the {trainer} trainer is not installed ({module} is missing): {TRAINERS[trainer][1]}"
+
+
 def trainer_for(choice: str, system: str, machine: str) -> str:
     """"auto" is mlx-lm on Apple silicon (Metal; on a CPU its matrix products are about 20 times
     slower than PyTorch's, docs/performance.md) and PyTorch everywhere else."""

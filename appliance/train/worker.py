@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf, write_mlx
-from appliance.train.plan import TRAINERS, Spec
+from appliance.train.plan import Spec, not_installed
 
 CANCELLED_EXIT = 3
 
@@ -101,7 +101,7 @@ def _train_torch(spec: Spec, emit: Callable[..., None], stopping: Callable[[], b
         from peft import LoraConfig, get_peft_model
         from transformers import Trainer, TrainerCallback, TrainingArguments
     except ImportError as exc:
-        emit("error", message=f"the torch trainer is not installed ({exc.name} is missing): {TRAINERS['torch'][1]}")
+        emit("error", message=not_installed("torch", exc.name))
         return 2
     torch.set_num_threads(spec.threads)
     options = spec.options
