@@ -18,7 +18,7 @@ from appliance.model_files import package_file, resolve, sha256
 from appliance.fleet_change import FleetChange, adapter_swap
 from appliance.model_manager import ModelManager, total_ram
 from appliance.settings import LocalModel, ModelSettings, Settings
-from engines.base import Capabilities, Engine, EngineError
+from engines.base import AdapterInUse, Capabilities, Engine, EngineError
 from engines.vocabulary import Vocabulary
 
 log = logging.getLogger("appliance.registry")
@@ -400,7 +400,7 @@ class Registry:
                 try:
                     await swap_to(loaded, old, model)
                     swapped[alias] = (replace(loaded, settings=model), old)
-                except EngineError as exc:
+                except AdapterInUse as exc:
                     log.info("%s: serving it again for its new adapters: %s", alias, exc)
                     need = await asyncio.to_thread(_need_or_zero, model, settings, budget)
                     made[alias] = (await asyncio.to_thread(_make, model, settings, need, on_demand=True),

@@ -217,6 +217,10 @@ class UnknownAdapter(EngineError):
     pass
 
 
+class AdapterInUse(EngineError):
+    """An adapter to replace or unload is serving requests: try again once they finish."""
+
+
 class UpstreamUnavailable(EngineError):
     """Every upstream of a model is refusing (open circuit breakers): fail fast, retry later."""
 

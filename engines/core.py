@@ -33,6 +33,7 @@ from engines.base import (
     SHUTDOWN_RETRY_AFTER_S,
     SHUTTING_DOWN,
     AdapterInfo,
+    AdapterInUse,
     EngineClosed,
     EngineError,
     EngineEvent,
@@ -276,7 +277,7 @@ class LocalEngine:
 
         def load() -> AdapterInfo:
             if name in self._adapters and self._in_use(name):
-                raise EngineError(f"adapter {name!r} is serving requests; unload it when they finish")
+                raise AdapterInUse(f"adapter {name!r} is serving requests; unload it when they finish")
             handle = self._attach_adapter(name, prepared)
             with self._lock:
                 old = self._adapters.get(name)
@@ -291,7 +292,7 @@ class LocalEngine:
             if name not in self._adapters:
                 raise UnknownAdapter(f"no adapter named {name!r} is loaded on this model")
             if self._in_use(name):
-                raise EngineError(f"adapter {name!r} is serving requests; unload it when they finish")
+                raise AdapterInUse(f"adapter {name!r} is serving requests; unload it when they finish")
             with self._lock:
                 old = self._adapters.pop(name)
             self._forget_adapter(name, old.handle)

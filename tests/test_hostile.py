@@ -331,6 +331,13 @@ def test_the_fleet_cannot_be_changed_by_a_caller_or_through_a_crafted_edit(hosti
     for edit in edits:
         assert_refused(call(server, admin, f"/admin/models/{CHAT_MODEL}", edit, method="PATCH"), (400,))
     assert_refused(call(server, admin, f"/admin/models/{CHAT_MODEL}", raw=b"[1, 2]", method="PATCH"), (400,))
+    # An adapter file the engine cannot read is refused while the model runs (a swap in place), not
+    # accepted and left to fail the model's next load.
+    junk = server.home / "not-an-adapter.gguf"
+    junk.write_bytes(b"GGUF" + b"\0" * 64)
+    refused = assert_refused(call(server, admin, f"/admin/models/{CHAT_MODEL}", {"adapters": [{"name": "junk", "path": str(junk)}]},
+                                  method="PATCH"), (400,))
+    assert refused["code"] == "model_not_loadable", refused
     assert_refused(call(server, admin, "/admin/models/no-such-model", {"slots": 1}, method="PATCH"), (404,))
     assert_refused(call(server, admin, "/admin/models", {"path": "x.gguf", "alias": 'a"\n[server]'}), (400, 403))
     assert config.read_bytes() == before

@@ -174,6 +174,24 @@ def test_an_adapter_registered_in_the_file_is_served_without_loading_the_base_ag
     assert ask(server) == base and row()["loads"] == loads
 
 
+def test_an_adapter_file_the_engine_cannot_read_leaves_the_running_model_as_it_was(server: Server) -> None:
+    from appliance.config_writer import append_nested
+
+    admin = httpx.Client(base_url=server.base_url, timeout=120)
+    config = server.home.parent / "models.toml"
+    junk = server.home / "junk-adapter.gguf"
+    junk.write_bytes(b"GGUF" + b"\0" * 64)
+    before, base = config.read_text(), ask(server)
+    append_nested(config, "models", CHAT_MODEL, "adapters", {"name": "junk", "path": str(junk)})
+    r = admin.post("/admin/config/reload")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_loadable", r.text
+    config.write_text(before)
+    with pytest.raises(openai.NotFoundError):
+        ask(server, f"{CHAT_MODEL}:junk")
+    assert ask(server) == base and ask(server, f"{CHAT_MODEL}:warm")
+    assert [a["name"] for a in admin.get(f"/admin/models/{CHAT_MODEL}/adapters").json()["adapters"]] == ["cold", "warm"]
+
+
 def test_a_route_tier_runs_its_adapter(server: Server) -> None:
     """A route's "alias:adapter" tier answers as the adapter does, and says which tier it was."""
     r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={

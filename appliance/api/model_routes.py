@@ -22,7 +22,7 @@ from appliance.model_files import ModelFileError, download, resolve, sha256
 from appliance.registry import LoadedModel
 from appliance.services import Services
 from appliance.settings import NAME, NAME_RULE
-from engines.base import EngineError, UnknownAdapter
+from engines.base import AdapterInUse, EngineError, UnknownAdapter
 
 
 class QuantizeBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -104,7 +104,7 @@ async def load_adapter(request: Request[Any, Any, Any], services: Services, alia
     try:
         info = await model.engine.load_adapter(name, path, body.scale)
     except EngineError as exc:
-        raise APIError(409 if "serving requests" in str(exc) else 400, str(exc), param="path", code="adapter_not_loaded") from None
+        raise APIError(409 if isinstance(exc, AdapterInUse) else 400, str(exc), param="path", code="adapter_not_loaded") from None
     return {"adapter": dataclasses.asdict(info)}
 
 
