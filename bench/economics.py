@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -197,12 +197,16 @@ class Replayer:
             kept.add(name, outcome)
             return outcome
 
+        earlier = len(records) - len(todo)
         if cached or concurrency <= 1:
-            for r in self._progress(name, todo, progress, len(records) - len(todo)):
+            for i, r in enumerate(todo):
+                self._progress(name, earlier + i, len(records), progress)
                 one(r)
         else:
             with ThreadPoolExecutor(concurrency) as pool:
-                list(pool.map(one, self._progress(name, todo, progress, len(records) - len(todo))))
+                for i, done_one in enumerate(as_completed([pool.submit(one, r) for r in todo])):
+                    done_one.result()
+                    self._progress(name, earlier + i + 1, len(records), progress)
         if todo:
             kept.charge(name, self.spent() - before)
         done = kept.outcomes(name)
@@ -210,11 +214,10 @@ class Replayer:
         return figures(name, outcomes, kept.charged(name)), outcomes
 
     @staticmethod
-    def _progress(name: str, records: list[dict[str, Any]], show: bool, earlier: int) -> Any:
-        for i, record in enumerate(records):
-            if show and i % 10 == 0:
-                print(f"  {name}: {earlier + i}/{earlier + len(records)}", file=sys.stderr, flush=True)
-            yield record
+    def _progress(name: str, answered: int, total: int, show: bool) -> None:
+        """Every tenth request answered (counted as they finish: a pool takes its whole list at once)."""
+        if show and answered % 10 == 0:
+            print(f"  {name}: {answered}/{total}", file=sys.stderr, flush=True)
 
     def one(self, record: dict[str, Any], model: str, cached: bool) -> Outcome:
         key = self.keys[record["tenant"]]
