@@ -94,7 +94,8 @@ def cmd_distill_train(args: argparse.Namespace) -> int:
         return 1
     spec = prepared.spec
     left_out = f", {len(prepared.left_out)} left out as longer than {options.max_tokens} tokens" if prepared.left_out else ""
-    print(f"training {spec.student}:{spec.adapter} on {spec.example_count} examples{left_out}: {prepared.steps} steps, "
+    trainer = {"mlx": "mlx-lm", "torch": "PyTorch"}[spec.trainer]
+    print(f"training {spec.student}:{spec.adapter} with {trainer} on {spec.example_count} examples{left_out}: {prepared.steps} steps, "
           f"{spec.threads} threads at nice {spec.nice}" + (" (resuming from its last checkpoint)" if prepared.resume else ""))
     busy = None if args.no_yield else server_busy(server_url(args), args.key)
     if busy is not None:
