@@ -198,17 +198,19 @@ class Replayer:
             return outcome
 
         earlier = len(records) - len(todo)
-        if cached or concurrency <= 1:
-            for i, r in enumerate(todo):
-                self._progress(name, earlier + i, len(records), progress)
-                one(r)
-        else:
-            with ThreadPoolExecutor(concurrency) as pool:
-                for i, done_one in enumerate(as_completed([pool.submit(one, r) for r in todo])):
-                    done_one.result()
-                    self._progress(name, earlier + i + 1, len(records), progress)
-        if todo:
-            kept.charge(name, self.spent() - before)
+        try:
+            if cached or concurrency <= 1:
+                for i, r in enumerate(todo):
+                    self._progress(name, earlier + i, len(records), progress)
+                    one(r)
+            else:
+                with ThreadPoolExecutor(concurrency) as pool:
+                    for i, done_one in enumerate(as_completed([pool.submit(one, r) for r in todo])):
+                        done_one.result()
+                        self._progress(name, earlier + i + 1, len(records), progress)
+        finally:  # a stretch that ends in an error still keeps what the ledger charged for it
+            if todo:
+                kept.charge(name, self.spent() - before)
         done = kept.outcomes(name)
         outcomes = [done[r["id"]] for r in records]
         return figures(name, outcomes, kept.charged(name)), outcomes
