@@ -23,8 +23,7 @@ from typing import Any
 
 from appliance.lora_files import LoraPair
 from appliance.train.plan import Spec, not_installed, total_steps
-
-CANCELLED_EXIT = 3  # the worker's
+from appliance.train.worker import CANCELLED_EXIT, latest_checkpoint
 ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 
 
@@ -55,8 +54,6 @@ def train_mlx(spec: Spec, emit: Callable[..., None], stopping: Callable[[], bool
     except ImportError as exc:
         emit("error", message=not_installed("mlx", exc.name))
         return 2
-    from appliance.train.worker import latest_checkpoint
-
     options = spec.options
     emit("loading")
     assert spec.mlx_folder is not None  # job.prepare sets it for this trainer
