@@ -532,7 +532,8 @@ def test_training_is_for_admins_and_its_inputs_cannot_escape(hostile: dict[str, 
     assert assert_refused(call(server, admin, "/admin/distill/train", {**body, "data": "../../../../etc/passwd"}), (400, 403))["param"] == "data"
     (server.home / "kept.jsonl").write_text("")
     for bad, param in (({"start_at": "25:99"}, "start_at"), ({"start_at": ["02:00"]}, None), ({"name": "a:b"}, "name"),
-                       ({"name": "../x"}, "name"), ({"options": {"steps": 10**30}}, None)):
+                       ({"name": "../x"}, "name"), ({"options": {"steps": 10**30}}, None),
+                       ({"options": {"trainer": "../../bin/sh"}}, "options.trainer"), ({"options": {"trainer": ["mlx"]}}, None)):
         error = assert_refused(call(server, admin, "/admin/distill/train", {**body, **bad}))
         assert param is None or error["param"] == param, (bad, error)
     assert not [j for j in admin_call(server, admin, "GET", "/admin/jobs").json()["jobs"] if j["kind"] == "train"]
