@@ -86,6 +86,41 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _extended(args: argparse.Namespace, measured: list[str], every: list) -> tuple[list[str], list, str] | int:
+    """--extend: the run's questions labelled with the route's other tiers from an earlier calibration's
+    table; the tiers, the labelled rows and what the note says of it, or an exit status."""
+    from appliance import calibration_file, evaluate
+
+    try:
+        earlier = calibration_file.read(args.extend)
+    except calibration_file.CalibrationError as exc:
+        print(f"error: {args.extend}: {exc}", file=sys.stderr)
+        return 2
+    if earlier.knn is None:
+        print(f"error: {args.extend}: --extend needs a calibration with a labelled table (written with --method knn)", file=sys.stderr)
+        return 2
+    settings = settings_of(args.config)
+    route = settings.route(args.route)
+    if route is None:
+        print(f"error: {settings.file}: routes: no route with alias {args.route!r}", file=sys.stderr)
+        return 2
+    lacking = [t for t in route.tiers if t not in measured and t not in earlier.tiers]
+    if lacking:
+        print(f"error: route {route.alias!r} has tiers {lacking} that neither eval run {args.run or 'latest'} ({measured}) "
+              f"nor {args.extend} ({list(earlier.tiers)}) measured", file=sys.stderr)
+        return 2
+    # A manipulated copy reads as its plain question: the table's labels are the plain question's.
+    plain = [r for r in every if r.adversarial_of is None]
+    rows, missing = evaluate.extend_labels(plain, measured, earlier.knn, earlier.tiers, route.tiers)
+    if not rows:
+        print(f"error: none of the run's {len(plain)} questions is in {args.extend}'s table (matched by the text the router reads)",
+              file=sys.stderr)
+        return 2
+    print(f"extended: {len(rows)} questions labelled with {[t for t in route.tiers if t not in measured]} from {args.extend} "
+          f"({missing} not in its table, left out)")
+    return list(route.tiers), rows, f" and {args.extend.name}'s table (tiers {', '.join(earlier.tiers)})"
+
+
 def cmd_eval_calibrate(args: argparse.Namespace) -> int:
     """Stored eval runs' per-question results to a calibration file a route reads (`calibration = PATH`):
     the labelled questions themselves for the learned router (kNN), and a tier per bucket."""
@@ -109,6 +144,13 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
         every, partial = evaluate.labelled(db, runs, tuple(tiers))
     finally:
         db.close()
+    extended = ""
+    if args.extend is not None:
+        said = _extended(args, tiers, every)
+        if isinstance(said, int):
+            return said
+        tiers, every, extended = said
+        found = evaluate.observations_of(every)
     # A manipulated copy's labels say what the padding did to the tiers, not what the question needs.
     rows = [r for r in every if r.adversarial_of is None]
     if not found:
@@ -132,7 +174,7 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
                f"each request goes to the cheapest tier whose accuracy on its nearest labelled questions is at least keep x the best tier's;\n"
                f"the buckets below decide where it has fewer than {knn.settings.min_neighbours} neighbours above similarity {knn.settings.floor}.\n"
                if knn is not None else "")
-    note = (f"Written by `appliance eval calibrate` from eval runs {', '.join(map(str, runs))} ({len(found)} answers) on {when(time.time())}.\n"
+    note = (f"Written by `appliance eval calibrate` from eval runs {', '.join(map(str, runs))}{extended} ({len(found)} answers) on {when(time.time())}.\n"
             f"{learned}Each bucket's tier is the cheapest whose smoothed accuracy there is at least keep x the best tier's.\n"
             f"A route uses it with `calibration = \"{shown}\"`.")
     calibration_file.write(args.out, calibration, note)
@@ -253,6 +295,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     calibration.add_argument("--min-neighbours", type=int, help="neighbours above the floor a kNN decision needs")
     calibration.add_argument("--min-samples", type=int, default=4, help="questions a bucket needs before its tier is used")
     calibration.add_argument("--out", type=Path, required=True, help="the calibration file to write")
+    calibration.add_argument("--extend", type=Path, metavar="CALIBRATION",
+                             help="label the run's questions with the other tiers of --route from this earlier calibration's table "
+                                  "(matched by text): a tier added to a route is measured without asking the others again")
+    calibration.add_argument("--route", default="auto", help="with --extend: the route whose tiers, in its order, the calibration has")
     calibration.add_argument("--config", type=Path)
     calibration.set_defaults(func=cmd_eval_calibrate)
     simulate = evaluation.add_parser("simulate", help="a stored run routed again offline from every tier's answers (no model call)")

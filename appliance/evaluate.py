@@ -11,6 +11,7 @@ own `check(record, text)` from a checker file).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -426,6 +427,34 @@ def labelled(db: apsw.Connection, run_ids: list[int], tiers: tuple[str, ...]) ->
             found.append(Labelled(run_id, ref, family, tuple(json.loads(messages)), kind in ("json_object", "json_schema"),
                                   tuple(mine[t][0] for t in tiers), tuple(mine[t][1] for t in tiers), adversarial_of))
     return found, partial
+
+
+def extend_labels(rows: Sequence[Labelled], row_tiers: Sequence[str], table: Knn, table_tiers: Sequence[str],
+                  tiers: Sequence[str]) -> tuple[list[Labelled], int]:
+    """Rows measured on some tiers, labelled over `tiers` with the other tiers' results from an earlier
+    calibration's table, matched by the text the router reads: a tier added to a route is measured
+    without asking the others again. A tier both hold is taken from the rows (measured later). Rows the
+    table lacks are left out, and counted."""
+    index: dict[str, list[int]] = {}
+    for i, text in enumerate(table.texts):
+        index.setdefault(text, []).append(i)
+    found, missing = [], 0
+    for row in rows:
+        matches = index.get(routing_text(list(row.messages)))
+        if not matches:
+            missing += 1
+            continue
+        i = matches.pop(0)  # a text the table holds twice labels two rows, in order
+        results = [(row.correct[row_tiers.index(t)], row.cost_nanos[row_tiers.index(t)]) if t in row_tiers
+                   else (bool(table.correct[i, table_tiers.index(t)]), int(table.cost_nanos[i, table_tiers.index(t)])) for t in tiers]
+        found.append(dataclasses.replace(row, correct=tuple(c for c, _ in results), cost_nanos=tuple(n for _, n in results)))
+    return found, missing
+
+
+def observations_of(rows: Sequence[Labelled]) -> list[Observation]:
+    """Each labelled row's result per tier, in the fine bucket `run` stores for it."""
+    return [Observation(buckets(features(list(r.messages), r.structured))[0], tier, correct, cost)
+            for r in rows for tier, (correct, cost) in enumerate(zip(r.correct, r.cost_nanos))]
 
 
 def routing_inputs(rows: Sequence[Labelled]) -> tuple[list[Features], list[str], np.ndarray, str]:

@@ -27,7 +27,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -94,23 +96,29 @@ class Log:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        self.lock = threading.Lock()  # the teach step's threads add rows together
 
     def done(self, kind: str) -> dict[str, dict[str, Any]]:
         return {r["id"]: r for r in self.rows if r["kind"] == kind}
 
     def add(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
+        with self.lock:
+            self.rows.append(row)
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(row) + "\n")
 
 
-def teach(base: str, log: Log, requests: list[dict[str, Any]], teacher: str, check: Any) -> None:
+def teach(base: str, log: Log, requests: list[dict[str, Any]], teacher: str, check: Any, concurrency: int) -> None:
     done = log.done("teach")
     left = [r for r in requests if r["id"] not in done]
     print(f"teach: {len(done)} of {len(requests)} asked before; {len(left)} to go", flush=True)
+    answered = 0
+    lock = threading.Lock()
     with httpx.Client(base_url=base, timeout=900) as client:
         started = time.monotonic()
-        for n, record in enumerate(left, 1):
+
+        def ask(record: dict[str, Any]) -> None:
+            nonlocal answered
             body = {"model": teacher, "messages": record["messages"], "max_tokens": record["max_tokens"] or 256, "temperature": 0,
                     "metadata": {"family": record["family"]}}
             if record["response_format"]:
@@ -122,9 +130,29 @@ def teach(base: str, log: Log, requests: list[dict[str, Any]], teacher: str, che
             good = bool(check(record, text))
             client.post("/v1/cache/feedback", json={"response_id": data["id"], "rating": "good" if good else "bad"}).raise_for_status()
             log.add({"kind": "teach", "id": record["id"], "family": record["family"], "good": good})
-            if n % 10 == 0 or n == len(left):
-                rate = n / (time.monotonic() - started)
-                print(f"teach: {len(done) + n}/{len(requests)} ({rate * 60:.1f}/min)", flush=True)
+            with lock:
+                answered += 1
+                if answered % 10 == 0 or answered == len(left):
+                    rate = answered / (time.monotonic() - started)
+                    print(f"teach: {len(done) + answered}/{len(requests)} ({rate * 60:.1f}/min)", flush=True)
+
+        # The teacher's slots decode requests together, as a team's traffic would arrive.
+        with ThreadPoolExecutor(concurrency) as pool:
+            for future in [pool.submit(ask, record) for record in left]:
+                future.result()
+
+
+def per_family(values: list[str]) -> dict[str, int]:
+    """`--examples 300 --examples extraction=800`: a bare number for every family, `family=N` for one."""
+    counts = dict.fromkeys(FAMILIES, 300)
+    for value in values:
+        family, _, n = value.rpartition("=")
+        if family and family not in FAMILIES:
+            raise SystemExit(f"error: --examples {value}: the family must be one of {', '.join(FAMILIES)}")
+        if not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"error: --examples {value}: expected a positive number of requests")
+        counts.update({family: int(n)} if family else dict.fromkeys(FAMILIES, int(n)))
+    return counts
 
 
 def must(done: subprocess.CompletedProcess[str]) -> str:
@@ -139,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fleet", type=Path, default=ROOT / "bench" / "fleet.toml")
     parser.add_argument("--student", default="smollm2-135m")
     parser.add_argument("--teacher", default="qwen-1.5b")
-    parser.add_argument("--examples", type=int, default=300, help="training traffic per family (default 300)")
+    parser.add_argument("--examples", action="append", default=[], metavar="[FAMILY=]N",
+                        help="training requests per family (default 300); FAMILY=N for one family, repeatable")
+    parser.add_argument("--concurrency", type=int, default=2, help="teacher requests at once (default 2, the fleet's slots)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", default="2")
     parser.add_argument("--until", choices=("teach", "export", "train", "evaluate"), default="evaluate", help="stop after this step")
@@ -151,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     if not (workdir / "models.toml").exists():  # once: training adds the adapter to it
         write_config(workdir, bench_config(args.fleet, args.student, args.teacher))
     log = Log(workdir / "steps.jsonl")
-    requests = [r for family in FAMILIES for r in traffic(family, args.examples, args.seed)]
+    examples = per_family(args.examples)
+    requests = [r for family in FAMILIES for r in traffic(family, examples[family], args.seed)]
     requests.sort(key=lambda r: (int(r["id"].rsplit("-", 1)[1]), r["family"]))  # the families interleaved, as traffic comes
     proc, base = start(workdir)
     try:
-        teach(base, log, requests, args.teacher, load_check())
+        teach(base, log, requests, args.teacher, load_check(), args.concurrency)
         if args.until == "teach":
             return 0
         good = {f: sum(1 for r in log.done("teach").values() if r["family"] == f and r["good"]) for f in FAMILIES}

@@ -622,6 +622,51 @@ def test_workload_records_are_evaluated_stored_and_learned_from(routed: tuple[Se
     assert [always[f"always {t}"]["accuracy"] for t in CALIBRATED_TIERS] == [round(r / 3, 4) for r in right]
 
 
+def test_a_calibration_is_extended_with_a_tier_measured_alone(routed: tuple[Server, dict[str, str], Collector], tmp_path: Path) -> None:
+    from tests.test_gate_api import cli
+
+    server, keys, _ = routed
+    questions = ["What is the capital of France?", "What colour is the sky on a clear day?", "What is 2 + 2?"]
+    records = [{"id": f"q{i}", "family": "factual", "messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": q}],
+                "max_tokens": 6, "response_format": None, "check": {"type": "contains", "expect": expect}}
+               for i, (q, expect) in enumerate(zip(questions, ["Paris", "blue", "4"]))]
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "check.py").write_text(CHECKER)
+
+    def earlier(tiers: tuple[str, ...], correct: list[tuple[int, ...]], cost: list[tuple[int, ...]]) -> Path:
+        """A calibration measured before, on the first two questions only, with its own labels."""
+        texts = questions[:2]
+        knn = train(np.ones((2, 4), np.float32), np.stack([feature_vector(_user(t)) for t in texts]), np.array(correct, dtype=bool),
+                    np.array(cost, dtype=np.float64), tuple(texts), "all-minilm-l6-v2-int8")
+        path = tmp_path / f"earlier-{len(tiers)}.toml"
+        calibration_file.write(path, Calibration(tiers, 0.9, 4, (), knn), "measured before")
+        return path
+
+    two = earlier(("tier-small", "smollm2-135m"), [(0, 1), (0, 0)], [(5, 111), (5, 222)])
+    out = cli(server, "eval", "router", "--route", "strict", "--file", str(data), "--tiers-only", "--url", server.base_url, "--key", keys["dev"])
+    run_id = json.loads(out[out.index("\n{") + 1:])["run"]
+    db = apsw.Connection(str(server.home / "appliance.db"))
+    asked = {(q, t): (bool(c), n) for q, t, c, n in db.execute("SELECT question, target, correct, cost_nanos FROM eval_answers WHERE run_id = ?", (run_id,))}
+    db.close()
+    target = tmp_path / "extended.toml"
+    said = cli(server, "eval", "calibrate", "--run", str(run_id), "--extend", str(two), "--route", "learned", "--k", "2", "--min-neighbours", "1",
+               "--out", str(target))
+    assert "extended: 2 questions labelled with ['smollm2-135m']" in said and "1 not in its table" in said
+    measured = calibration_file.read(target)
+    assert measured.tiers == CALIBRATED_TIERS and measured.knn is not None and measured.knn.texts == tuple(questions[:2])
+    # the frontier's column from the earlier table; the two tiers the run asked from the run, the earlier tier-small labels replaced
+    assert measured.knn.correct[:, 2].tolist() == [True, False] and measured.knn.cost_nanos[:, 2].tolist() == [111, 222]
+    for tier, alias in enumerate(CALIBRATED_TIERS[:2]):
+        assert [(bool(measured.knn.correct[q, tier]), int(measured.knn.cost_nanos[q, tier])) for q in (0, 1)] == [asked[(q, alias)] for q in (0, 1)]
+    assert asked[(0, "tier-small")][1] > 5
+    assert f"{two.name}'s table" in target.read_text()
+    one = earlier(("tier-small",), [(1,), (1,)], [(5,), (5,)])
+    with pytest.raises(AssertionError, match=r"tiers \['smollm2-135m'\] that neither eval run"):
+        cli(server, "eval", "calibrate", "--run", str(run_id), "--extend", str(one), "--route", "learned", "--out", str(tmp_path / "x.toml"))
+    assert not (tmp_path / "x.toml").exists()
+
+
 def test_an_eval_run_cut_short_is_resumed_asking_only_what_is_missing(routed: tuple[Server, dict[str, str], Collector], tmp_path: Path) -> None:
     from tests.test_gate_api import cli
 
