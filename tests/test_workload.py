@@ -247,6 +247,19 @@ def test_committed_splits_match_their_sha256sums() -> None:
         assert hashlib.sha256((WORKLOAD / "splits" / name).read_bytes()).hexdigest() == digest, name
 
 
+# Attack phrasings the router's text was never tuned on (written before it was changed for the
+# workload's own templates): frozen, and read only to report.
+ADVERSARIAL_HELDOUT_SHA256 = "c67bee2be2d394f324375e179cc9e46ff9a46599c84fd90aab5cc2ad6de0e046"
+
+
+def test_the_held_out_attack_templates_are_frozen() -> None:
+    path = WORKLOAD / "handwritten" / "adversarial_heldout.jsonl"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == ADVERSARIAL_HELDOUT_SHA256
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 12 and all("{question}" in r["template"] for r in rows)
+    assert sorted(Counter(r["kind"] for r in rows).values()) == [3, 3, 3, 3]
+
+
 def test_sizes_families_and_tenants() -> None:
     assert sum(len(rows) for rows in ALL.values()) >= 600
     assert 200 <= len(ALL["evaluation"]) <= 240
