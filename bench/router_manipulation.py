@@ -1,0 +1,96 @@
+"""Which manipulations buy a dearer tier: every attack template wrapped around every cheap question
+of the workload's calibration and development splits, decided as the server decides (the text the
+router reads, its features, the learned calibration's table and buckets, else the heuristics), against
+the plain question's decision. No model is called.
+
+    .venv/bin/python bench/router_manipulation.py                       # the workload's templates (tune on these)
+    .venv/bin/python bench/router_manipulation.py --templates heldout   # phrasings never tuned on (report)
+
+The evaluation split's questions are not read: it is kept for bench/economics.py. Prints, per
+template, how many copies read differently from their question (another routing text or bucket) and
+how many were sent to a dearer tier, by the learned router and by the heuristics alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from appliance import calibration_file  # noqa: E402
+from appliance.semantic_cache import bundled_minilm  # noqa: E402
+from policy.router import buckets, decide_calibrated, features  # noqa: E402
+from policy.router_text import routing_text  # noqa: E402
+
+WORKLOAD = ROOT / "bench" / "workload"
+TEMPLATES = {"workload": WORKLOAD / "handwritten" / "adversarial.jsonl", "heldout": WORKLOAD / "handwritten" / "adversarial_heldout.jsonl"}
+CHEAP = ("factual", "arithmetic", "classification")  # the families build.py wraps (ADVERSARIAL_FAMILIES)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wrapped(record: dict[str, Any], template: str) -> list[dict[str, str]]:
+    messages = record["messages"]
+    return [*messages[:-1], {"role": "user", "content": template.replace("{question}", messages[-1]["content"])}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--templates", choices=sorted(TEMPLATES), default="workload")
+    parser.add_argument("--splits", default="calibration,development", help="whose plain questions are wrapped (never evaluation)")
+    parser.add_argument("--calibration", type=Path, default=ROOT / "bench" / "fleet-learned.toml")
+    parser.add_argument("--show", type=int, default=0, help="print this many copies that bought a dearer tier, per template")
+    args = parser.parse_args(argv)
+    splits = args.splits.split(",")
+    if "evaluation" in splits:
+        raise SystemExit("error: --splits: the evaluation split is kept for bench/economics.py")
+    calibration = calibration_file.read(args.calibration)
+    tiers = len(calibration.tiers)
+    plain = [r for s in splits for r in read_jsonl(WORKLOAD / "splits" / f"{s}.jsonl")
+             if r["family"] in CHEAP and not r.get("adversarial") and r["messages"][-1]["role"] == "user"]
+    templates = read_jsonl(TEMPLATES[args.templates])
+    cases = [(None, r, r["messages"]) for r in plain] + [(t, r, wrapped(r, t["template"])) for t in templates for r in plain]
+    texts = [routing_text(m) for _, _, m in cases]
+    embedder = bundled_minilm()
+    try:
+        vectors = [v for i in range(0, len(texts), 64) for v in embedder.embed_now(texts[i:i + 64])]
+    finally:
+        embedder.close()
+    decided: dict[tuple[str | None, str], tuple[str, tuple[str, str], int, int]] = {}
+    for (template, record, messages), text, vector in zip(cases, texts, vectors):
+        found = features(messages, bool(record.get("response_format")))
+        decided[(template["id"] if template else None, record["id"])] = (
+            text, buckets(found), decide_calibrated(found, tiers, calibration, vector).tier, decide_calibrated(found, tiers, None).tier)
+    print(f"{len(plain)} cheap questions of {'+'.join(splits)} x {len(templates)} templates ({args.templates}); "
+          f"calibration {args.calibration.name}")
+    print(f"{'template':10} {'kind':14} {'reads differently':>18} {'dearer (learned)':>17} {'dearer (heuristics)':>20}")
+    totals: Counter[str] = Counter()
+    for t in templates:
+        counts: Counter[str] = Counter()
+        shown = 0
+        for r in plain:
+            base, copy = decided[(None, r["id"])], decided[(t["id"], r["id"])]
+            counts["differs"] += copy[:2] != base[:2]
+            counts["learned"] += copy[2] > base[2]
+            counts["heuristics"] += copy[3] > base[3]
+            if copy[2] > base[2] and shown < args.show:
+                shown += 1
+                print(f"    {r['id']}: tier {base[2]} -> {copy[2]}; reads {copy[0][:160]!r}")
+        totals.update(counts)
+        print(f"{t['id']:10} {t['kind']:14} {counts['differs']:>18} {counts['learned']:>17} {counts['heuristics']:>20}")
+    n = len(plain) * len(templates)
+    print(f"manipulation ({args.templates}): {totals['differs']}/{n} copies read differently, {totals['learned']}/{n} "
+          f"({totals['learned'] / n:.1%}) bought a dearer tier from the learned router, {totals['heuristics']}/{n} from the heuristics")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
