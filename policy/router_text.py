@@ -61,7 +61,27 @@ _DISMISSAL = re.compile(
     r"\b(never ?mind( about)?( all)?( of)?( that| this| the above| it)?|not my (real |actual )?question|(that|this|the above) (is|was) (irrelevant|unrelated|not (the|my) question)|"
     r"ignore (all )?(that|this|the above|everything (above|before))|disregard (that|this|the above)|(that|the above) aside|"
     r"(proof|details?|context|background|that) (sketch )?aside|forget (that|the above|all that)|(my|the) (real|actual) question|"
-    r"here is what i (really |actually )?(need|want|want to know|am asking)|what i (really |actually )?(need|want) (is|to know))\b", re.IGNORECASE)
+    r"here is what i (really |actually )?(need|want|want to know|am asking)|what i (really |actually )?(need|want) (is|to know)|"
+    r"none of (that|this|the above|it|these) (matters|is relevant|is important)( yet| now| for now| here)?)\b", re.IGNORECASE)
+# What announces the question after a dismissal ("first, a simple question:"): the question follows.
+_LEAD_IN = re.compile(r"^(((first|now|so|anyway|but|then|okay|ok)\b[\s,;:.-]*)*((here is|here's|this is) )?(an?|one|my|the|our)( \w+){0,2} "
+                      r"question( is| for you)?\s*[:–-]\s*)", re.IGNORECASE)
+# A sentence or code comment that sets the code beside the question aside: the code is padding then,
+# whatever words it shares with the question ("LEFT JOIN" and "the courier left my parcel").
+_CODE_ASIDE = re.compile(
+    r"\b((only|just|purely|merely) (for )?(context|background)|(context|background)( only)?\W+(ignore|skip)|for context only|"
+    r"needs? no (changes?|review|fixing)|ignore (the |this |that |my )?(code|snippet|script|query|block|above|context)|"
+    r"(unrelated|irrelevant) to (my|the|this) (question|request)|has nothing to do with|"
+    r"(pasted|included|added|copied|left) (in )?(by accident|by mistake|accidentally)|(is|are) fine as (it is|is|they are))", re.IGNORECASE)
+# What still makes the question about code once those sentences are gone ("return", "table" or "key" do
+# not: a support ticket uses them too).
+_ABOUT_CODE = re.compile(
+    r"\b(code|coding|function|functions|method|class|script|program|programming|snippet|query|sql|regex|bug|bugs|exception|traceback|"
+    r"stack trace|compile|compiler|refactor|debug|implement\w*|unit tests?|docstring|variable|syntax|python|javascript|typescript|"
+    r"rust|golang|c\+\+|bash|shell|algorithm)\b", re.IGNORECASE)
+# Codes that are not code: "a coupon code", "error code 502".
+_NOT_CODE = re.compile(r"\b(coupon|promo|discount|voucher|gift|error|status|zip|postal|post|tracking|access|verification|confirmation|"
+                       r"booking|reference|area|country|dress|qr|bar|security|activation|pin|sort|tax|product)\s+codes?\b", re.IGNORECASE)
 _QUESTION_END = re.compile(r"\?\s*[\"')\]]*\s*$")
 # Words that point back at what came before (not "this", which as often points at what follows).
 _REFERENCE = re.compile(r"\b(it|its|they|them|their|he|she|him|her|his|hers|above|previous|former|latter|aforementioned|"
@@ -145,6 +165,12 @@ def _without_code_nobody_asks_about(lines: list[str]) -> list[str]:
     prose = [line for line, is_code in zip(lines, code) if not is_code and line.strip()]
     if not prose or not any(code):
         return lines
+    if any(_CODE_ASIDE.search(line) for line in lines):
+        # Said to be beside the point: the code goes, and so do the sentences that say so.
+        kept = [line for line in (" ".join(s for s in re.split(r"(?<=[.!?])\s+", line) if not _CODE_ASIDE.search(s)) for line in prose)
+                if line.strip()]
+        if kept and not _ABOUT_CODE.search(_NOT_CODE.sub(" ", " ".join(kept))):
+            return kept
     labels = [m.group(1) for line, is_code in zip(lines, code) if is_code and (m := _JSON_LINE.match(line)) and m.group(1)]
     said = " ".join(prose + labels)  # "JSON Schema: {...}" names what its value is
     names = {w.lower() for line, is_code in zip(lines, code) if is_code for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", line)}
@@ -200,7 +226,7 @@ def _after_dismissal(lines: list[str]) -> list[str]:
     n = marked[-1]
     line_of, sentence = sentences[n]
     rest = sentence[[m.end() for m in _DISMISSAL.finditer(sentence)][-1]:]
-    rest = re.sub(r"^[\s,.:;!-]+", "", rest)
+    rest = _LEAD_IN.sub("", re.sub(r"^[\s,.:;!-]+", "", rest))
     after = ([rest] if rest else []) + [s for i, s in sentences[n + 1:] if i == line_of]
     kept = ([" ".join(after)] if after else []) + [line for i, line in enumerate(lines) if i > line_of]
     return kept if kept else lines

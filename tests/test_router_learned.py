@@ -109,6 +109,13 @@ def test_the_workloads_manipulations_leave_the_question_the_router_reads() -> No
     assert manipulated
     for r in manipulated:
         assert routing_text(r["messages"]) == routing_text(by_id[r["adversarial"]["base"]]["messages"]), r["id"]
+    # and every template around every question of the families the workload manipulates, not only the copies drawn
+    templates = [json.loads(line)["template"] for line in (splits.parent / "handwritten" / "adversarial.jsonl").read_text().splitlines()]
+    cheap = [r for r in rows if r["family"] in ("factual", "arithmetic", "classification") and not r.get("adversarial")]
+    for template in templates:
+        for r in cheap:
+            copy = [*r["messages"][:-1], {"role": "user", "content": template.replace("{question}", r["messages"][-1]["content"])}]
+            assert routing_text(copy) == routing_text(r["messages"]), (template[:40], r["id"])
 
 
 def test_routing_text_leaves_real_requests_whole() -> None:
@@ -118,7 +125,11 @@ def test_routing_text_leaves_real_requests_whole() -> None:
                   "A pen costs as much as a pencil and eraser combined. A pencil costs $1.20 and an eraser costs $0.30. How much will 8 pens cost?",
                   "My account got locked. How can I regain access?", "```python\ndef add(a, b):\n    \"\"\"Return a + b.\"\"\"\n```",
                   "Fix the bug in this function:\ndef last(xs):\n    return xs[len(xs)]",
-                  "Extract the sender and the date as JSON from this email:\nHi Bob, the review moved to 3 May.\nCan you confirm by Friday?"]
+                  "Extract the sender and the date as JSON from this email:\nHi Bob, the review moved to 3 May.\nCan you confirm by Friday?",
+                  # code set aside only in part, or asked about after an aside: still the task
+                  "Ignore the imports; why does parse_rows skip the last line?\n```python\nimport csv\ndef parse_rows(f):\n    return list(csv.reader(f))[:-1]\n```",
+                  "The helper below is fine as it is. Why does this function print None?\n```python\ndef show(x):\n    print(x)\n```",
+                  "My coupon code was rejected at checkout. What should I do?"]
     changed = [q for q in questions if routing_text([{"role": "user", "content": q}]).split() != q.split()]
     assert changed == []
 
