@@ -48,6 +48,7 @@ from appliance_server import cli, start, stop, write_config  # noqa: E402
 from economics_report import Outcome, PassFigures, Targets, cache_figures, figures, manipulated, random_line, targets  # noqa: E402
 
 from appliance.evaluate import load_checker  # noqa: E402
+from appliance.settings import split_tier  # noqa: E402
 from policy.budgets import Price  # noqa: E402
 
 SPLITS = ROOT / "bench" / "workload" / "splits"
@@ -76,6 +77,8 @@ def fleet_config(fleet: Path, route: str, calibration: Path | None) -> tuple[str
     for model in doc["models"]:
         if "path" in model:
             model["path"] = str(Path(str(model["path"])).expanduser())
+        for adapter in model.get("adapters", []):  # a distilled tier's file, beside the fleet file
+            adapter["path"] = str((fleet.parent / Path(str(adapter["path"])).expanduser()).resolve())
     tiers: list[str] = []
     for r in doc.get("routes", []):
         if "calibration" in r:
@@ -91,6 +94,20 @@ def fleet_config(fleet: Path, route: str, calibration: Path | None) -> tuple[str
         raise SystemExit(f"error: {fleet}: no [[routes]] alias {route!r}")
     prices = {str(m["alias"]): Price.per_million(float(m["price_input_per_mtok"]), float(m["price_output_per_mtok"])) for m in doc["models"]}
     return tomlkit.dumps(doc), tiers, prices
+
+
+def read_outcomes(path: Path) -> dict[str, dict[str, Outcome]]:
+    """outcomes.jsonl: each pass's outcomes by request id."""
+    found: dict[str, dict[str, Outcome]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():  # a line cut by a kill is not an outcome
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            name = row.pop("pass")
+            found.setdefault(name, {})[row["id"]] = Outcome(**row)
+    return found
 
 
 class Kept:
@@ -110,14 +127,7 @@ class Kept:
                 raise SystemExit(f"error: {folder}: a run of another split, fleet or route is kept there (differs: {', '.join(differs)}); "
                                  "use another --workdir")
         if self.outcome_file.exists():
-            for line in self.outcome_file.read_text().splitlines():
-                if line.strip():  # a line cut by a kill is not an outcome
-                    try:
-                        row = json.loads(line)
-                    except ValueError:
-                        continue
-                    name = row.pop("pass")
-                    self.found.setdefault(name, {})[row["id"]] = Outcome(**row)
+            self.found = read_outcomes(self.outcome_file)
 
     def keys(self) -> dict[str, str]:
         return dict(self.state["keys"])
@@ -150,6 +160,16 @@ class Kept:
             temporary.replace(self.outcome_file)
             self._save()
 
+    def take(self, name: str, outcomes: list[Outcome], charged: int) -> None:
+        """A pass measured by another run of the same split and model (`--reuse`), kept as if run here."""
+        with self.lock:
+            self.found[name] = {o.id: o for o in outcomes}
+            with open(self.outcome_file, "a") as out:
+                out.writelines(json.dumps({"pass": name, **o.__dict__}) + "\n" for o in outcomes)
+            self.state["charged"][name] = charged
+            self.state.setdefault("reused", {})[name] = True
+            self._save()
+
     def charge(self, name: str, nanos: int) -> None:
         self.state["charged"][name] = self.state["charged"].get(name, 0) + nanos
         self._save()
@@ -161,6 +181,37 @@ class Kept:
         temporary = self.state_file.with_suffix(".tmp")
         temporary.write_text(json.dumps(self.state, indent=1))
         temporary.replace(self.state_file)
+
+
+def model_table(config: str, alias: str) -> dict[str, Any] | None:
+    """What decides a model's answers alone: its table without the adapters (a request for the base
+    model uses none of them)."""
+    for model in tomlkit.parse(config).get("models", []):
+        if model["alias"] == alias:
+            return {k: v for k, v in model.unwrap().items() if k != "adapters"}
+    return None
+
+
+def reuse(kept: Kept, earlier: Path, identity: dict[str, Any], tiers: list[str], records: list[dict[str, Any]]) -> None:
+    """Each tier alone from an earlier run's kept folder (bench/runs/...), where that run asked the same
+    split of the same model, whole: asking it again would give the same answers (greedy, the same
+    weights and settings) and take hours here."""
+    state = json.loads((earlier / "state.json").read_text())
+    if (state["identity"]["split"], state["identity"]["sha256"]) != (identity["split"], identity["sha256"]):
+        raise SystemExit(f"error: --reuse {earlier}: a run of another split")
+    theirs = read_outcomes(earlier / "outcomes.jsonl")
+    for tier in tiers:
+        found = theirs.get(tier, {})
+        if kept.outcomes(tier):
+            continue
+        if model_table(state["identity"]["config"], tier) != model_table(identity["config"], tier) or model_table(identity["config"], tier) is None:
+            print(f"--reuse: {tier} alone is asked here (the earlier run's model settings differ or it had no such model)", file=sys.stderr)
+            continue
+        if any(r["id"] not in found for r in records):
+            print(f"--reuse: {tier} alone is asked here (the earlier run did not answer every request)", file=sys.stderr)
+            continue
+        kept.take(tier, [found[r["id"]] for r in records], int(state["charged"][tier]))
+        print(f"--reuse: {tier} alone taken from {earlier} ({len(records)} requests, the same split and model settings)", file=sys.stderr)
 
 
 class Replayer:
@@ -249,7 +300,8 @@ class Replayer:
             where = h.get("x-route-model") or data["model"]
             usage = data["usage"]
             routed = h.get("x-route-cost-nanousd")
-            cost = int(routed) if routed is not None else self.prices[where].cost(usage["prompt_tokens"], usage["completion_tokens"])
+            price = self.prices[split_tier(where)[0]]  # an adapter costs its base's
+            cost = int(routed) if routed is not None else price.cost(usage["prompt_tokens"], usage["completion_tokens"])
             if cached:  # the caller's validator: the cache serves only answers marked good
                 self.http.post("/v1/cache/feedback", json={"response_id": data["id"], "rating": "good" if correct else "bad"}, headers=headers)
         chosen = None
@@ -294,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests at once in the cache-off passes (their latency then includes waiting for a slot)")
     parser.add_argument("--workdir", type=Path,
                         help="keep the server's data and every outcome here; the same command again goes on where it stopped")
+    parser.add_argument("--reuse", type=Path, metavar="DIR",
+                        help="take each tier-alone pass from an earlier run's kept folder (bench/runs/...) where it asked the same split "
+                             "of a model with the same settings")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
@@ -306,7 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="economics-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        kept = Kept(workdir, {"split": args.split, "sha256": digest, "route": args.route, "config": config})
+        identity = {"split": args.split, "sha256": digest, "route": args.route, "config": config}
+        kept = Kept(workdir, identity)
+        if args.reuse is not None:
+            reuse(kept, args.reuse, identity, tiers, records)
         if not (workdir / "home" / "appliance.db").exists() and kept.keys():
             whole = kept.outcomes("whole")
             unfinished = {"whole"} if whole and len(whole) < len(records) else set()

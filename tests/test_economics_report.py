@@ -86,3 +86,31 @@ def test_a_kept_run_moved_without_its_server_data_keeps_the_cache_off_passes_onl
     assert list(again.outcomes("routed")) == ["r0"] and again.charged("routed") == 5
     with pytest.raises(SystemExit, match="another split"):
         Kept(tmp_path, {**identity, "split": "t"})
+
+
+def test_a_tier_alone_is_reused_only_from_the_same_split_and_model_settings(tmp_path: Path) -> None:
+    import json
+
+    from economics import Kept, reuse
+
+    config = ('[[models]]\nalias = "small"\npath = "/m/small.gguf"\nslots = 2\n\n[[models]]\nalias = "big"\npath = "/m/big.gguf"\nslots = 2\n')
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    records = [{"id": f"r{i}"} for i in range(3)]
+    (earlier / "state.json").write_text(json.dumps({"identity": {"split": "evaluation", "sha256": "abc", "route": "auto", "config": config},
+                                                    "keys": {}, "charged": {"small": 30, "big": 300}}))
+    rows = [{"pass": tier, **outcome(i, i != 1, cost, where=tier).__dict__} for tier, cost in (("small", 10), ("big", 100)) for i in range(3)]
+    (earlier / "outcomes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # now: an adapter on the small model (its requests alone use none), the big one with other settings, a new tier
+    now = config.replace('slots = 2\n\n[[models]]\nalias = "big"\npath = "/m/big.gguf"\nslots = 2',
+                         'slots = 2\n[[models.adapters]]\nname = "d"\npath = "/a/d.gguf"\n\n[[models]]\nalias = "big"\npath = "/m/big.gguf"\nslots = 4')
+    identity = {"split": "evaluation", "sha256": "abc", "route": "auto", "config": now}
+    (tmp_path / "now").mkdir()
+    kept = Kept(tmp_path / "now", identity)
+    reuse(kept, earlier, identity, ["small", "small:d", "big"], records)
+    assert [o.correct for o in kept.outcomes("small").values()] == [True, False, True] and kept.charged("small") == 30
+    assert kept.outcomes("big") == {} and kept.outcomes("small:d") == {}
+    again = Kept(tmp_path / "now", identity)  # kept on disk, as a run started again would find it
+    assert len(again.outcomes("small")) == 3 and again.charged("small") == 30
+    with pytest.raises(SystemExit, match="another split"):
+        reuse(kept, earlier, {**identity, "sha256": "def"}, ["small"], records)
