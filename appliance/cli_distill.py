@@ -210,16 +210,15 @@ def cmd_distill_evaluate(args: argparse.Namespace) -> int:
 
     from appliance import distill_eval
     from appliance.cli_fleet import write_and_apply
-    from appliance.cli_support import print_rows
+    from appliance.cli_support import print_rows, route_named
     from appliance.config_writer import update_table
     from policy.budgets import Price
     from policy.distill import promoted_tiers
 
     config = find_config(args.config)
     settings = load_settings(config)
-    route = settings.route(args.route)
+    route = route_named(settings, args.route)
     if route is None:
-        print(f"error: {config}: routes: no route with alias {args.route!r}", file=sys.stderr)
         return 2
     teacher = args.teacher or route.tiers[-1]
     asked = distill_eval.Asked(args.student, args.adapter, teacher, args.data.expanduser(), args.workload, args.family, args.max_tokens)

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from appliance.cli_support import ledger_db, print_rows, settings_of, when
+from appliance.cli_support import ledger_db, print_rows, route_named, settings_of, when
 from appliance.settings import ConfigError, find_config
 
 
@@ -29,9 +29,8 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
                 print(json.dumps({"id": run["id"], "at": when(run["at"]), "questions": run["questions"], **comparison}))
             return 0
         settings = settings_of(args.config)
-        route = settings.route(args.route)
+        route = route_named(settings, args.route)
         if route is None:
-            print(f"error: {settings.file}: routes: no route with alias {args.route!r}", file=sys.stderr)
             return 2
         prices = {m.alias: Price.per_million(m.price_input_per_mtok, m.price_output_per_mtok) for m in settings.models}
         questions = (evaluate.load_questions(args.file, args.limit or sys.maxsize) if args.file
@@ -100,9 +99,8 @@ def _extended(args: argparse.Namespace, measured: list[str], every: list) -> tup
         print(f"error: {args.extend}: --extend needs a calibration with a labelled table (written with --method knn)", file=sys.stderr)
         return 2
     settings = settings_of(args.config)
-    route = settings.route(args.route)
+    route = route_named(settings, args.route)
     if route is None:
-        print(f"error: {settings.file}: routes: no route with alias {args.route!r}", file=sys.stderr)
         return 2
     lacking = [t for t in route.tiers if t not in measured and t not in earlier.tiers]
     if lacking:

@@ -6,11 +6,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from appliance.settings import ConfigError, Settings, find_config, load_settings
+from appliance.settings import ConfigError, RouteSettings, Settings, find_config, load_settings
 
 
 def settings_of(config: Path | None) -> Settings:
     return load_settings(find_config(config))
+
+
+def route_named(settings: Settings, alias: str) -> RouteSettings | None:
+    """The route a command names, or None after saying on stderr that the config has none."""
+    route = settings.route(alias)
+    if route is None:
+        print(f"error: {settings.file}: routes: no route with alias {alias!r}", file=sys.stderr)
+    return route
 
 
 def config_in_use(config: Path | None) -> Settings | None:

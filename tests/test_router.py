@@ -192,6 +192,17 @@ def test_a_calibration_file_round_trips_and_its_errors_name_the_key(tmp_path: Pa
         assert caught.value.key == key, text
 
 
+def test_a_command_naming_no_route_says_which_file_has_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance.cli_support import route_named
+
+    models = "".join(f'[[models]]\nalias = "{a}"\npath = "m.gguf"\n\n' for a in TIERS)
+    settings = parse_settings(models + '[[routes]]\nalias = "auto"\ntiers = ["small", "big"]\n', str(tmp_path / "models.toml"), tmp_path)
+    found = route_named(settings, "auto")
+    assert found is not None and found.tiers == ("small", "big") and capsys.readouterr().err == ""
+    assert route_named(settings, "other") is None
+    assert capsys.readouterr().err == f"error: {tmp_path / 'models.toml'}: routes: no route with alias 'other'\n"
+
+
 def test_a_route_reads_its_calibration_once_with_the_config(tmp_path: Path) -> None:
     models = "".join(f'[[models]]\nalias = "{a}"\npath = "m.gguf"\n\n' for a in TIERS)
     calibration_file.write(tmp_path / "cal.toml", calibrate(_observe("math", (5, 10, 10), 10), TIERS), "test")
