@@ -41,8 +41,8 @@ import httpx
 import tomlkit
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
 
 from appliance_server import cli, start, stop, write_config  # noqa: E402
 from economics_report import Outcome, PassFigures, Targets, cache_figures, figures, manipulated, random_line, targets  # noqa: E402

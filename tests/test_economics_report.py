@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # last: bench/engines.py must not hide the engines package
 from economics_report import Outcome, cache_figures, figures, manipulated, percentile, random_line, targets  # noqa: E402
 
 
