@@ -4,6 +4,7 @@ bundled model under three aliases and prices standing in for the three tiers."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -676,6 +677,16 @@ def test_a_calibration_is_extended_with_a_tier_measured_alone(routed: tuple[Serv
     with pytest.raises(AssertionError, match=r"tiers \['smollm2-135m'\] that neither eval run"):
         cli(server, "eval", "calibrate", "--run", str(run_id), "--extend", str(one), "--route", "learned", "--out", str(tmp_path / "x.toml"))
     assert not (tmp_path / "x.toml").exists()
+    # a file that is no calibration, or one without a labelled table, is a one-line error and writes nothing
+    broken = tmp_path / "broken.toml"
+    broken.write_text("tiers = [")
+    buckets_only = tmp_path / "buckets.toml"
+    calibration_file.write(buckets_only, Calibration(CALIBRATED_TIERS[:2], 0.9, 4, ()), "buckets only")
+    for bad, said in ((broken, f"error: {broken}: "), (buckets_only, "--extend needs a calibration with a labelled table"),
+                      (tmp_path / "missing.toml", f"error: {tmp_path / 'missing.toml'}: ")):
+        with pytest.raises(AssertionError, match=re.escape(said)):
+            cli(server, "eval", "calibrate", "--run", str(run_id), "--extend", str(bad), "--route", "learned", "--out", str(tmp_path / "x.toml"))
+        assert not (tmp_path / "x.toml").exists()
 
 
 def test_an_eval_run_cut_short_is_resumed_asking_only_what_is_missing(routed: tuple[Server, dict[str, str], Collector], tmp_path: Path) -> None:
