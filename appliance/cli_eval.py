@@ -8,9 +8,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from appliance.cli_support import ledger_db, print_rows, route_named, settings_of, when
 from appliance.settings import ConfigError, find_config
+
+if TYPE_CHECKING:
+    from policy.router import Calibration
 
 
 def cmd_eval_router(args: argparse.Namespace) -> int:
@@ -85,9 +89,10 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _extended(args: argparse.Namespace, measured: list[str], every: list) -> tuple[list[str], list, str] | int:
+def _extended(args: argparse.Namespace, measured: list[str], every: list) -> tuple[list[str], list, str, Calibration] | int:
     """--extend: the run's questions labelled with the route's other tiers from an earlier calibration's
-    table; the tiers, the labelled rows and what the note says of it, or an exit status."""
+    table; the tiers, the labelled rows, what the note says of it and the earlier calibration, or an
+    exit status."""
     from appliance import calibration_file, evaluate
 
     try:
@@ -116,7 +121,7 @@ def _extended(args: argparse.Namespace, measured: list[str], every: list) -> tup
         return 2
     print(f"extended: {len(rows)} questions labelled with {[t for t in route.tiers if t not in measured]} from {args.extend} "
           f"({missing} not in its table, left out)")
-    return list(route.tiers), rows, f" and {args.extend.name}'s table (tiers {', '.join(earlier.tiers)})"
+    return list(route.tiers), rows, f" and {args.extend.name}'s table (tiers {', '.join(earlier.tiers)})", earlier
 
 
 def cmd_eval_calibrate(args: argparse.Namespace) -> int:
@@ -125,7 +130,7 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
     import dataclasses
 
     from appliance import calibration_file, evaluate, offline_routing
-    from policy.router import calibrate
+    from policy.router import calibrate, extend_buckets
     from policy.router_knn import KnnSettings
 
     db = ledger_db(args.config)
@@ -142,12 +147,12 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
         every, partial = evaluate.labelled(db, runs, tuple(tiers))
     finally:
         db.close()
-    extended = ""
+    extended, earlier = "", None
     if args.extend is not None:
         said = _extended(args, tiers, every)
         if isinstance(said, int):
             return said
-        tiers, every, extended = said
+        tiers, every, extended, earlier = said
         found = evaluate.observations_of(every)
     # A manipulated copy's labels say what the padding did to the tiers, not what the question needs.
     rows = [r for r in every if r.adversarial_of is None]
@@ -159,6 +164,8 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
               "or pass --method buckets", file=sys.stderr)
         return 2
     calibration = calibrate(found, tuple(tiers), args.keep, args.min_samples)
+    if earlier is not None:
+        calibration = extend_buckets(calibration, earlier)
     if args.method == "knn":
         chosen = {"k": args.k, "floor": args.floor, "min_neighbours": args.min_neighbours}
         settings = KnnSettings(**{name: value for name, value in chosen.items() if value is not None})

@@ -9,6 +9,7 @@ buys nothing, because none of that moves a feature.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -302,6 +303,27 @@ def calibrate(observations: list[Observation], tiers: tuple[str, ...], keep: flo
     return Calibration(tuple(tiers), keep, min_samples, tuple(choices), None, min(len(rows) for rows in per_tier),
                        tuple(round(sum(o.correct for o in rows) / len(rows), 4) if rows else 0.0 for rows in per_tier),
                        tuple(round(sum(o.cost_nanos for o in rows) / len(rows), 1) if rows else 0.0 for rows in per_tier))
+
+
+def extend_buckets(calibration: Calibration, earlier: Calibration) -> Calibration:
+    """`calibration` (over a route's tiers, some of them new) with each bucket's figures for the tiers
+    `earlier` measured taken from `earlier`, and each bucket's tier chosen again. The earlier file
+    measured its tiers on every question it asked, the extended labels only on the questions its table
+    kept: recounted on fewer, a bucket on the edge of `keep` can flip between two tiers the route
+    already had, so a tier added to a route would move requests it has nothing to do with."""
+    before = dict(earlier.choices)
+    choices = []
+    for name, choice in calibration.choices:
+        old = before.get(name)
+        if old is None:
+            choices.append((name, choice))
+            continue
+        accuracy = tuple(old.accuracy[earlier.tiers.index(t)] if t in earlier.tiers else a
+                         for t, a in zip(calibration.tiers, choice.accuracy))
+        cost = tuple(old.cost_nanos[earlier.tiers.index(t)] if t in earlier.tiers else c
+                     for t, c in zip(calibration.tiers, choice.cost_nanos))
+        choices.append((name, BucketChoice(cheapest_within(accuracy, calibration.keep), min(old.samples, choice.samples), accuracy, cost)))
+    return dataclasses.replace(calibration, choices=tuple(choices))
 
 
 def describe(calibration: Calibration | None, tiers: tuple[str, ...]) -> dict[str, object]:

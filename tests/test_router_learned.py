@@ -27,7 +27,8 @@ from appliance.offline_routing import (
     leave_one_out,
     manipulated,
 )
-from policy.router import HEURISTIC_FEATURES, Features, buckets, calibrate, decide, decide_calibrated, describe, features
+from policy.router import (HEURISTIC_FEATURES, Features, buckets, calibrate, decide, decide_calibrated, describe, extend_buckets,
+                           features)
 from policy.router_knn import Knn, KnnSettings, cheapest_within, estimate, feature_vector, train
 from policy.router_text import routing_text
 from tests.test_router import DATA, TIERS, _observe, _user
@@ -194,6 +195,28 @@ def test_a_learned_calibration_falls_back_to_buckets_then_heuristics() -> None:
     assert decide_calibrated(sums, 2, learned, _unit(1, 0)).by == "buckets"  # measured with other tiers: not used
     reason = decide_calibrated(sums, 3, learned, _unit(1, 0)).reason
     assert reason.startswith("knn: 3 neighbours (nearest 1.00: 'q0'), P(correct) by tier ")
+
+
+def test_a_tier_added_to_a_calibration_keeps_the_earlier_tiers_figures() -> None:
+    # Measured on 20 questions: the middle tier sits just under keep x the top's (10/20 against 15/20),
+    # so the bucket goes to the top tier. The table kept 18 of them, and recounted there the middle
+    # tier is just over the line: the bucket would flip to it although only the new tier was measured.
+    earlier = calibrate(_observe("text+short", (2, 10, 15), 20), TIERS, keep=0.7)
+    assert earlier.choice("text+short").tier == 2
+    four = (TIERS[0], "small:adapter", *TIERS[1:])
+    recounted = calibrate(_observe("text+short", (2, 3, 10, 14), 18, cost=(1, 1, 4, 12)), four, keep=0.7)
+    assert recounted.choice("text+short").tier == 2  # the flip extend_buckets exists for
+    extended = extend_buckets(recounted, earlier)
+    choice = extended.choice("text+short")
+    assert choice.tier == 3 and choice.accuracy[0] == earlier.choice("text+short").accuracy[0]
+    assert choice.accuracy[1] == recounted.choice("text+short").accuracy[1]  # the new tier's, as measured
+    assert (choice.accuracy[2], choice.accuracy[3]) == earlier.choice("text+short").accuracy[1:]
+    assert choice.samples == 18
+    # A new tier good enough takes the bucket; one not measured before keeps its own figures.
+    better = extend_buckets(calibrate(_observe("text+short", (2, 16, 10, 14), 18, cost=(1, 1, 4, 12)), four, keep=0.7), earlier)
+    assert better.choice("text+short").tier == 1
+    only_new = calibrate(_observe("code+short", (0, 9, 9, 9), 10, cost=(1, 1, 4, 12)), four, keep=0.7)
+    assert extend_buckets(only_new, earlier).choices == only_new.choices
 
 
 @given(st.lists(st.tuples(st.integers(0, 3), st.tuples(st.booleans(), st.booleans(), st.booleans())), min_size=1, max_size=30),
