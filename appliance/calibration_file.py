@@ -30,7 +30,10 @@ def to_toml(calibration: Calibration, note: str, table: str | None = None) -> st
         return "[" + ", ".join(json.dumps(v) for v in values) + "]"
 
     lines = [f"# {line}" for line in note.splitlines()]
-    lines += [f"tiers = {array(calibration.tiers)}", f"keep = {calibration.keep}", f"min_samples = {calibration.min_samples}"]
+    lines += [f"tiers = {array(calibration.tiers)}", f"keep = {calibration.keep}"]
+    if calibration.bucket_keep is not None:
+        lines.append(f"bucket_keep = {calibration.bucket_keep}  # the buckets' tiers were chosen at this keep; the table's threshold is keep")
+    lines.append(f"min_samples = {calibration.min_samples}")
     if calibration.accuracy:
         lines += [f"samples = {calibration.samples}", f"accuracy = {array(calibration.accuracy)}",
                   f"cost_nanousd = {array(calibration.cost_nanos)}"]
@@ -74,16 +77,17 @@ def read(path: Path) -> Calibration:
         raise CalibrationError("(file)", f"cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise CalibrationError("(syntax)", str(exc)) from None
-    known = ("tiers", "keep", "min_samples", "samples", "accuracy", "cost_nanousd", "knn", "buckets")
+    known = ("tiers", "keep", "bucket_keep", "min_samples", "samples", "accuracy", "cost_nanousd", "knn", "buckets")
     unknown = set(raw) - set(known)
     if unknown:
         raise CalibrationError(min(unknown), f"unknown key (expected {', '.join(known)})")
     tiers = raw.get("tiers")
     if not isinstance(tiers, list) or not tiers or not all(isinstance(t, str) for t in tiers):
         raise CalibrationError("tiers", "expected a non-empty list of model aliases, cheapest first")
-    keep = raw.get("keep", 0.9)
-    if isinstance(keep, bool) or not isinstance(keep, int | float) or not 0 < keep <= 1:
-        raise CalibrationError("keep", f"expected a number in (0, 1], got {keep!r}")
+    keep, bucket_keep = raw.get("keep", 0.9), raw.get("bucket_keep")
+    for name, value in (("keep", keep), ("bucket_keep", keep if bucket_keep is None else bucket_keep)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+            raise CalibrationError(name, f"expected a number in (0, 1], got {value!r}")
     min_samples = raw.get("min_samples", 4)
     if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
         raise CalibrationError("min_samples", f"expected a positive integer, got {min_samples!r}")
@@ -113,7 +117,8 @@ def read(path: Path) -> Calibration:
         raise CalibrationError("samples", f"expected a count, got {samples!r}")
     measured = {field: _numbers(raw, field, len(tiers)) if field in raw else () for field in ("accuracy", "cost_nanousd")}
     knn = _knn(raw["knn"], path, len(tiers)) if "knn" in raw else None
-    return Calibration(tuple(tiers), float(keep), min_samples, tuple(choices), knn, samples, measured["accuracy"], measured["cost_nanousd"])
+    return Calibration(tuple(tiers), float(keep), min_samples, tuple(choices), knn, samples, measured["accuracy"], measured["cost_nanousd"],
+                       None if bucket_keep is None else float(bucket_keep))
 
 
 def _numbers(table: dict, field: str, count: int, key: str | None = None) -> tuple[float, ...]:

@@ -180,7 +180,8 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
                f"the buckets below decide where it has fewer than {knn.settings.min_neighbours} neighbours above similarity {knn.settings.floor}.\n"
                if knn is not None else "")
     note = (f"Written by `appliance eval calibrate` from eval runs {', '.join(map(str, runs))}{extended} ({len(found)} answers) on {when(time.time())}.\n"
-            f"{learned}Each bucket's tier is the cheapest whose smoothed accuracy there is at least keep x the best tier's.\n"
+            f"{learned}Each bucket's tier is the cheapest whose smoothed accuracy there is at least "
+            f"{'bucket_keep' if calibration.bucket_keep is not None else 'keep'} x the best tier's.\n"
             f"A route uses it with `calibration = \"{shown}\"`.")
     calibration_file.write(args.out, calibration, note)
     header = ("bucket", "samples", "tier", *(f"accuracy {t}" for t in tiers), "used")
@@ -250,7 +251,8 @@ def cmd_eval_simulate(args: argparse.Namespace) -> int:
     if calibration is not None:
         for keep in sorted({calibration.keep, *args.keep}):
             routes.append((f"{calibration.method} keep {keep}",
-                           offline_routing.calibrated_choices(rows, dataclasses.replace(calibration, keep=keep), vectors)))
+                           offline_routing.calibrated_choices(
+                               rows, dataclasses.replace(calibration, keep=keep, bucket_keep=calibration.buckets_keep), vectors)))
     results = [offline_routing.figures(name, rows, chosen) for name, chosen in routes]
     refs, bases = [r.ref for r in labelled], [r.adversarial_of for r in labelled]
     dearer = {name: offline_routing.manipulated(refs, bases, chosen) for name, chosen in routes}

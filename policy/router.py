@@ -262,6 +262,13 @@ class Calibration:
     samples: int = 0  # questions measured on every tier
     accuracy: tuple[float, ...] = ()  # per tier, over all of them (as measured, not smoothed)
     cost_nanos: tuple[float, ...] = ()  # mean per answer, per tier
+    # The keep the buckets' tiers were chosen at, where the table's threshold was set apart from it
+    # (chosen on a development run, which varies the table's alone); None: `keep`.
+    bucket_keep: float | None = None
+
+    @property
+    def buckets_keep(self) -> float:
+        return self.keep if self.bucket_keep is None else self.bucket_keep
 
     @property
     def method(self) -> str:
@@ -307,23 +314,23 @@ def calibrate(observations: list[Observation], tiers: tuple[str, ...], keep: flo
 
 def extend_buckets(calibration: Calibration, earlier: Calibration) -> Calibration:
     """`calibration` (over a route's tiers, some of them new) with each bucket's figures for the tiers
-    `earlier` measured taken from `earlier`, and each bucket's tier chosen again. The earlier file
-    measured its tiers on every question it asked, the extended labels only on the questions its table
-    kept: recounted on fewer, a bucket on the edge of `keep` can flip between two tiers the route
-    already had, so a tier added to a route would move requests it has nothing to do with."""
-    before = dict(earlier.choices)
+    `earlier` measured taken from `earlier`, and each bucket's tier chosen again at the keep `earlier`'s
+    buckets were chosen at. The earlier file measured its tiers on every question it asked, the extended
+    labels only on the questions its table kept; and re-chosen at another keep, a bucket moves between
+    tiers the route already had: a tier added to a route would move requests it has nothing to do with."""
+    before, keep = dict(earlier.choices), earlier.buckets_keep
     choices = []
     for name, choice in calibration.choices:
         old = before.get(name)
         if old is None:
-            choices.append((name, choice))
+            choices.append((name, dataclasses.replace(choice, tier=cheapest_within(choice.accuracy, keep))))
             continue
         accuracy = tuple(old.accuracy[earlier.tiers.index(t)] if t in earlier.tiers else a
                          for t, a in zip(calibration.tiers, choice.accuracy))
         cost = tuple(old.cost_nanos[earlier.tiers.index(t)] if t in earlier.tiers else c
                      for t, c in zip(calibration.tiers, choice.cost_nanos))
-        choices.append((name, BucketChoice(cheapest_within(accuracy, calibration.keep), min(old.samples, choice.samples), accuracy, cost)))
-    return dataclasses.replace(calibration, choices=tuple(choices))
+        choices.append((name, BucketChoice(cheapest_within(accuracy, keep), min(old.samples, choice.samples), accuracy, cost)))
+    return dataclasses.replace(calibration, choices=tuple(choices), bucket_keep=None if keep == calibration.keep else keep)
 
 
 def describe(calibration: Calibration | None, tiers: tuple[str, ...]) -> dict[str, object]:

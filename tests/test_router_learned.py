@@ -217,6 +217,13 @@ def test_a_tier_added_to_a_calibration_keeps_the_earlier_tiers_figures() -> None
     assert better.choice("text+short").tier == 1
     only_new = calibrate(_observe("code+short", (0, 9, 9, 9), 10, cost=(1, 1, 4, 12)), four, keep=0.7)
     assert extend_buckets(only_new, earlier).choices == only_new.choices
+    # A file whose table's threshold was set apart from its buckets' (0.7 and 0.9): extended at 0.7,
+    # its buckets stay 0.9's, and the result says so.
+    at_09 = dataclasses.replace(calibrate(_observe("text+short", (2, 14, 18), 20), TIERS, keep=0.9), keep=0.7, bucket_keep=0.9)
+    assert at_09.choice("text+short").tier == 2  # 15/22 < 0.9 x 19/22
+    extended = extend_buckets(calibrate(_observe("text+short", (2, 3, 14, 18), 20, cost=(1, 1, 4, 12)), four, keep=0.7), at_09)
+    assert extended.choice("text+short").tier == 3 and (extended.keep, extended.bucket_keep) == (0.7, 0.9)
+    assert extend_buckets(recounted, earlier).bucket_keep is None  # one keep: nothing to say
 
 
 @given(st.lists(st.tuples(st.integers(0, 3), st.tuples(st.booleans(), st.booleans(), st.booleans())), min_size=1, max_size=30),
@@ -290,7 +297,14 @@ def test_a_learned_calibration_file_round_trips_and_its_table_is_checked(tmp_pat
     assert back.knn is not None and back.knn.settings == knn.settings and back.knn.texts == knn.texts and back.knn.embedder == "test"
     for name in ("vectors", "features", "correct", "cost_nanos"):
         assert np.array_equal(getattr(back.knn, name), getattr(knn, name)), name
-    assert back.method == "knn" and back.samples == 10 and back.accuracy == (0.5, 1.0, 1.0)
+    assert back.method == "knn" and back.samples == 10 and back.accuracy == (0.5, 1.0, 1.0) and back.bucket_keep is None
+    apart = tmp_path / "apart.toml"  # the table's threshold set apart from the buckets'
+    calibration_file.write(apart, dataclasses.replace(calibration, keep=0.7, bucket_keep=0.9), "learned")
+    assert "bucket_keep = 0.9" in apart.read_text()
+    assert (calibration_file.read(apart).keep, calibration_file.read(apart).buckets_keep) == (0.7, 0.9)
+    apart.write_text(apart.read_text().replace("bucket_keep = 0.9", "bucket_keep = 1.5"))
+    with pytest.raises(calibration_file.CalibrationError, match=r"bucket_keep: expected a number in \(0, 1\], got 1.5"):
+        calibration_file.read(apart)
 
     def fails(key: str, needle: str) -> None:
         with pytest.raises(calibration_file.CalibrationError) as caught:
