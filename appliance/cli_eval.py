@@ -252,7 +252,7 @@ def cmd_eval_simulate(args: argparse.Namespace) -> int:
         for keep in sorted({calibration.keep, *args.keep}):
             routes.append((f"{calibration.method} keep {keep}",
                            offline_routing.calibrated_choices(
-                               rows, dataclasses.replace(calibration, keep=keep, bucket_keep=calibration.buckets_keep), vectors)))
+                               rows, dataclasses.replace(calibration, keep=keep, bucket_keep=calibration.bucket_choice_keep), vectors)))
     results = [offline_routing.figures(name, rows, chosen) for name, chosen in routes]
     refs, bases = [r.ref for r in labelled], [r.adversarial_of for r in labelled]
     dearer = {name: offline_routing.manipulated(refs, bases, chosen) for name, chosen in routes}

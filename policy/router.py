@@ -267,7 +267,7 @@ class Calibration:
     bucket_keep: float | None = None
 
     @property
-    def buckets_keep(self) -> float:
+    def bucket_choice_keep(self) -> float:
         return self.keep if self.bucket_keep is None else self.bucket_keep
 
     @property
@@ -318,17 +318,18 @@ def extend_buckets(calibration: Calibration, earlier: Calibration) -> Calibratio
     buckets were chosen at. The earlier file measured its tiers on every question it asked, the extended
     labels only on the questions its table kept; and re-chosen at another keep, a bucket moves between
     tiers the route already had: a tier added to a route would move requests it has nothing to do with."""
-    before, keep = dict(earlier.choices), earlier.buckets_keep
+    before, keep = dict(earlier.choices), earlier.bucket_choice_keep
+
+    def merged(earlier_values: tuple[float, ...], values: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(earlier_values[earlier.tiers.index(t)] if t in earlier.tiers else v for t, v in zip(calibration.tiers, values))
+
     choices = []
     for name, choice in calibration.choices:
         old = before.get(name)
         if old is None:
             choices.append((name, dataclasses.replace(choice, tier=cheapest_within(choice.accuracy, keep))))
             continue
-        accuracy = tuple(old.accuracy[earlier.tiers.index(t)] if t in earlier.tiers else a
-                         for t, a in zip(calibration.tiers, choice.accuracy))
-        cost = tuple(old.cost_nanos[earlier.tiers.index(t)] if t in earlier.tiers else c
-                     for t, c in zip(calibration.tiers, choice.cost_nanos))
+        accuracy, cost = merged(old.accuracy, choice.accuracy), merged(old.cost_nanos, choice.cost_nanos)
         choices.append((name, BucketChoice(cheapest_within(accuracy, keep), min(old.samples, choice.samples), accuracy, cost)))
     return dataclasses.replace(calibration, choices=tuple(choices), bucket_keep=None if keep == calibration.keep else keep)
 

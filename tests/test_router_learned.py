@@ -301,7 +301,7 @@ def test_a_learned_calibration_file_round_trips_and_its_table_is_checked(tmp_pat
     apart = tmp_path / "apart.toml"  # the table's threshold set apart from the buckets'
     calibration_file.write(apart, dataclasses.replace(calibration, keep=0.7, bucket_keep=0.9), "learned")
     assert "bucket_keep = 0.9" in apart.read_text()
-    assert (calibration_file.read(apart).keep, calibration_file.read(apart).buckets_keep) == (0.7, 0.9)
+    assert (calibration_file.read(apart).keep, calibration_file.read(apart).bucket_choice_keep) == (0.7, 0.9)
     apart.write_text(apart.read_text().replace("bucket_keep = 0.9", "bucket_keep = 1.5"))
     with pytest.raises(calibration_file.CalibrationError, match=r"bucket_keep: expected a number in \(0, 1\], got 1.5"):
         calibration_file.read(apart)
