@@ -42,7 +42,10 @@ def to_toml(calibration: Calibration, note: str, table: str | None = None) -> st
         s = calibration.knn.settings
         lines += ["[knn]", f"table = {json.dumps(table)}  # beside this file", f"embedder = {json.dumps(calibration.knn.embedder)}",
                   f"k = {s.k}", f"floor = {s.floor}", f"min_neighbours = {s.min_neighbours}", f"feature_weight = {s.feature_weight}",
-                  f"sharpness = {s.sharpness}", f"prior = {s.prior}", ""]
+                  f"sharpness = {s.sharpness}", f"prior = {s.prior}"]
+        if s.task:
+            lines.append("task = true  # each text starts with the system turn's task line")
+        lines.append("")
     for name, choice in calibration.choices:
         lines += [f"[buckets.{json.dumps(name)}]", f"tier = {choice.tier}  # {calibration.tiers[choice.tier]}",
                   f"samples = {choice.samples}", f"accuracy = {array(choice.accuracy)}",
@@ -130,7 +133,7 @@ def _numbers(table: dict, field: str, count: int, key: str | None = None) -> tup
 
 
 _KNN_KEYS = {"table": str, "embedder": str, "k": int, "floor": float, "min_neighbours": int, "feature_weight": float,
-             "sharpness": float, "prior": float}
+             "sharpness": float, "prior": float, "task": bool}
 _ARRAYS = ("vectors", "features", "correct", "cost_nanousd", "texts")
 
 
@@ -147,6 +150,12 @@ def _knn(table: object, path: Path, tiers: int) -> Knn:
     values: dict[str, int | float] = {}
     for key, kind in _KNN_KEYS.items():
         if kind is str:
+            continue
+        if kind is bool:
+            value = table.get(key, getattr(defaults, key))
+            if not isinstance(value, bool):
+                raise CalibrationError(f"knn.{key}", f"expected true or false, got {value!r}")
+            values[key] = value
             continue
         value = table.get(key, getattr(defaults, key))
         ok = not isinstance(value, bool) and (isinstance(value, int) if kind is int else isinstance(value, int | float) and math.isfinite(value))

@@ -89,6 +89,22 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _admission(text: str) -> tuple[str, frozenset[str]]:
+    tier, _, families = text.partition("=")
+    named = frozenset(f.strip() for f in families.split(",") if f.strip())
+    if not tier or not named:
+        raise argparse.ArgumentTypeError(f"expected TIER=FAMILY[,FAMILY...], got {text!r}")
+    return tier, named
+
+
+class _Admissions(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
+        tier, families = values  # type: ignore[misc]
+        found = dict(getattr(namespace, self.dest) or {})
+        found[tier] = found.get(tier, frozenset()) | families
+        setattr(namespace, self.dest, found)
+
+
 def _extended(args: argparse.Namespace, measured: list[str], every: list) -> tuple[list[str], list, str, Calibration] | int:
     """--extend: the run's questions labelled with the route's other tiers from an earlier calibration's
     table; the tiers, the labelled rows, what the note says of it and the earlier calibration, or an
@@ -154,6 +170,14 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
             return said
         tiers, every, extended, earlier = said
         found = evaluate.observations_of(every)
+    if args.admit:
+        unknown = [t for t in args.admit if t not in tiers]
+        if unknown:
+            print(f"error: --admit {unknown[0]}: not a tier of the calibration ({', '.join(tiers)})", file=sys.stderr)
+            return 2
+        every = evaluate.admitted(every, tiers, args.admit)
+        found = evaluate.observations_of(every)
+        extended += "".join(f"; {t} admitted for {', '.join(sorted(f))} only" for t, f in args.admit.items())
     # A manipulated copy's labels say what the padding did to the tiers, not what the question needs.
     rows = [r for r in every if r.adversarial_of is None]
     if not found:
@@ -167,7 +191,7 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
     if earlier is not None:
         calibration = extend_buckets(calibration, earlier)
     if args.method == "knn":
-        chosen = {"k": args.k, "floor": args.floor, "min_neighbours": args.min_neighbours}
+        chosen = {"k": args.k, "floor": args.floor, "min_neighbours": args.min_neighbours, "task": args.task_line}
         settings = KnnSettings(**{name: value for name, value in chosen.items() if value is not None})
         calibration = dataclasses.replace(calibration, knn=evaluate.train_knn(rows, settings))
     try:  # the route names it relative to the config file's folder
@@ -238,7 +262,7 @@ def cmd_eval_simulate(args: argparse.Namespace) -> int:
             print(f"error: {args.calibration} was measured with tiers {list(calibration.tiers)}, run {args.run} with {tiers}", file=sys.stderr)
             return 2
     if calibration is not None and calibration.knn is not None:
-        found, _, vectors, _ = evaluate.routing_inputs(labelled)
+        found, _, vectors, _ = evaluate.routing_inputs(labelled, calibration.knn.settings.task)
     else:
         found, vectors = [features(list(r.messages), r.structured) for r in labelled], None
     rows = [offline_routing.Row(f, tuple(float(c) for c in r.correct), tuple(float(c) for c in r.cost_nanos)) for f, r in zip(found, labelled)]
@@ -300,6 +324,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     calibration.add_argument("--k", type=int, help="neighbours a kNN estimate reads")
     calibration.add_argument("--floor", type=float, help="cosine similarity below which a labelled question is no neighbour")
     calibration.add_argument("--min-neighbours", type=int, help="neighbours above the floor a kNN decision needs")
+    calibration.add_argument("--no-task-line", dest="task_line", action="store_false",
+                             help="embed the caller's text alone, without the system turn's task line (as tables before it did)")
+    calibration.add_argument("--admit", type=_admission, action=_Admissions, default={}, metavar="TIER=FAMILY[,FAMILY]",
+                             help="count TIER wrong outside these task families (repeatable): a tier checked on some kinds of "
+                                  "work only, such as a distilled adapter on those `appliance distill evaluate` measured")
     calibration.add_argument("--min-samples", type=int, default=4, help="questions a bucket needs before its tier is used")
     calibration.add_argument("--out", type=Path, required=True, help="the calibration file to write")
     calibration.add_argument("--extend", type=Path, metavar="CALIBRATION",

@@ -30,7 +30,7 @@ from appliance.settings import split_tier
 from policy.budgets import Price
 from policy.router import Features, Observation, buckets, features
 from policy.router_knn import FEATURE_COLUMNS, Knn, KnnSettings, feature_vector, train
-from policy.router_text import routing_text
+from policy.router_text import embedded_text
 
 SYSTEM = "Solve the problem step by step, briefly. End with a last line of the form 'Answer: <number>'."
 _ANSWER = re.compile(r"answer\s*[:=]?\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
@@ -440,7 +440,7 @@ def extend_labels(rows: Sequence[Labelled], row_tiers: Sequence[str], table: Knn
         index.setdefault(text, []).append(i)
     found, missing = [], 0
     for row in rows:
-        matches = index.get(routing_text(list(row.messages)))
+        matches = index.get(embedded_text(list(row.messages), table.settings.task))
         if not matches:
             missing += 1
             continue
@@ -451,20 +451,29 @@ def extend_labels(rows: Sequence[Labelled], row_tiers: Sequence[str], table: Knn
     return found, missing
 
 
+def admitted(rows: Sequence[Labelled], tiers: Sequence[str], families: dict[str, frozenset[str]]) -> list[Labelled]:
+    """Rows with each tier of `families` counted wrong outside the families it is admitted for: a tier
+    checked on some kinds of work (a distilled adapter, on what `distill evaluate` measured) is never
+    learned as good enough for another because it happened to answer some of it."""
+    columns = {tiers.index(t): allowed for t, allowed in families.items()}
+    return [dataclasses.replace(r, correct=tuple(c and (i not in columns or r.family in columns[i]) for i, c in enumerate(r.correct)))
+            for r in rows]
+
+
 def observations_of(rows: Sequence[Labelled]) -> list[Observation]:
     """Each labelled row's result per tier, in the fine bucket `run` stores for it."""
     return [Observation(buckets(features(list(r.messages), r.structured))[0], tier, correct, cost)
             for r in rows for tier, (correct, cost) in enumerate(zip(r.correct, r.cost_nanos))]
 
 
-def routing_inputs(rows: Sequence[Labelled]) -> tuple[list[Features], list[str], np.ndarray, str]:
-    """Each labelled question as the route sees it: its features, the text the router reads, that text
-    embedded by the bundled MiniLM (the embedder a route loads for its learned table), and the
-    embedder's name."""
+def routing_inputs(rows: Sequence[Labelled], task: bool) -> tuple[list[Features], list[str], np.ndarray, str]:
+    """Each labelled question as the route sees it: its features, the text its table embeds (with the
+    task line or without), that text embedded by the bundled MiniLM (the embedder a route loads for its
+    learned table), and the embedder's name."""
     from appliance.semantic_cache import bundled_minilm
 
     found = [features(list(r.messages), r.structured) for r in rows]
-    texts = [routing_text(list(r.messages)) for r in rows]
+    texts = [embedded_text(list(r.messages), task) for r in rows]
     embedder = bundled_minilm()
     try:
         vectors = [embedder.embed_now(texts[i:i + 32]) for i in range(0, len(texts), 32)]
@@ -474,7 +483,7 @@ def routing_inputs(rows: Sequence[Labelled]) -> tuple[list[Features], list[str],
 
 
 def train_knn(rows: Sequence[Labelled], settings: KnnSettings) -> Knn:
-    found, texts, vectors, embedder = routing_inputs(rows)
+    found, texts, vectors, embedder = routing_inputs(rows, settings.task)
     return train(vectors, np.array([feature_vector(f) for f in found]).reshape(len(rows), len(FEATURE_COLUMNS)),
                  np.array([r.correct for r in rows], dtype=bool).reshape(len(rows), -1),
                  np.array([r.cost_nanos for r in rows], dtype=np.float64).reshape(len(rows), -1), tuple(texts), embedder, settings)

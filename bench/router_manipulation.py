@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from appliance import calibration_file  # noqa: E402
 from appliance.semantic_cache import bundled_minilm  # noqa: E402
 from policy.router import buckets, decide_calibrated, features  # noqa: E402
-from policy.router_text import routing_text  # noqa: E402
+from policy.router_text import embedded_text  # noqa: E402
 
 WORKLOAD = ROOT / "bench" / "workload"
 TEMPLATES = {"workload": WORKLOAD / "handwritten" / "adversarial.jsonl", "heldout": WORKLOAD / "handwritten" / "adversarial_heldout.jsonl"}
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
              if r["family"] in CHEAP and not r.get("adversarial") and r["messages"][-1]["role"] == "user"]
     templates = read_jsonl(TEMPLATES[args.templates])
     cases = [(None, r, r["messages"]) for r in plain] + [(t, r, wrapped(r, t["template"])) for t in templates for r in plain]
-    texts = [routing_text(m) for _, _, m in cases]
+    task = calibration.knn.settings.task if calibration.knn is not None else False
+    texts = [embedded_text(m, task) for _, _, m in cases]
     embedder = bundled_minilm()
     try:
         vectors = [v for i in range(0, len(texts), 64) for v in embedder.embed_now(texts[i:i + 64])]

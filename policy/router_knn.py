@@ -37,6 +37,7 @@ class KnnSettings:
     feature_weight: float = 0.2  # similarity = (1 - w) x cosine of embeddings + w x cosine of features
     sharpness: float = 5.0  # weight exp(sharpness x (similarity - nearest's)): one 0.1 less similar counts 0.6
     prior: float = 0.5  # pseudo-neighbours of the tier's overall accuracy mixed into every estimate
+    task: bool = False  # the embedded text starts with the system turn's task line (policy/router_text.py: embedded_text)
 
 
 @dataclass(frozen=True, eq=False)  # numpy arrays: compared field by field where needed

@@ -100,6 +100,36 @@ _HARD = re.compile(r"\b(prove|proof|theorem|lemma|integral|derivative|equation|m
 _COMMON = frozenset(["the", "and", "for", "are", "was", "you", "not", "but", "all", "any", "can", "how", "who", "why", "its", "his", "her", "our", "out", "one", "two", "has", "had", "use", "get", "what", "which", "where", "when", "whose", "whom", "does", "have", "with", "from", "that", "this", "there", "their", "about", "would", "could", "should", "many", "much", "into", "your", "yours", "they", "them", "than", "then", "were", "been", "being", "also", "just", "only", "very", "more", "most", "some", "such", "name", "give", "tell", "please", "make", "find", "show", "list", "write", "explain", "answer", "question"])
 
 
+# A sentence of the operator's system turn that says what kind of work this is ("Classify the message
+# into ...", "You turn customer emails into records.", "Reply with JSON only."): often the caller's
+# text alone does not ("I was charged twice" is a classification only by the system turn).
+_TASK_SENTENCE = re.compile(
+    r"^\W*(you\s+(are|will|must|should|sort|turn|parse|fill|answer|help|write|classify|extract|rewrite|translate|summari[sz]e)\b|"
+    r"(please\s+)?(classify|sort|label|tag|categori[sz]e|extract|parse|fill|turn|convert|rewrite|reword|edit|format|translate|"
+    r"summari[sz]e|answer|solve|work|complete|write|reply|respond|return|end|give|do|fix|correct|explain|list|generate|compute|calculate)\b)",
+    re.IGNORECASE)
+TASK_WORDS = 40  # the task line's length at most: a persona or a list of facts is not the task
+
+
+def task_line(messages: list[dict[str, str]]) -> str:
+    """The operator's statement of the task, from the system turns: the sentences that set the work or
+    its form, not facts to use, and none that plead for a model; at most TASK_WORDS words."""
+    system = " ".join(m.get("content", "") for m in messages if m.get("role") in ("system", "developer"))
+    kept: list[str] = []
+    for sentence in re.split(r"(?<=[.!?])\s+|\n+", system):
+        sentence = sentence.strip()
+        if sentence and _TASK_SENTENCE.match(sentence) and not PLEA.search(sentence) and not INJECTION.search(sentence):
+            kept.append(sentence)
+    return " ".join(" ".join(kept).split()[:TASK_WORDS])
+
+
+def embedded_text(messages: list[dict[str, str]], task: bool) -> str:
+    """What a learned table embeds: the routing text, after the operator's task line where the table
+    reads it (`KnnSettings.task`; tables from before it read the routing text alone)."""
+    line = task_line(messages) if task else ""
+    return f"{line}\n{routing_text(messages)}" if line else routing_text(messages)
+
+
 def last_user_turn(messages: list[dict[str, str]]) -> str:
     return next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
 

@@ -35,7 +35,7 @@ from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
 from policy.cache_guards import spelled
 from policy.identity import Principal
 from policy.router import TIER_NAMES, Verdict, buckets, clamp_tier, decide_calibrated, describe, features, validate
-from policy.router_text import routing_text
+from policy.router_text import embedded_text, routing_text
 
 _NOT_SERVED = ("cooling down", "timeout", "failed to serve")
 _cooling: dict[str, float] = {}  # model alias -> until when it is skipped after failing to serve
@@ -83,7 +83,8 @@ async def classify_with_llm(services: Services, route: RouteSettings, principal:
         return bounded
 
 
-async def _routing_vector(services: Services, route: RouteSettings, text: str, plan: CachePlan) -> tuple[np.ndarray | None, str]:
+async def _routing_vector(services: Services, route: RouteSettings, messages: list[dict[str, str]],
+                          plan: CachePlan) -> tuple[np.ndarray | None, str]:
     """The embedding of what the router reads, for a route that learned from labelled requests, and
     how it was had: on a miss the cache's lookup has embedded the question with the same embedder, and
     when that was exactly this text (nothing taken out here, no typo spelled right there) it is shared;
@@ -91,6 +92,7 @@ async def _routing_vector(services: Services, route: RouteSettings, text: str, p
     knn = route.calibration.knn if route.calibration is not None else None
     if knn is None:
         return None, "not needed"
+    text = embedded_text(messages, knn.settings.task)
     cache_embedder = services.cache.embedder
     lookup, item = plan.lookup, plan.item
     if (cache_embedder is not None and cache_embedder.name == knn.embedder and lookup is not None and lookup.vector is not None
@@ -152,7 +154,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     found = features(messages, wants_json)
     text = routing_text(messages)
     with traced.child("route.decide", route=route.alias) as span:
-        vector, embedded = await _routing_vector(services, route, text, plan)
+        vector, embedded = await _routing_vector(services, route, messages, plan)
         decision = decide_calibrated(found, len(route.tiers), route.calibration, vector)
         tier, how = decision.tier, decision.by
         if decision.confidence < route.classifier_below and route.classifier_model:
