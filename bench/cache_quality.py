@@ -32,7 +32,8 @@ from policy.cache import CachePolicy, threshold_for  # noqa: E402
 from policy.cache_guards import Comparison, compare, spelled  # noqa: E402
 
 PAIRS = ROOT / "tests" / "data" / "cache_pairs.jsonl"
-HELDOUT = ROOT / "tests" / "data" / "cache_pairs_heldout.jsonl"  # never tuned on: measured only
+# never tuned on: measured only (cache_pairs_heldout.jsonl was, until it had been measured three times; a tuning set since)
+HELDOUT = ROOT / "tests" / "data" / "cache_pairs_heldout2.jsonl"
 MAX_FALSE_HITS = 0.02
 
 
@@ -245,7 +246,7 @@ def defaults_on(path: Path, show: bool = False) -> int:
               for k in sorted({p.kind for p in pairs})}
     reword_rate = sum(accepted(p, **default) for p in rewordings) / len(rewordings)  # type: ignore[arg-type]
     trap_rate = sum(accepted(p, **default) for p in traps) / len(traps)  # type: ignore[arg-type]
-    print(f"pairs ({path.name}, sha256 {hashlib.sha256(path.read_bytes()).hexdigest()[:16]}): {len(pairs)}")
+    print(f"pairs ({path.name}, sha256 {hashlib.sha256(path.read_bytes()).hexdigest()}): {len(pairs)}")
     print("served by kind: " + ", ".join(f"{k} {n}/{total} ({n / total:.0%})" for k, (n, total) in served.items()))
     print(f"rewordings served {reword_rate:.1%} (target >= 60%), traps served {trap_rate:.1%} (target <= 2%)")
     if show:
