@@ -202,6 +202,9 @@ class Comparison:
     differs: tuple[str, ...] = ()  # content words one side has that the other lacks (no guard among them)
 
 
+_ADJECTIVE_ENDINGS = ("ous", "ent", "ant", "ive", "ful", "al", "ic", "able", "ible")
+
+
 def _unscaffolded(ws: list[Word]) -> list[Word]:
     """Without "best" in "the best way to" (it asks how, not which is best), nor "every" in "every
     day" (daily)."""
@@ -211,6 +214,14 @@ def _unscaffolded(ws: list[Word]) -> list[Word]:
         if w.plain in ("best", "better") and after in SCAFFOLD_BEFORE:
             continue
         if w.plain in ("each", "every", "per", "a") and after in TIME_UNITS:
+            continue
+        if w.plain == "recent" and i > 0 and ws[i - 1].plain == "most":
+            continue
+        if w.plain == "most" and after == "recent":
+            out.append(Word("last", "last", False, w.after))  # "the most recent commit" is "the last commit"
+            continue
+        if w.plain == "most" and after.endswith(_ADJECTIVE_ENDINGS) and after not in STOP:
+            out.append(Word("most-", "most-", False, w.after))  # "most populous" is a superlative, not "most people"
             continue
         out.append(Word(PERIODIC[w.plain], PERIODIC[w.plain], False) if w.plain in PERIODIC else w)
     return out
@@ -235,12 +246,17 @@ def _same_word(x: Word, y: Word, lexicon: Lexicon) -> bool:
     if _spelling(a) == _spelling(b):
         return True  # colour / color, centre / center, organise / organize
     short, long_ = sorted((a, b), key=len)
+    if len(short) >= 4 and any(long_ in (short + end, short[:-1] + end) for end in _DEMONYM_ENDINGS):
+        return True  # Africa / African, Japan / Japanese, Canada / Canadian, Rome / Roman
     if x.name and y.name:
         return False  # Austria / Australia
     if len(short) >= 3 and len(long_) >= 2 * len(short) and long_.startswith(short):
         return True  # env / environment, app / application
     common = len(_common_prefix(a, b))
     return common >= 5 and common >= 0.8 * len(short)  # differ / difference, bacterium / bacteria
+
+
+_DEMONYM_ENDINGS = ("n", "an", "ian", "ese", "ish")
 
 
 def _spelling(word: str) -> str:
@@ -328,6 +344,8 @@ def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Compariso
             for opposite in _OPPOSITE.get(word, ()):
                 if count_a[word] > count_b[word] and count_b[opposite] > count_a[opposite]:
                     return Comparison("opposite")
+    if _opposites_turned(wa, wb):
+        return Comparison("opposite")
     if {_canonical(w.plain) for w in wa if _is_number(w.plain)} != {_canonical(w.plain) for w in wb if _is_number(w.plain)}:
         return Comparison("number")
     if _measures_differ(wa, wb):
@@ -360,6 +378,24 @@ def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Compariso
     if (not unmatched_a and _qualified(wb, unmatched_b, ca, lexicon)) or (not unmatched_b and _qualified(wa, unmatched_a, cb, lexicon)):
         return Comparison("scope")  # a kind of the same thing: "patients" / "diabetic patients", "a" / "the admin password"
     return Comparison(None, tuple(sorted({w.plain for w in unmatched_a + unmatched_b})))
+
+
+def _opposites_turned(wa: list[Word], wb: list[Word]) -> bool:
+    """Both sides name the two words of an opposite pair, in the other order: "passing locally but
+    failing in CI" / "failing locally but passing in CI"."""
+    def first(ws: list[Word]) -> dict[str, int]:
+        at: dict[str, int] = {}
+        for i, w in enumerate(ws):
+            for form in (w.plain, w.stem):
+                at.setdefault(form, i)
+        return at
+
+    fa, fb = first(_content(wa)), first(_content(wb))  # not "carry over to next year under" / "under ... rolls over"
+    for word in fa.keys() & fb.keys():
+        for opposite in _OPPOSITE.get(word, ()):
+            if opposite in fa and opposite in fb and (fa[word] < fa[opposite]) != (fb[word] < fb[opposite]):
+                return True
+    return False
 
 
 def _qualified(ws: list[Word], added: list[Word], other: list[Word], lexicon: Lexicon) -> bool:
@@ -441,6 +477,8 @@ def _narrowed(ws: list[Word], added: list[Word]) -> bool:
 # as often as not, and its opposites are listed. After "can" or "do" comes the subject: "do puppies need".
 _VERB_SLOT = {"i", "you", "we", "they", "he", "she", "to", "please", "not"}
 _ANSWER_KINDS = {"when": "time", "where": "place", "who": "person", "whom": "person", "whose": "person", "why": "reason"}
+# "how many days" asks how long, "how many times" how often, "how much leave" as "how many days" does.
+_HOW = {"many": "amount", "much": "amount", "long": "duration", "often": "frequency", "far": "distance", "old": "age"}
 
 
 def _asks_for(ws: list[Word]) -> str | None:
@@ -448,13 +486,18 @@ def _asks_for(ws: list[Word]) -> str | None:
     for i, w in enumerate(ws):
         if w.plain in _ANSWER_KINDS:
             return _ANSWER_KINDS[w.plain]
-        if w.plain == "how" and i + 1 < len(ws) and ws[i + 1].plain in ("many", "much", "long", "often", "far", "old"):
-            return ws[i + 1].plain
+        if w.plain == "how" and i + 1 < len(ws) and ws[i + 1].plain in _HOW:
+            counted = next((v for v in ws[i + 2: i + 4] if v.plain not in STOP), None)
+            if ws[i + 1].plain == "many" and counted is not None and counted.stem in ("time", "tim"):
+                return "frequency"
+            if ws[i + 1].plain == "many" and counted is not None and {counted.stem, counted.plain, counted.plain[:-1]} & TIME_SPANS:
+                return "duration"
+            return _HOW[ws[i + 1].plain]
     return None
 
 
 def _superlative(word: str, lexicon: Lexicon) -> bool:
-    if word in ("most", "least", "best", "worst"):
+    if word in ("most", "most-", "least", "best", "worst"):
         return True
     if not word.endswith("est") or len(word) < 6:
         return False

@@ -66,7 +66,7 @@ increase/decrease increase/reduce raise/lower rise/fall rise/drop grow/shrink ex
 gain/lose gain/loss win/lose victory/defeat profit/loss more/less more/fewer most/least max/min maximum/minimum
 many/few plus/minus add/remove add/subtract multiply/divide add/delete include/exclude include/omit combine/separate
 join/separate join/leave attach/detach connect/disconnect buy/sell buying/selling import/export send/receive
-give/take lend/borrow spend/save save/waste save/delete deposit/withdraw credit/debit asset/liability
+give/take give/receive full/part lend/borrow spend/save save/waste save/delete deposit/withdraw credit/debit asset/liability
 upload/download push/pull install/uninstall enable/disable lock/unlock encrypt/decrypt encode/decode
 compress/decompress compress/extract zip/unzip mount/unmount follow/unfollow subscribe/unsubscribe login/logout
 accept/reject accept/decline accept/refuse allow/deny allow/block allow/forbid allowed/forbidden permit/forbid
@@ -95,7 +95,7 @@ grant/deny grant/revoke approve/reject approve/deny exempt/subject overdue/paid
 # Prefixes that make opposites of the same stem: underpay / overpay, inflow / outflow.
 OPPOSITE_PREFIXES = (("under", "over"), ("over", "under"), ("in", "out"), ("out", "in"))
 STOP = set("""
-a an the is are was were be been being am do does did doing done have has had having i me my mine myself you your
+ok okay most- a an the is are was were be been being am do does did doing done have has had having i me my mine myself you your
 yours yourself we us our ours they them their theirs it its itself he him his she her hers this that these those
 there here what whats which who whom whose how why when where whether if so as at by of in on to for from with about
 into onto than then too also very just really actually exactly simply basically please can could would should will
@@ -117,7 +117,7 @@ TECH = {
     "pandas", "pytorch", "tensorflow", "chrome", "firefox", "safari", "iphone", "ipad",
 }
 # Words that give a direction: "dollars to euros" is not "euros to dollars" ("and", "or", "vs" do not).
-CONNECTORS = {"to", "from", "into", "over", "than", "before", "after", "against"}
+CONNECTORS = {"to", "from", "into", "over", "than", "before", "after", "against", "in"}
 UNITS = {
     "cm": "centimeter", "mm": "millimeter", "km": "kilometer", "m": "meter", "kg": "kilogram", "g": "gram",
     "mg": "milligram", "lb": "pound", "lbs": "pound", "oz": "ounce", "ft": "foot", "feet": "foot", "in": "inch",

@@ -129,6 +129,13 @@ def test_normalising_ignores_case_space_and_final_punctuation() -> None:
     ("What happens if I underpay my quarterly taxes?", "What happens if I overpay my quarterly taxes?", "opposite"),
     ("How do I deny an access request?", "How do I grant an access request?", "opposite"),
     ("What should I do if my dog hardly eats?", "What should I do if my dog eats?", "negation"),
+    # from the first held-out set, a tuning set since: opposites said in the other order, give / receive,
+    # full / part time, and the same two measures turned round an "in"
+    ("Why is my unit test passing locally but failing in CI?", "Why is my unit test failing locally but passing in CI?", "opposite"),
+    ("Do I pay tax on money I receive as a gift?", "Do I pay tax on money I give as a gift?", "opposite"),
+    ("Does the parental leave policy apply to full-time staff?", "Does the parental leave policy apply to part-time staff?", "opposite"),
+    ("How many teaspoons are in a tablespoon?", "How many tablespoons are in a teaspoon?", "scope"),
+    ("Which city has the most museums?", "Which city has the most famous museums?", "scope"),
 ])
 def test_near_misses_are_caught(a: str, b: str, reason: str) -> None:
     assert compare(a, b, LEXICON).guard == reason
@@ -154,6 +161,15 @@ def test_near_misses_are_caught(a: str, b: str, reason: str) -> None:
     ("Can I get a refund after 30 days?", "Is a refund still possible once 30 days have passed?", ("after", "once", "passed", "possible", "still")),
     ("How many teaspoons are in a tablespoon?", "tablespoon = how many teaspoons?", ()),
     ("How do I make a cup of pour-over coffee?", "Walk me through brewing pour-over coffee.", ("brewing", "cup", "through", "walk")),
+    # how many days / how much leave / how long, how many times / how often: one kind of answer each
+    ("How long do I rest a steak after grilling it?", "After grilling, how many minutes should a steak rest?", ("long", "many", "minutes")),
+    ("How often should I water a cactus?", "How many times a month should I water a cactus?", ("many", "month", "often", "times")),
+    # "most" before an adjective is a superlative, "the most recent" is "the last"; a demonym is its place; OK is no name
+    ("Which country has the largest population in South America?", "What is South America's most populous country?",
+     ("largest", "population", "populous")),
+    ("How do I undo my last Git commit?", "How can I undo the most recent commit in Git?", ()),
+    ("What is the longest river in Africa?", "Which African river is the longest one?", ()),
+    ("Can you freeze fresh basil?", "Is it OK to freeze fresh basil?", ()),
 ])
 def test_rewordings_pass_the_guards(a: str, b: str, differs: tuple[str, ...]) -> None:
     assert compare(a, b, LEXICON) == Comparison(None, differs)
@@ -234,11 +250,11 @@ def test_the_labelled_set_at_the_default_threshold() -> None:
     assert cache_quality.rates(report, threshold=CacheSettings().similarity_threshold, guards=False)[1] > 0.3
 
 
-@pytest.mark.parametrize(("name", "most_traps"), [("tune2", 0.02), ("tune3", 0.06)])
-def test_the_later_tuning_sets_at_the_defaults(name: str, most_traps: float) -> None:
-    """tests/data/cache_pairs_{tune2,tune3}.jsonl (300 and 240 pairs written apart from the guards,
-    then tuned on): measured traps served 0/150 and 5/120 (4.2%), rewordings 64% and 67%; asserted
-    with margins."""
+@pytest.mark.parametrize(("name", "most_traps", "least_recall"), [("tune2", 0.02, 0.62), ("tune3", 0.06, 0.62), ("heldout", 0.02, 0.55)])
+def test_the_later_tuning_sets_at_the_defaults(name: str, most_traps: float, least_recall: float) -> None:
+    """tests/data/cache_pairs_{tune2,tune3,heldout}.jsonl (300, 240 and 322 pairs written apart from the
+    guards, then tuned on; the last was the held-out set until 2026-12-04): measured traps served 0/150,
+    4/120 (3.3%) and 1/193 (0.5%), paraphrases 67%, 68% and 58%; asserted with margins."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import cache_quality
 
@@ -248,4 +264,4 @@ def test_the_later_tuning_sets_at_the_defaults(name: str, most_traps: float) -> 
     rule = {"threshold": policy.similarity_threshold, "guards": True, "relief": policy.same_words_relief}
     recall, false_hits = cache_quality.rates(pairs, **rule)
     assert false_hits <= most_traps, false_hits
-    assert recall >= 0.62, recall
+    assert recall >= least_recall, recall
