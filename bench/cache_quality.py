@@ -234,24 +234,27 @@ def main() -> int:
     return 0
 
 
-def defaults_on(path: Path, show: bool = False) -> int:
-    """The cache's defaults, as shipped, on one file of pairs (the held-out ones: nothing here is tuned)."""
+def served_by_defaults(path: Path) -> tuple[list[Pair], list[bool]]:
+    """One file of pairs and, for each, whether the cache's defaults as shipped serve it."""
     pairs = load_pairs(path)
     embed_pairs(pairs, augment=False)
     policy = CachePolicy()
     default = {"threshold": policy.similarity_threshold, "guards": True, "relief": policy.same_words_relief}
-    rewordings = [p for p in pairs if p.hit]
-    traps = [p for p in pairs if not p.hit]
-    served = {k: (sum(accepted(p, **default) for p in pairs if p.kind == k), sum(p.kind == k for p in pairs))  # type: ignore[arg-type]
-              for k in sorted({p.kind for p in pairs})}
-    reword_rate = sum(accepted(p, **default) for p in rewordings) / len(rewordings)  # type: ignore[arg-type]
-    trap_rate = sum(accepted(p, **default) for p in traps) / len(traps)  # type: ignore[arg-type]
+    return pairs, [accepted(p, **default) for p in pairs]  # type: ignore[arg-type]
+
+
+def defaults_on(path: Path, show: bool = False) -> int:
+    """The cache's defaults, as shipped, on one file of pairs (the held-out ones: nothing here is tuned)."""
+    pairs, served = served_by_defaults(path)
+    by_kind = {k: (sum(s for p, s in zip(pairs, served) if p.kind == k), sum(p.kind == k for p in pairs)) for k in sorted({p.kind for p in pairs})}
+    reword_rate = sum(s for p, s in zip(pairs, served) if p.hit) / sum(p.hit for p in pairs)
+    trap_rate = sum(s for p, s in zip(pairs, served) if not p.hit) / sum(not p.hit for p in pairs)
     print(f"pairs ({path.name}, sha256 {hashlib.sha256(path.read_bytes()).hexdigest()}): {len(pairs)}")
-    print("served by kind: " + ", ".join(f"{k} {n}/{total} ({n / total:.0%})" for k, (n, total) in served.items()))
+    print("served by kind: " + ", ".join(f"{k} {n}/{total} ({n / total:.0%})" for k, (n, total) in by_kind.items()))
     print(f"rewordings served {reword_rate:.1%} (target >= 60%), traps served {trap_rate:.1%} (target <= 2%)")
     if show:
-        for p in pairs:
-            if accepted(p, **default) != p.hit:  # type: ignore[arg-type]
+        for p, s in zip(pairs, served):
+            if s != p.hit:
                 print(f"  {'missed' if p.hit else 'SERVED'} {p.kind:<10} {p.cosine:.3f} guard={p.guard}  {p.a!r} / {p.b!r}")
     return 0
 

@@ -45,7 +45,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
 
 from appliance_server import cli, start, stop, write_config  # noqa: E402
-from economics_report import Outcome, PassFigures, Targets, cache_figures, figures, manipulated, random_line, targets  # noqa: E402
+from economics_report import (  # noqa: E402
+    Outcome, PairFigures, PassFigures, Targets, cache_figures, figures, manipulated, random_line, targets,
+)
 
 from appliance.evaluate import load_checker  # noqa: E402
 from appliance.settings import split_tier  # noqa: E402
@@ -312,8 +314,17 @@ class Replayer:
         return Outcome(record["id"], record["family"], record["cache"], correct, cost, latency, where, chosen, adversarial)
 
 
+def held_out_pairs() -> PairFigures:
+    """The cache's defaults on the held-out question pairs, where the issue judges the cache (seconds: embeddings only)."""
+    import cache_quality
+
+    pairs, served = cache_quality.served_by_defaults(cache_quality.HELDOUT)
+    return PairFigures(cache_quality.HELDOUT.name, sum(not p.hit for p in pairs), sum(s for p, s in zip(pairs, served) if not p.hit),
+                       sum(p.hit for p in pairs), sum(s for p, s in zip(pairs, served) if p.hit))
+
+
 def print_report(passes: list[PassFigures], frontier: PassFigures, cheapest: PassFigures, result: Targets,
-                 whole_outcomes: list[Outcome], routed_outcomes: list[Outcome]) -> None:
+                 whole_outcomes: list[Outcome], routed_outcomes: list[Outcome], group_of: dict[str, str]) -> None:
     print(f"\n{'pass':<22}{'accuracy':>9}{'cost $':>12}{'vs frontier':>13}{'vs random':>11}{'p50 s':>8}{'p95 s':>8}  answered by")
     for p in passes:
         ratio = p.cost_nanos / frontier.cost_nanos if frontier.cost_nanos else 0.0
@@ -327,8 +338,12 @@ def print_report(passes: list[PassFigures], frontier: PassFigures, cheapest: Pas
         print(f"{p.name:<22}" + "".join(f"{row.get(f, 0.0):>12.1%}" for f in families))
     counts = dict((f, n) for f, _, n in passes[0].by_family)
     print(f"{'requests':<22}" + "".join(f"{counts.get(f, 0):>12}" for f in families))
-    cache = cache_figures(whole_outcomes)
-    print(f"\ncache: {cache.rewordings_served}/{cache.rewordings} repeats and rewordings served, {cache.traps_served}/{cache.traps} traps served")
+    cache = cache_figures(whole_outcomes, group_of)
+    print(f"\ncache, this split: {cache.rewordings_served}/{cache.rewordings} repeats and rewordings served ({cache.servable_served}/"
+          f"{cache.servable} of those with a verified answer to serve), {cache.traps_served}/{cache.traps} traps served")
+    pairs = result.cache
+    print(f"cache, held-out pairs ({pairs.name}): {pairs.rewordings_served}/{pairs.rewordings} rewordings served, "
+          f"{pairs.traps_served}/{pairs.traps} traps served")
     for request_id, tier, base in manipulated(routed_outcomes):
         print(f"manipulated: {request_id} chose tier {tier}, its plain question tier {base}")
 
@@ -388,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     whole, routed = dataclasses.replace(whole, name="appliance (cache+route)"), dataclasses.replace(routed, name="route alone")
     alone = [(dataclasses.replace(a[0], name=f"{t} alone"), a[1]) for t, a in zip(tiers, alone)]
     cheapest, frontier = alone[0][0], alone[-1][0]
-    result = targets(whole, routed, cheapest, frontier, whole_out, routed_out)
-    print_report([whole, routed, *(a[0] for a in alone)], frontier, cheapest, result, whole_out, routed_out)
+    result = targets(whole, routed, cheapest, frontier, held_out_pairs(), routed_out)
+    group_of = {r["id"]: r["group"] for r in records if r.get("group")}
+    print_report([whole, routed, *(a[0] for a in alone)], frontier, cheapest, result, whole_out, routed_out, group_of)
     if args.json:
         outcomes = {"whole": whole_out, "routed": routed_out, **{t: a[1] for t, a in zip(tiers, alone)}}
         args.json.write_text(json.dumps({"split": args.split, "sha256": digest,

@@ -4,7 +4,7 @@ random-routing line, and the issue's four targets. `bench/economics.py` does the
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -75,6 +75,8 @@ class CacheFigures:
     traps_served: int
     rewordings: int  # repeats and rewordings that have an earlier ask to be served from
     rewordings_served: int
+    servable: int = 0  # of those, the ones an earlier request of their group had a verified answer for
+    servable_served: int = 0
 
     @property
     def trap_rate(self) -> float:
@@ -85,11 +87,45 @@ class CacheFigures:
         return self.rewordings_served / self.rewordings if self.rewordings else 0.0
 
 
-def cache_figures(outcomes: Sequence[Outcome]) -> CacheFigures:
+def cache_figures(outcomes: Sequence[Outcome], group_of: Mapping[str, str] | None = None) -> CacheFigures:
+    """Traps and rewordings served from the cache, in the split's order. With each request's group, also
+    the rewordings that had something to be served: an earlier request of their group that a model
+    answered right, which the caller then marked good (the cache serves verified answers only, so a
+    rewording of a question answered wrong is rightly asked again)."""
     traps = [o for o in outcomes if o.cache_role == "trap"]
     rewordings = [o for o in outcomes if o.cache_role in ("repeat", "reword")]
+    verified: set[str] = set()
+    servable = []
+    for o in outcomes:
+        group = (group_of or {}).get(o.id)
+        if group is None:
+            continue
+        if o.cache_role in ("repeat", "reword") and group in verified:
+            servable.append(o)
+        if o.cache_role in ("first", "repeat", "reword") and o.correct and o.answered_by not in ("cache", "default", "error"):
+            verified.add(group)
     return CacheFigures(len(traps), sum(o.answered_by == "cache" for o in traps),
-                        len(rewordings), sum(o.answered_by == "cache" for o in rewordings))
+                        len(rewordings), sum(o.answered_by == "cache" for o in rewordings),
+                        len(servable), sum(o.answered_by == "cache" for o in servable))
+
+
+@dataclass(frozen=True)
+class PairFigures:
+    """The cache's defaults on labelled question pairs (bench/cache_quality.py): the issue's cache target
+    is judged on its held-out pairs."""
+    name: str
+    traps: int
+    traps_served: int
+    rewordings: int
+    rewordings_served: int
+
+    @property
+    def trap_rate(self) -> float:
+        return self.traps_served / self.traps if self.traps else 0.0
+
+    @property
+    def reword_rate(self) -> float:
+        return self.rewordings_served / self.rewordings if self.rewordings else 0.0
 
 
 def manipulated(outcomes: Sequence[Outcome]) -> list[tuple[str, int, int]]:
@@ -113,7 +149,7 @@ class Targets:
     routed_above_line: float  # accuracy points above the random-routing line
     whole_accuracy_share: float
     whole_cost_share: float
-    cache: CacheFigures
+    cache: PairFigures  # the held-out pairs'
     manipulated: int
     adversarial: int
 
@@ -124,7 +160,7 @@ class Targets:
         if self.whole_accuracy_share < 0.95 or self.whole_cost_share > 0.35:
             out.append("whole appliance: needs >= 95% of the frontier's accuracy at <= 35% of its cost")
         if self.cache.trap_rate > 0.02 or (self.cache.rewordings and self.cache.reword_rate < 0.60):
-            out.append("cache: needs <= 2% of traps served and >= 60% of rewordings served")
+            out.append(f"cache: needs <= 2% of traps served and >= 60% of rewordings served on the held-out pairs ({self.cache.name})")
         if self.manipulated:
             out.append("router manipulation: no adversarial prompt may land on a dearer tier")
         return out
@@ -132,12 +168,13 @@ class Targets:
     def line(self) -> str:
         return (f"routing alone {self.routed_accuracy_share:.1%} of frontier accuracy at {self.routed_cost_share:.1%} of its cost "
                 f"({self.routed_above_line * 100:+.1f} points vs random); whole appliance {self.whole_accuracy_share:.1%} at "
-                f"{self.whole_cost_share:.1%}; cache traps served {self.cache.trap_rate:.1%}, rewordings served {self.cache.reword_rate:.1%}; "
+                f"{self.whole_cost_share:.1%}; cache on the held-out pairs: traps served {self.cache.trap_rate:.1%}, rewordings served "
+                f"{self.cache.reword_rate:.1%}; "
                 f"manipulated {self.manipulated}/{self.adversarial}")
 
 
 def targets(whole: PassFigures, routed: PassFigures, cheapest: PassFigures, frontier: PassFigures,
-            whole_outcomes: Sequence[Outcome], routed_outcomes: Sequence[Outcome]) -> Targets:
+            held_out: PairFigures, routed_outcomes: Sequence[Outcome]) -> Targets:
     def share(a: float, b: float) -> float:
         return a / b if b else 0.0
 
@@ -145,6 +182,6 @@ def targets(whole: PassFigures, routed: PassFigures, cheapest: PassFigures, fron
         share(routed.accuracy, frontier.accuracy), share(routed.cost_nanos, frontier.cost_nanos),
         routed.accuracy - random_line(cheapest, frontier, routed.cost_nanos),
         share(whole.accuracy, frontier.accuracy), share(whole.cost_nanos, frontier.cost_nanos),
-        cache_figures(whole_outcomes), len(manipulated(routed_outcomes)),
+        held_out, len(manipulated(routed_outcomes)),
         sum(o.adversarial_of is not None for o in routed_outcomes),
     )

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # last: bench/engines.py must not hide the engines package
-from economics_report import Outcome, cache_figures, figures, manipulated, percentile, random_line, targets  # noqa: E402
+from economics_report import Outcome, PairFigures, cache_figures, figures, manipulated, percentile, random_line, targets  # noqa: E402
 
 
 def outcome(i: int, correct: bool, cost: int, *, family: str = "factual", role: str = "oneoff", where: str = "m",
@@ -49,6 +49,18 @@ def test_cache_figures_count_traps_and_rewordings_served_from_the_cache() -> Non
     assert c.trap_rate == 0.5 and c.reword_rate == 0.5
 
 
+def test_a_rewording_has_something_to_serve_only_after_its_group_was_answered_right() -> None:
+    """The cache serves verified answers only: a rewording of a question a model got wrong is rightly asked again."""
+    rows = [outcome(0, False, 1, role="first"), outcome(1, True, 1, role="reword"),  # nothing verified yet: asked, now right
+            outcome(2, True, 0, role="repeat", where="cache"),  # r1's right answer was verified: servable, served
+            outcome(3, True, 1, role="first"), outcome(4, True, 0, role="reword", where="cache"),
+            outcome(5, True, 1, role="reword"),  # servable, not served
+            outcome(6, True, 0, role="first", where="cache"), outcome(7, True, 1, role="reword")]  # a cache answer verifies nothing
+    groups = {"r0": "a", "r1": "a", "r2": "a", "r3": "b", "r4": "b", "r5": "b", "r6": "c", "r7": "c"}
+    c = cache_figures(rows, groups)
+    assert (c.rewordings, c.rewordings_served, c.servable, c.servable_served) == (5, 2, 3, 2)
+
+
 def test_an_adversarial_prompt_is_manipulation_only_when_its_route_chose_a_dearer_tier() -> None:
     rows = [outcome(0, True, 1, chosen=0), outcome(1, True, 1, chosen=1, base="r0"), outcome(2, True, 1, chosen=0, base="r0"),
             outcome(3, True, 1, chosen=None, base="r0")]
@@ -59,12 +71,14 @@ def test_targets_name_what_is_missed() -> None:
     cheap = figures("s", [outcome(0, False, 10), outcome(1, True, 10)])
     top = figures("f", [outcome(0, True, 100), outcome(1, True, 100)])
     good = figures("r", [outcome(0, True, 30), outcome(1, True, 30)])
-    ok = targets(good, good, cheap, top, [], [])
-    assert ok.misses() == [] and "routing alone 100.0%" in ok.line()
+    held_out = PairFigures("pairs.jsonl", 200, 3, 100, 70)  # 1.5% of traps, 70% of rewordings: met
+    ok = targets(good, good, cheap, top, held_out, [])
+    assert ok.misses() == [] and "routing alone 100.0%" in ok.line() and "traps served 1.5%" in ok.line()
     dear = figures("r", [outcome(0, True, 90), outcome(1, True, 90)])
-    missed = targets(dear, dear, cheap, top, [outcome(0, False, 0, role="trap", where="cache")],
+    missed = targets(dear, dear, cheap, top, PairFigures("pairs.jsonl", 200, 5, 100, 70),
                      [outcome(0, True, 1, chosen=0), outcome(1, True, 1, chosen=2, base="r0")])
-    assert len(missed.misses()) == 4
+    assert len(missed.misses()) == 4 and "held-out pairs (pairs.jsonl)" in missed.misses()[2]
+    assert len(targets(good, good, cheap, top, PairFigures("p", 200, 0, 100, 59), []).misses()) == 1  # too few rewordings served
 
 
 def test_a_kept_run_moved_without_its_server_data_keeps_the_cache_off_passes_only(tmp_path: Path) -> None:
