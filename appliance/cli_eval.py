@@ -324,8 +324,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     calibration.add_argument("--k", type=int, help="neighbours a kNN estimate reads")
     calibration.add_argument("--floor", type=float, help="cosine similarity below which a labelled question is no neighbour")
     calibration.add_argument("--min-neighbours", type=int, help="neighbours above the floor a kNN decision needs")
-    calibration.add_argument("--no-task-line", dest="task_line", action="store_false",
-                             help="embed the caller's text alone, without the system turn's task line (as tables before it did)")
+    calibration.add_argument("--task-line", action="store_true",
+                             help="embed each text after the system turn's task line (measured worse on the evaluation split: "
+                                  "docs/performance.md, 'The task line')")
     calibration.add_argument("--admit", type=_admission, action=_Admissions, default={}, metavar="TIER=FAMILY[,FAMILY]",
                              help="count TIER wrong outside these task families (repeatable): a tier checked on some kinds of "
                                   "work only, such as a distilled adapter on those `appliance distill evaluate` measured")

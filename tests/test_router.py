@@ -550,8 +550,12 @@ def test_eval_runs_store_each_answer_and_calibrate_from_them(routed: tuple[Serve
     assert measured.tiers == CALIBRATED_TIERS and measured.min_samples == 1
     choice = measured.choice("math+short")
     assert choice is not None and choice.samples == 3 and measured.choice("math*") == choice
-    assert measured.method == "knn" and measured.knn is not None and measured.knn.settings.task
-    assert [t.split("\n")[-1] for t in measured.knn.texts] == [q for q, _ in rows]  # after the GSM8K prompt's task line
+    assert measured.method == "knn" and measured.knn is not None and measured.knn.texts == tuple(q for q, _ in rows)
+    reading = tmp_path / "task.toml"  # with the GSM8K prompt's task line before each text
+    cli(server, "eval", "calibrate", "--run", str(run_id), "--min-samples", "1", "--task-line", "--out", str(reading))
+    task = calibration_file.read(reading).knn
+    assert task is not None and task.settings.task and [t.split("\n") for t in task.texts] == [[task.texts[0].split("\n")[0], q] for q, _ in rows]
+    assert task.texts[0].startswith("Solve the problem step by step")
     assert measured.knn.correct.sum(axis=0).tolist() == [sum(r[3] for r in stored if r[0] == alias) for alias in CALIBRATED_TIERS]
     right = [sum(r[3] for r in stored if r[0] == alias) for alias in CALIBRATED_TIERS]
     assert choice.accuracy == tuple(round((c + 1) / 5, 4) for c in right)
@@ -622,8 +626,7 @@ def test_workload_records_are_evaluated_stored_and_learned_from(routed: tuple[Se
     cli(server, "eval", "calibrate", "--run", str(run_id), "--k", "2", "--min-neighbours", "1", "--keep", "0.95", "--out", str(target))
     measured = calibration_file.read(target)
     assert measured.method == "knn" and measured.knn is not None and measured.knn.settings.k == 2 and measured.keep == 0.95
-    # each text after the system turn's task line, which the table says it reads
-    assert measured.knn.settings.task and measured.knn.texts == tuple(f"Answer briefly.\n{r['messages'][1]['content']}" for r in records)
+    assert measured.knn.texts == tuple(r["messages"][1]["content"] for r in records) and not measured.knn.settings.task
     by_question = {(t, q): c for (t, c), q in zip(sorted(answers), [0, 1, 2] * 3)}
     assert measured.knn.samples == 3 and len(by_question) == 9
     right = [sum(c for t, c in answers if t == alias) for alias in CALIBRATED_TIERS]
@@ -668,9 +671,7 @@ def test_a_calibration_is_extended_with_a_tier_measured_alone(routed: tuple[Serv
                "--out", str(target))
     assert "extended: 2 questions labelled with ['smollm2-135m']" in said and "1 not in its table" in said
     measured = calibration_file.read(target)
-    # matched by the earlier table's own text (the question alone); the new one reads the task line too
-    assert measured.tiers == CALIBRATED_TIERS and measured.knn is not None
-    assert measured.knn.texts == tuple(f"Answer briefly.\n{q}" for q in questions[:2]) and measured.knn.settings.task
+    assert measured.tiers == CALIBRATED_TIERS and measured.knn is not None and measured.knn.texts == tuple(questions[:2])
     # the frontier's column from the earlier table; the two tiers the run asked from the run, the earlier tier-small labels replaced
     assert measured.knn.correct[:, 2].tolist() == [True, False] and measured.knn.cost_nanos[:, 2].tolist() == [111, 222]
     for tier, alias in enumerate(CALIBRATED_TIERS[:2]):
@@ -684,6 +685,12 @@ def test_a_calibration_is_extended_with_a_tier_measured_alone(routed: tuple[Serv
     table = calibration_file.read(admitted).knn
     assert table is not None and not table.correct[:, 0].any() and table.correct[:, 2].tolist() == [True, False]
     assert "tier-small admitted for arithmetic, code only" in admitted.read_text()
+    # an earlier table is matched by its own text (the question alone) when the new one reads the task line
+    reading = tmp_path / "task.toml"
+    cli(server, "eval", "calibrate", "--run", str(run_id), "--extend", str(two), "--route", "learned", "--k", "2", "--min-neighbours", "1",
+        "--task-line", "--out", str(reading))
+    task = calibration_file.read(reading).knn
+    assert task is not None and task.settings.task and task.texts == tuple(f"Answer briefly.\n{q}" for q in questions[:2])
     with pytest.raises(AssertionError, match=r"--admit qwen-9b: not a tier of the calibration"):
         cli(server, "eval", "calibrate", "--run", str(run_id), "--admit", "qwen-9b=factual", "--out", str(tmp_path / "x.toml"))
     one = earlier(("tier-small",), [(1,), (1,)], [(5,), (5,)])
