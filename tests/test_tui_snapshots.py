@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from rich.cells import cell_len
 from textual.widgets import DataTable, Input, Static
 
 from tests.conftest import CHAT_MODEL, Server, config_text, start_server, stop_server
@@ -136,7 +137,15 @@ def text_of(app: ApplianceTUI, selector: str) -> str:
 
 
 def rows(app: ApplianceTUI, selector: str) -> int:
-    return app.query_one(selector, DataTable).row_count
+    """The table's rows once it has laid them out, else -1: a DataTable measures its columns when its
+    message queue is next empty, so a snapshot taken between a row's arrival and that moment draws the
+    new row in the old widths ("ke" for a key id; seen once in a full suite on a busy machine)."""
+    table = app.query_one(selector, DataTable)
+    for index, column in enumerate(table.ordered_columns):
+        widest = max((cell_len(str(table.get_row_at(r)[index])) for r in range(table.row_count)), default=0)
+        if column.content_width < widest:
+            return -1
+    return table.row_count
 
 
 async def until(pilot, shown: Callable[[], bool]) -> None:  # type: ignore[no-untyped-def]
