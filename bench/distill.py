@@ -23,6 +23,7 @@ accuracy from no more than 1,000 verified examples; the last line states the fig
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -108,9 +109,15 @@ class Log:
                 handle.write(json.dumps(row) + "\n")
 
 
+def digest(record: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps([record["messages"], record["response_format"]], sort_keys=True).encode()).hexdigest()[:16]
+
+
 def teach(base: str, log: Log, requests: list[dict[str, Any]], teacher: str, check: Any, concurrency: int) -> None:
     done = log.done("teach")
-    left = [r for r in requests if r["id"] not in done]
+    # A request whose text changed since it was asked (the traffic generator changed) is asked again;
+    # rows from before digests were logged count as asked.
+    left = [r for r in requests if r["id"] not in done or done[r["id"]].get("digest", digest(r)) != digest(r)]
     print(f"teach: {len(done)} of {len(requests)} asked before; {len(left)} to go", flush=True)
     answered = 0
     lock = threading.Lock()
@@ -129,7 +136,7 @@ def teach(base: str, log: Log, requests: list[dict[str, Any]], teacher: str, che
             text = data["choices"][0]["message"]["content"] or ""
             good = bool(check(record, text))
             client.post("/v1/cache/feedback", json={"response_id": data["id"], "rating": "good" if good else "bad"}).raise_for_status()
-            log.add({"kind": "teach", "id": record["id"], "family": record["family"], "good": good})
+            log.add({"kind": "teach", "id": record["id"], "family": record["family"], "good": good, "digest": digest(record)})
             with lock:
                 answered += 1
                 if answered % 10 == 0 or answered == len(left):

@@ -147,6 +147,11 @@ def test_extraction_covers_the_six_schemas_of_the_workload_evenly() -> None:
     golds = [r["check"]["gold"] for r in RECORDS["extraction"]]
     for field, values in (("issue", 4), ("level", 3), ("currency", 5), ("refund_requested", 2)):
         assert len({g[field] for g in golds if field in g}) == values
+    # no refund is asked for about as often as one is, and often without the word
+    complaints = [r for r in RECORDS["extraction"] if "refund_requested" in r["check"]["gold"]]
+    declined = [r for r in complaints if not r["check"]["gold"]["refund_requested"]]
+    assert 0.3 <= len(declined) / len(complaints) <= 0.7
+    assert any("refund" not in r["messages"][1]["content"].split("Text:")[-1].lower() for r in declined)
 
 
 # --- checks ---------------------------------------------------------------------------------------

@@ -66,11 +66,18 @@ REFUND_NO = ["I'm not asking for a refund, I just want this on record.", "No ref
              "I don't want my money back.", "I'm not after a refund; I just thought you should know."]
 REPLACE_NO = ["Please just send a replacement; no refund.", "Keep the money; I only want the right item.",
               "Could you send another one? I'd rather not get my money back."]
+# A customer who asks for something else, or for nothing, asks for no refund without saying so. The first
+# adapter marked such emails as refund requests (5 of its 11 extraction misses on the calibration and
+# development splits), and the teacher's verified answers held 60 refunds to 23 others.
+IMPLICIT_NO = ["Could you send the right one out to me?", "Can you exchange it?", "Please ship whatever is still owed.",
+               "I'll keep it, I just wanted you to know.", "Just letting you know for next time.", "Please arrange a new delivery.",
+               "Could you swap it when the courier is next in the area?", "Please post the rest when you can.",
+               "Can someone call me to arrange an exchange?", "No need to do anything, it's fine otherwise."]
 
 
 def _complaint(rng: random.Random) -> tuple[dict[str, Any], dict[str, Any]]:
     issue, refund = rng.choice(ISSUES), rng.random() < 0.5
-    no = REFUND_NO if issue == "late" else REFUND_NO + REPLACE_NO
+    no = (REFUND_NO if issue == "late" else REFUND_NO + REPLACE_NO) + IMPLICIT_NO
     gold = {"order_id": f"A-{rng.randint(20000, 99999)}", "customer_name": person(rng), "issue": issue,
             "refund_requested": refund}
     slots = {"order": gold["order_id"], "name": gold["customer_name"],
