@@ -296,6 +296,38 @@ def cmd_eval_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_export(args: argparse.Namespace) -> int:
+    """A stored run to a JSON Lines file that another data directory can import."""
+    from appliance import eval_file
+
+    db = ledger_db(args.config)
+    try:
+        written = eval_file.export(db, args.run, args.out)
+    except eval_file.EvalFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        db.close()
+    print(f"wrote eval run {args.run} ({written} questions) to {args.out}")
+    return 0
+
+
+def cmd_eval_import(args: argparse.Namespace) -> int:
+    """An exported run as a new run of this data directory."""
+    from appliance import eval_file
+
+    db = ledger_db(args.config)
+    try:
+        run_id = eval_file.load(db, args.file)
+    except eval_file.EvalFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        db.close()
+    print(f"imported {args.file} as eval run {run_id}")
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     evaluation = sub.add_parser("eval", help="evaluations").add_subparsers(dest="eval_command", required=True)
     router = evaluation.add_parser("router", help="GSM8K through a route and each of its tiers, over HTTP")
@@ -344,3 +376,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     simulate.add_argument("--keep", type=_fraction, action="append", default=[], help="other thresholds to try the calibration at (repeat)")
     simulate.add_argument("--config", type=Path)
     simulate.set_defaults(func=cmd_eval_simulate)
+    exported = evaluation.add_parser("export", help="a stored run to a JSON Lines file (bench/runs/...), to import elsewhere")
+    exported.add_argument("--run", type=int, required=True)
+    exported.add_argument("--out", type=Path, required=True)
+    exported.add_argument("--config", type=Path)
+    exported.set_defaults(func=cmd_eval_export)
+    imported = evaluation.add_parser("import", help="an exported run as a new run of this data directory")
+    imported.add_argument("file", type=Path)
+    imported.add_argument("--config", type=Path)
+    imported.set_defaults(func=cmd_eval_import)
