@@ -80,11 +80,15 @@ class CacheFigures:
 
     @property
     def trap_rate(self) -> float:
-        return self.traps_served / self.traps if self.traps else 0.0
+        return _share(self.traps_served, self.traps)
 
     @property
     def reword_rate(self) -> float:
-        return self.rewordings_served / self.rewordings if self.rewordings else 0.0
+        return _share(self.rewordings_served, self.rewordings)
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
 
 
 def cache_figures(outcomes: Sequence[Outcome], group_of: Mapping[str, str] | None = None) -> CacheFigures:
@@ -121,11 +125,11 @@ class PairFigures:
 
     @property
     def trap_rate(self) -> float:
-        return self.traps_served / self.traps if self.traps else 0.0
+        return _share(self.traps_served, self.traps)
 
     @property
     def reword_rate(self) -> float:
-        return self.rewordings_served / self.rewordings if self.rewordings else 0.0
+        return _share(self.rewordings_served, self.rewordings)
 
 
 def manipulated(outcomes: Sequence[Outcome]) -> list[tuple[str, int, int]]:
