@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 from appliance import cli_distill, cli_eval, cli_fleet
@@ -267,12 +268,9 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     try:
         expires = parse_expiry(args.expires, now) if args.expires else None
         settings = config_in_use(args.config)
-        db = ledger_of(settings)
-        try:
+        with closing(ledger_of(settings)) as db:
             record, secret = KeyStore(db).create(
                 user=args.user, tenant=args.tenant, app=args.app, role=args.role, admin=args.admin, now=now, expires_at=expires)
-        finally:
-            db.close()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -292,11 +290,8 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
     from policy.keystore import KeyStore
 
-    db = ledger_db(args.config)
-    try:
+    with closing(ledger_db(args.config)) as db:
         revoked = KeyStore(db).revoke(args.id, time.time())
-    finally:
-        db.close()
     if not revoked:
         print(f"error: there is no active key {args.id}", file=sys.stderr)
         return 1
@@ -307,11 +302,8 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 def cmd_keys_list(args: argparse.Namespace) -> int:
     from policy.keystore import KeyStore
 
-    db = ledger_db(args.config)
-    try:
+    with closing(ledger_db(args.config)) as db:
         records = KeyStore(db).all()
-    finally:
-        db.close()
     print_rows(("id", "user", "tenant", "app", "role", "admin", "expires_at", "revoked_at"), [
         (r.id, r.user, r.tenant, r.app, r.role, "yes" if r.admin else "no", when(r.expires_at), when(r.revoked_at)) for r in records
     ])
@@ -328,14 +320,12 @@ def cmd_budgets_set(args: argparse.Namespace) -> int:
     if args.usd < 0:
         print("error: --usd must be zero or more", file=sys.stderr)
         return 2
-    db = ledger_db(args.config)
-    try:
-        Ledger(db).set_limit(args.level, args.name or "*", nanos_from_usd(args.usd), args.period, time.time())
-    except LedgerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        db.close()
+    with closing(ledger_db(args.config)) as db:
+        try:
+            Ledger(db).set_limit(args.level, args.name or "*", nanos_from_usd(args.usd), args.period, time.time())
+        except LedgerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     print(f"{args.level} {args.name or '*'}: ${args.usd:g} per {args.period}")
     return 0
 
@@ -343,11 +333,8 @@ def cmd_budgets_set(args: argparse.Namespace) -> int:
 def cmd_budgets_unset(args: argparse.Namespace) -> int:
     from policy.ledger import Ledger
 
-    db = ledger_db(args.config)
-    try:
+    with closing(ledger_db(args.config)) as db:
         removed = Ledger(db).remove_limit(args.level, args.name or "*")
-    finally:
-        db.close()
     if not removed:
         print(f"error: there is no budget for {args.level} {args.name or '*'}", file=sys.stderr)
         return 1
@@ -359,11 +346,8 @@ def cmd_budgets_reset(args: argparse.Namespace) -> int:
     from policy.budgets import usd
     from policy.ledger import Ledger
 
-    db = ledger_db(args.config)
-    try:
+    with closing(ledger_db(args.config)) as db:
         written_off = Ledger(db).reset_spend(args.level, args.name or "*", args.period, time.time())
-    finally:
-        db.close()
     print(f"{args.level} {args.name or '*'}: wrote off ${usd(written_off):.6f} of this {args.period}'s spend")
     return 0
 
@@ -375,14 +359,11 @@ def cmd_budgets_show(args: argparse.Namespace) -> int:
     from policy.ledger import Ledger
 
     now = time.time()
-    db = ledger_db(args.config)
-    try:
+    with closing(ledger_db(args.config)) as db:
         ledger = Ledger(db)
         budgets, reservations = ledger.budgets(now), ledger.reservations()
         top = {level: ledger.top_spenders(level, "day", now) for level in ("user", "tenant", "app")}
         problems = ledger.imbalances()
-    finally:
-        db.close()
     if args.json:
         print(json.dumps({
             "budgets": [{"level": b.level, "name": b.name, "period": b.period, "window": b.window, "limit_usd": usd(b.limit_nanos),

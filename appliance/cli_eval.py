@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,8 +26,7 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
     from appliance import evaluate
     from policy.budgets import Price
 
-    db = ledger_db(args.config)
-    try:
+    with closing(ledger_db(args.config)) as db:
         if args.history:
             for run in evaluate.history(db):
                 comparison = run["summary"].get("_comparison", {})
@@ -72,8 +72,6 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
                                    lambda finished: progress.update(task, advance=1), answers, include_route=not args.tiers_only,
                                    check=check, done=done, answered=lambda _, found: evaluate.record(db, run_id, found))
         evaluate.finish(db, run_id, summary)
-    finally:
-        db.close()
     header = ("target", "accuracy", "cost_usd", "p50_latency_s", "answered_by", "errors")
     rows = [(name, f"{s['accuracy']:.1%}", f"{s['cost_usd']:.6f}", f"{s['p50_latency_s']:.2f}", json.dumps(s["answered_by"]), str(s["errors"]))
             for name, s in summary.items() if not name.startswith("_")]
@@ -149,8 +147,7 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
     from policy.router import calibrate, extend_buckets
     from policy.router_knn import KnnSettings
 
-    db = ledger_db(args.config)
-    try:
+    with closing(ledger_db(args.config)) as db:
         runs = args.run or [r for r in [evaluate.latest_run(db)] if r is not None]
         if not runs:
             print("error: no stored eval run with per-question results: run `appliance eval router` first", file=sys.stderr)
@@ -161,8 +158,6 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
             return 2
         found = evaluate.observations(db, runs, tuple(tiers))
         every, partial = evaluate.labelled(db, runs, tuple(tiers))
-    finally:
-        db.close()
     extended, earlier = "", None
     if args.extend is not None:
         said = _extended(args, tiers, every)
@@ -239,15 +234,12 @@ def cmd_eval_simulate(args: argparse.Namespace) -> int:
     from appliance import calibration_file, evaluate, offline_routing
     from policy.router import ALL_FEATURES, HEURISTIC_FEATURES, features
 
-    db = ledger_db(args.config)
-    try:
+    with closing(ledger_db(args.config)) as db:
         tiers = evaluate.tiers_of(db, args.run)
         if not tiers:
             print(f"error: eval run {args.run} does not exist or predates per-question results", file=sys.stderr)
             return 2
         labelled, partial = evaluate.labelled(db, [args.run], tuple(tiers))
-    finally:
-        db.close()
     if not labelled:
         print(f"error: eval run {args.run} keeps no question every tier answered (or predates question texts)", file=sys.stderr)
         return 2
@@ -300,14 +292,12 @@ def cmd_eval_export(args: argparse.Namespace) -> int:
     """A stored run to a JSON Lines file that another data directory can import."""
     from appliance import eval_file
 
-    db = ledger_db(args.config)
-    try:
-        written = eval_file.export(db, args.run, args.out)
-    except eval_file.EvalFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        db.close()
+    with closing(ledger_db(args.config)) as db:
+        try:
+            written = eval_file.export(db, args.run, args.out)
+        except eval_file.EvalFileError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     print(f"wrote eval run {args.run} ({written} questions) to {args.out}")
     return 0
 
@@ -316,14 +306,12 @@ def cmd_eval_import(args: argparse.Namespace) -> int:
     """An exported run as a new run of this data directory."""
     from appliance import eval_file
 
-    db = ledger_db(args.config)
-    try:
-        run_id = eval_file.load(db, args.file)
-    except eval_file.EvalFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        db.close()
+    with closing(ledger_db(args.config)) as db:
+        try:
+            run_id = eval_file.load(db, args.file)
+        except eval_file.EvalFileError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     print(f"imported {args.file} as eval run {run_id}")
     return 0
 
