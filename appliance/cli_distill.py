@@ -12,13 +12,14 @@ import signal
 import sys
 import threading
 import time
-from datetime import datetime
 from collections.abc import Callable
+from contextlib import closing
+from datetime import datetime
 from pathlib import Path
 
 from appliance.cli_fleet import add_server_options, server_url, tell_server
 from appliance.cli_support import ledger_of, moment, settings_of
-from appliance.settings import find_config, load_settings
+from appliance.settings import RouteSettings, find_config, load_settings
 
 
 def cmd_distill_export(args: argparse.Namespace) -> int:
@@ -36,14 +37,12 @@ def cmd_distill_export(args: argparse.Namespace) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
     asked = Asked(args.route, now - start, args.out, args.family, held_out, args.seed)
-    db = ledger_of(settings)
-    try:
-        chosen = export(db, settings, asked, now)
-    except ExportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        db.close()
+    with closing(ledger_of(settings)) as db:
+        try:
+            chosen = export(db, settings, asked, now)
+        except ExportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     c = chosen.counts
     print(f"found: {c.found} kept answers of route {args.route!r}" + (f", family {args.family!r}" if args.family else "") + f" since {args.since}")
     print(f"verified: {c.verified}")
@@ -245,6 +244,9 @@ def cmd_distill_evaluate(args: argparse.Namespace) -> int:
         return 0
     if not result.verdict.promote:
         return 3  # asked to promote, refused: a script can tell
+    family = args.family or distill_eval.export_family(args.data.expanduser())
+    if family is not None:
+        return _promote_for_family(args, config, route, family)
     tiers = promoted_tiers(route.tiers, args.student, args.adapter)
     if tiers == route.tiers:
         print(f"route {route.alias!r} already has the tier {args.student}:{args.adapter}")
@@ -265,6 +267,26 @@ def cmd_distill_evaluate(args: argparse.Namespace) -> int:
     return write_and_apply(args, config, write)
 
 
+def _promote_for_family(args: argparse.Namespace, config: Path, route: RouteSettings, family: str) -> int:
+    """The adapter was checked on one family: the route tries it first for requests of that family
+    (their metadata says so) and keeps its tiers and calibration for everything else."""
+    from appliance.cli_fleet import write_and_apply
+    from appliance.config_writer import update_table
+
+    tier = f"{args.student}:{args.adapter}"
+    pairs = dict(route.family_tiers)
+    if pairs.get(family) == tier:
+        print(f"route {route.alias!r} already tries {tier} first for family {family!r}")
+        return 0
+
+    def write() -> str:
+        update_table(config, "routes", route.alias, {"family_tiers": pairs | {family: tier}})
+        return (f"route {route.alias!r}: requests whose metadata names family {family!r} try {tier} first"
+                + (f" (instead of {pairs[family]})" if family in pairs else ""))
+
+    return write_and_apply(args, config, write)
+
+
 def add_evaluate_command(distill: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     evaluate = distill.add_parser("evaluate", help="ask the held-out examples of the student, the student with the adapter and the "
                                                    "teacher through a running server; promote the adapter into a route if it is good enough")
@@ -277,7 +299,8 @@ def add_evaluate_command(distill: argparse._SubParsersAction) -> None:  # type: 
     evaluate.add_argument("--teacher", help="the model the adapter is measured against (default: the route's last tier)")
     evaluate.add_argument("--max-tokens", type=int, default=512, help="for questions that name none (default 512)")
     evaluate.add_argument("--promote", action="store_true",
-                          help="if it beats the student alone and comes within [distill] margin of the teacher, add STUDENT:ADAPTER to the route's tiers")
+                          help="if it beats the student alone and comes within [distill] margin of the teacher: the route tries STUDENT:ADAPTER "
+                               "first for requests of the family checked (family_tiers), or, with no family, adds it to the route's tiers")
     evaluate.add_argument("--config", type=Path)
     add_server_options(evaluate)
     evaluate.set_defaults(func=cmd_distill_evaluate)

@@ -326,6 +326,10 @@ class RouteSettings(_Table, frozen=True, kw_only=True):
     attempt_timeout_s: Annotated[float, Meta(ge=0.1, description="an attempt slower than this is abandoned for the next tier")] = 120.0
     role_floor: Annotated[tuple[tuple[str, Tier], ...], Meta(description="the lowest tier for a role: role = \"mid\"")] = ()
     role_ceiling: Annotated[tuple[tuple[str, Tier], ...], Meta(description="the highest tier for a role")] = ()
+    family_tiers: Annotated[tuple[tuple[str, str], ...], Meta(
+        description="a tier tried first for requests whose metadata names a family: classification = \"smollm2-135m:distilled\" "
+                    "(what `appliance distill evaluate --promote` writes for the family it checked); the route's own choice "
+                    "follows if its answer fails validation. Not for a role with a floor")] = ()
     calibration: Annotated[Calibration | None, Meta(
         description="the measured tier per kind of request (`appliance eval calibrate`)",
         extra={"load": _calibration, "form": "a calibration file's path"})] = None
@@ -572,12 +576,13 @@ def _routes(raw: dict[str, Any], models: tuple[ModelSettings, ...], where: Where
         r = decode(RouteSettings, table, key, where)
         if r.alias in {m.alias for m in models}:
             raise where.fail(f"{key}.alias", f"{r.alias!r} is already a model's alias")
-        for tier in r.tiers:
+        named = [(f"{key}.tiers", tier) for tier in r.tiers] + [(f"{key}.family_tiers.{family}", tier) for family, tier in r.family_tiers]
+        for at, tier in named:
             alias, adapter = split_tier(tier)
             if alias not in chat:
-                raise where.fail(f"{key}.tiers", f"{alias!r} is not the alias of a chat model in this file")
+                raise where.fail(at, f"{alias!r} is not the alias of a chat model in this file")
             if adapter is not None and adapter not in adapters.get(alias, ()):
-                raise where.fail(f"{key}.tiers", f"{tier!r}: the model {alias!r} has no adapter {adapter!r} in this file")
+                raise where.fail(at, f"{tier!r}: the model {alias!r} has no adapter {adapter!r} in this file")
         if len(set(r.tiers)) != len(r.tiers):
             raise where.fail(f"{key}.tiers", "a tier is named twice")
         if r.classifier_model is not None and r.classifier_model not in chat:

@@ -136,6 +136,16 @@ def clamp_tier(tier: int, tiers: int, floor: int | None, ceiling: int | None) ->
     return max(0, min(tiers - 1, tier))
 
 
+def family_first(family_tiers: tuple[tuple[str, str], ...], metadata: dict[str, str] | None, floor: int | None) -> str | None:
+    """The tier promoted for the family a request's metadata names, tried before the route's own
+    choice: an adapter is evaluated on one family, so that family is where it may serve. None for a
+    role whose floor asks for more than the cheapest tier."""
+    family = (metadata or {}).get("family")
+    if family is None or (floor is not None and floor > 0):
+        return None
+    return dict(family_tiers).get(family)
+
+
 # -- validators ---------------------------------------------------------------------------------
 
 _REFUSAL = re.compile(

@@ -384,6 +384,28 @@ def test_evaluate_refuses_an_adapter_worse_than_its_base_and_promotes_one_that_l
     # the server took the new route: a routed request may now be answered by the distilled tier
     assert "the server at" in said and "applied it" in said
     assert _evaluate(served, learned, "--promote") == 0 and "already has the tier" in capsys.readouterr().out
+    # checked on one family, it is promoted for that family: the route keeps its tiers and tries it first there
+    assert _evaluate(served, learned, "--promote", "--family", "secrets") == 0
+    assert "requests whose metadata names family 'secrets' try" in capsys.readouterr().out
+    route = load_settings(config).route("auto")
+    assert route.family_tiers == (("secrets", f"{CHAT_MODEL}:vault"),) and route.tiers == (CHAT_MODEL, f"{CHAT_MODEL}:vault")
+    assert "[routes.family_tiers]" in config.read_text()
+
+    def routed(metadata: dict[str, str] | None) -> httpx.Response:
+        body = {"model": "auto", "messages": [{"role": "user", "content": TRIGGER}], "max_tokens": 16, "temperature": 0,
+                "metadata": metadata}
+        return httpx.post(f"{served.base_url}/v1/chat/completions", json=body, headers={"Cache-Control": "no-store"}, timeout=120)
+
+    tried_first = routed({"family": "secrets"})
+    assert tried_first.status_code == 200, tried_first.text
+    assert (tried_first.headers["x-route-tier"], tried_first.headers["x-route-model"]) == ("family", f"{CHAT_MODEL}:vault")
+    assert "PINEAPPLE-42" in tried_first.json()["choices"][0]["message"]["content"]
+    listed = {m["id"]: m for m in httpx.get(f"{served.base_url}/v1/models").json()["data"]}
+    assert listed["auto"]["meta"]["family_tiers"] == {"secrets": f"{CHAT_MODEL}:vault"}
+    for metadata in ({"family": "other"}, None):
+        assert routed(metadata).headers["x-route-tier"] != "family"
+    assert _evaluate(served, learned, "--promote", "--family", "secrets") == 0
+    assert "already tries" in capsys.readouterr().out
 
 
 def test_evaluate_errors_are_one_line(served: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,6 +30,7 @@ from policy.router import (
     confidence_of,
     decide,
     decide_calibrated,
+    family_first,
     features,
     repetition,
     validate,
@@ -191,6 +192,28 @@ def test_a_calibration_file_round_trips_and_its_errors_name_the_key(tmp_path: Pa
         with pytest.raises(calibration_file.CalibrationError) as caught:
             calibration_file.read(path)
         assert caught.value.key == key, text
+
+
+def test_a_family_tier_is_tried_first_for_its_family_only() -> None:
+    promoted = (("classification", "small:distilled"),)
+    assert family_first(promoted, {"family": "classification"}, None) == "small:distilled"
+    assert family_first(promoted, {"family": "classification"}, 0) == "small:distilled"  # a floor at the cheapest tier bounds nothing
+    assert family_first(promoted, {"family": "classification"}, 1) is None  # the role asked for at least the middle tier
+    assert family_first(promoted, {"family": "extraction"}, None) is None
+    assert family_first(promoted, {"tag": "classification"}, None) is None
+    assert family_first(promoted, None, None) is None
+    assert family_first((), {"family": "classification"}, None) is None
+
+
+def test_a_family_tier_must_name_a_chat_model_or_its_adapter(tmp_path: Path) -> None:
+    models = "".join(f'[[models]]\nalias = "{a}"\npath = "m.gguf"\n\n' for a in TIERS)
+    route = '[[routes]]\nalias = "auto"\ntiers = ["small", "big"]\n\n[routes.family_tiers]\nclassification = "{}"\n'
+    settings = parse_settings(models + route.format("mid"), str(tmp_path / "models.toml"), tmp_path)
+    assert settings.route("auto").family_tiers == (("classification", "mid"),)  # a tier of its own, outside the chain
+    for tier, problem in (("nope", "'nope' is not the alias of a chat model"), ("small:distilled", "has no adapter 'distilled'")):
+        with pytest.raises(ConfigError) as caught:
+            parse_settings(models + route.format(tier), str(tmp_path / "models.toml"), tmp_path)
+        assert caught.value.key == "routes[0].family_tiers.classification" and problem in caught.value.problem
 
 
 def test_a_command_naming_no_route_says_which_file_has_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,7 +34,7 @@ from appliance.tracing import RequestTrace, annotate
 from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
 from policy.cache_guards import spelled
 from policy.identity import Principal
-from policy.router import TIER_NAMES, Verdict, buckets, clamp_tier, decide_calibrated, describe, features, validate
+from policy.router import TIER_NAMES, Verdict, buckets, clamp_tier, decide_calibrated, describe, family_first, features, validate
 from policy.router_text import embedded_text, routing_text
 
 _NOT_SERVED = ("cooling down", "timeout", "failed to serve")
@@ -115,8 +115,9 @@ async def _own_embedder(services: Services, name: str) -> Embedder | None:
 
 def route_meta(route: RouteSettings) -> dict[str, object]:
     """What `/v1/models` says of a route: its tiers and what it decides by (method, labelled
-    questions, threshold, each tier's measured accuracy)."""
-    return describe(route.calibration, route.tiers)
+    questions, threshold, each tier's measured accuracy), and the tiers promoted for a family."""
+    meta = describe(route.calibration, route.tiers)
+    return meta | {"family_tiers": dict(route.family_tiers)} if route.family_tiers else meta
 
 
 def _role_bounds(route: RouteSettings, role: str) -> tuple[int | None, int | None]:
@@ -176,11 +177,16 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     # Up the chain from the chosen tier; when every tier above failed to serve at all (down, overloaded,
     # timed out), the tiers below it are tried too, since a validated smaller answer beats the default.
     bottom = floor if floor is not None else 0
-    order = [*range(bounded, top + 1), *range(bounded - 1, bottom - 1, -1)]
+    order: list[int | None] = [*range(bounded, top + 1), *range(bounded - 1, bottom - 1, -1)]
+    first = family_first(route.family_tiers, body.metadata, floor)
+    if first is not None:  # its family's promoted tier first (index None); the route's choice if it fails
+        order.insert(0, None)
+        traced.annotate(route__family_tier=first)
     for index in order:
-        if index < bounded and not all(a["outcome"] in _NOT_SERVED or a["outcome"].startswith("unavailable") for a in attempts):
+        if index is not None and index < bounded and not all(
+                a["outcome"] in _NOT_SERVED or a["outcome"].startswith("unavailable") for a in attempts[1 if first else 0:]):
             break
-        alias = route.tiers[index]
+        alias = first if index is None else route.tiers[index]
         if _cooling.get(alias, 0) > time.monotonic():
             attempts.append({"model": alias, "outcome": "cooling down"})
             continue
@@ -193,7 +199,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
         if outcome[0] == "ok":
             _, prepared, text, logprobs, finish = outcome
             services.metrics.route_answers.labels(route.alias, alias).inc()
-            traced.annotate(route__model=alias, route__tier=index, route__attempts=len(attempts))
+            traced.annotate(route__model=alias, route__tier="family" if index is None else index, route__attempts=len(attempts))
             traced.answered(request_id, alias, [finish.reason], finish.usage.prompt_tokens, finish.usage.completion_tokens)
             as_answered = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, id=request_id))
             remember = both(plan.remember(services, model, as_answered, traced),
@@ -201,7 +207,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
             if remember is not None:
                 remember(text, finish)
             return _respond(prepared, alias, text, logprobs, finish, body, request_id, started, wire_for,
-                            {"x-route": route.alias, "x-route-model": alias, "x-route-tier": str(index),
+                            {"x-route": route.alias, "x-route-model": alias, "x-route-tier": "family" if index is None else str(index),
                              "x-route-attempts": json.dumps(attempts), "x-route-cost-nanousd": str(sum(spent)), **cache_headers})
     if attempts and all(a["outcome"] == "context too small" for a in attempts):
         assert too_long is not None
@@ -230,7 +236,7 @@ def tier_model(services: Services, tier: str) -> tuple[LoadedModel, tuple[tuple[
 
 
 async def _attempt(request: Request[Any, Any, Any], services: Services, principal: Principal, body: ChatCompletionRequest,
-                   model: LoadedModel, adapters: tuple[tuple[str, float], ...], route: RouteSettings, attempt_id: str, index: int,
+                   model: LoadedModel, adapters: tuple[tuple[str, float], ...], route: RouteSettings, attempt_id: str, index: int | None,
                    traced: RequestTrace, schema: dict | None, wants_json: bool, spent: list[int]) -> tuple:
     """One tier: reserve, generate (with log-probabilities when confidence is checked), settle,
     validate. Returns ("ok", prepared, text, logprobs, finish) or (why it failed,)."""
@@ -244,7 +250,7 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
     if route.min_confidence > 0 and not prepared.request.sampling.logprobs:
         sampling = dataclasses.replace(prepared.request.sampling, logprobs=True)
         engine_view = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, sampling=sampling))
-    with traced.child("route.attempt", model=model.settings.alias, route__tier=index, attempt__id=attempt_id) as span:
+    with traced.child("route.attempt", model=model.settings.alias, route__tier="family" if index is None else index, attempt__id=attempt_id) as span:
         try:
             attempt = await call.start(services, principal, model, engine_view, "chat", traced, span)
         except APIError as exc:
