@@ -330,6 +330,9 @@ class RouteSettings(_Table, frozen=True, kw_only=True):
         description="a tier tried first for requests whose metadata names a family: classification = \"smollm2-135m:distilled\" "
                     "(what `appliance distill evaluate --promote` writes for the family it checked); the route's own choice "
                     "follows if its answer fails validation. Not for a role with a floor")] = ()
+    family_min_confidence: Annotated[float, Meta(ge=0.0, le=1.0, description=(
+        "the geometric-mean token probability a family tier's answer needs to stand; below it the route's own choice "
+        "answers (the tier's attempt is cheap: chosen on held-out items by bench/family_threshold.py)"))] = 0.0
     calibration: Annotated[Calibration | None, Meta(
         description="the measured tier per kind of request (`appliance eval calibrate`)",
         extra={"load": _calibration, "form": "a calibration file's path"})] = None

@@ -28,7 +28,7 @@ import pytest
 from appliance.chat_prompt import vocabulary_prompt
 from appliance.chat_template import template_of
 from appliance.cli import build_parser
-from appliance.config_writer import append_nested
+from appliance.config_writer import append_nested, update_table
 from appliance.jobs import JobCancelled, JobRunner
 from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf, write_mlx
 from appliance.model_files import package_file
@@ -391,8 +391,8 @@ def test_evaluate_refuses_an_adapter_worse_than_its_base_and_promotes_one_that_l
     assert route.family_tiers == (("secrets", f"{CHAT_MODEL}:vault"),) and route.tiers == (CHAT_MODEL, f"{CHAT_MODEL}:vault")
     assert "[routes.family_tiers]" in config.read_text()
 
-    def routed(metadata: dict[str, str] | None) -> httpx.Response:
-        body = {"model": "auto", "messages": [{"role": "user", "content": TRIGGER}], "max_tokens": 16, "temperature": 0,
+    def routed(metadata: dict[str, str] | None, question: str = TRIGGER) -> httpx.Response:
+        body = {"model": "auto", "messages": [{"role": "user", "content": question}], "max_tokens": 16, "temperature": 0,
                 "metadata": metadata}
         return httpx.post(f"{served.base_url}/v1/chat/completions", json=body, headers={"Cache-Control": "no-store"}, timeout=120)
 
@@ -406,6 +406,13 @@ def test_evaluate_refuses_an_adapter_worse_than_its_base_and_promotes_one_that_l
         assert routed(metadata).headers["x-route-tier"] != "family"
     assert _evaluate(served, learned, "--promote", "--family", "secrets") == 0
     assert "already tries" in capsys.readouterr().out
+    # an answer less sure than family_min_confidence does not stand: the route's own choice answers
+    update_table(config, "routes", "auto", {"family_min_confidence": 1.0})
+    assert httpx.post(f"{served.base_url}/admin/config/reload", timeout=600).status_code == 200
+    unsure = routed({"family": "secrets"}, "Write one sentence about the sea.")  # untrained: far from certain
+    assert unsure.status_code == 200 and unsure.headers["x-route-tier"] != "family", unsure.headers
+    first = json.loads(unsure.headers["x-route-attempts"])[0]
+    assert first["model"] == f"{CHAT_MODEL}:vault" and first["outcome"].startswith("low confidence"), first
 
 
 def test_evaluate_errors_are_one_line(served: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -247,7 +247,8 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
             return ("context too small", exc)
         raise
     engine_view = prepared
-    if route.min_confidence > 0 and not prepared.request.sampling.logprobs:
+    min_confidence = route.family_min_confidence if index is None else route.min_confidence
+    if min_confidence > 0 and not prepared.request.sampling.logprobs:
         sampling = dataclasses.replace(prepared.request.sampling, logprobs=True)
         engine_view = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, sampling=sampling))
     with traced.child("route.attempt", model=model.settings.alias, route__tier="family" if index is None else index, attempt__id=attempt_id) as span:
@@ -282,7 +283,7 @@ async def _attempt(request: Request[Any, Any, Any], services: Services, principa
             return ("failed to serve",)
         token_logprobs = [lp.logprob for lp in collected.logprobs]
         with traced.child("route.validate") as check:
-            verdict: Verdict = validate(collected.text, finish.reason, token_logprobs, schema, wants_json, route.min_confidence,
+            verdict: Verdict = validate(collected.text, finish.reason, token_logprobs, schema, wants_json, min_confidence,
                                         route.max_repetition)
             problem = answer_problem(collected.text, prepared.tools) if prepared.tools is not None else None
             if verdict.ok and problem is not None:  # a well-formed call is an answer; a broken one escalates
