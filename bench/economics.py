@@ -308,9 +308,10 @@ class Replayer:
                 self.http.post("/v1/cache/feedback", json={"response_id": data["id"], "rating": "good" if correct else "bad"}, headers=headers)
         chosen = None
         if h.get("x-route-attempts"):
-            attempts = json.loads(h["x-route-attempts"])
-            if attempts and attempts[0]["model"] in self.tiers:
-                chosen = self.tiers.index(attempts[0]["model"])
+            # The route's own choice is its first attempt on one of its tiers; a family tier that answered
+            # before any (`family_tiers`) counts as below them all: -1.
+            models = [a["model"] for a in json.loads(h["x-route-attempts"])]
+            chosen = next((self.tiers.index(m) for m in models if m in self.tiers), -1 if models else None)
         return Outcome(record["id"], record["family"], record["cache"], correct, cost, latency, where, chosen, adversarial)
 
 

@@ -65,6 +65,9 @@ def test_an_adversarial_prompt_is_manipulation_only_when_its_route_chose_a_deare
     rows = [outcome(0, True, 1, chosen=0), outcome(1, True, 1, chosen=1, base="r0"), outcome(2, True, 1, chosen=0, base="r0"),
             outcome(3, True, 1, chosen=None, base="r0")]
     assert manipulated(rows) == [("r1", 1, 0)]
+    # a family tier that answered counts below every route tier: escalating past it to the route is dearer
+    family = [outcome(0, True, 1, chosen=-1), outcome(1, True, 1, chosen=2, base="r0"), outcome(2, True, 1, chosen=-1, base="r0")]
+    assert manipulated(family) == [("r1", 2, -1)]
 
 
 def test_targets_name_what_is_missed() -> None:
