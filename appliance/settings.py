@@ -24,7 +24,7 @@ from appliance.config_schema import ConfigError, Where, check_known, decode, tab
 from appliance.config_values import KeepAlive, MemoryBudget
 from appliance.paths import default_data_dir
 from policy.limits import LIMIT_LEVELS, LimitRule
-from policy.router import Calibration
+from policy.router import Calibration, family_rank, split_tier
 
 __all__ = ["ConfigError", "LocalModel", "ModelSettings", "Settings", "UpstreamModel", "find_config", "load_settings", "parse_settings"]
 
@@ -329,7 +329,8 @@ class RouteSettings(_Table, frozen=True, kw_only=True):
     family_tiers: Annotated[tuple[tuple[str, str], ...], Meta(
         description="a tier tried first for requests whose metadata names a family: classification = \"smollm2-135m:distilled\" "
                     "(what `appliance distill evaluate --promote` writes for the family it checked); the route's own choice "
-                    "follows if its answer fails validation. Not for a role with a floor")] = ()
+                    "follows if its answer fails validation. It stands where its model stands in the chain: a role whose floor is "
+                    "above that or whose ceiling is below it skips it")] = ()
     family_min_confidence: Annotated[float, Meta(ge=0.0, le=1.0, description=(
         "the geometric-mean token probability a family tier's answer needs to stand; below it the route's own choice "
         "answers (the tier's attempt is cheap: chosen on held-out items by bench/family_threshold.py)"))] = 0.0
@@ -342,12 +343,6 @@ class RouteSettings(_Table, frozen=True, kw_only=True):
         if name == "frontier":
             return len(self.tiers) - 1
         return min(len(self.tiers) - 1, ("small", "mid").index(name))
-
-
-def split_tier(tier: str) -> tuple[str, str | None]:
-    """A route's tier: a chat model's alias, or "<alias>:<adapter>" (the model with that LoRA adapter)."""
-    alias, _, adapter = tier.partition(":")
-    return alias, adapter or None
 
 
 class GuardrailSettings(_Table, frozen=True, kw_only=True):
@@ -586,6 +581,10 @@ def _routes(raw: dict[str, Any], models: tuple[ModelSettings, ...], where: Where
                 raise where.fail(at, f"{alias!r} is not the alias of a chat model in this file")
             if adapter is not None and adapter not in adapters.get(alias, ()):
                 raise where.fail(at, f"{tier!r}: the model {alias!r} has no adapter {adapter!r} in this file")
+        for family, tier in r.family_tiers:
+            if family_rank(r.tiers, tier) is None:  # a role's floor and ceiling bound it by its model's place in the chain
+                raise where.fail(f"{key}.family_tiers.{family}", f"{tier!r}: its model is not one of this route's tiers {list(r.tiers)}: "
+                                                                 "name a tier of the route or an adapter of one")
         if len(set(r.tiers)) != len(r.tiers):
             raise where.fail(f"{key}.tiers", "a tier is named twice")
         if r.classifier_model is not None and r.classifier_model not in chat:

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import httpx
+import tomlkit
+from tomlkit.toml_document import TOMLDocument
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +41,21 @@ def cli(workdir: Path, *args: str) -> str:
     done = subprocess.run([sys.executable, "-m", "appliance.cli", *args, "--config", str(workdir / "models.toml")],
                           env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     return done.stdout
+
+
+def fleet_document(fleet: Path) -> TOMLDocument:
+    """A fleet file with its relative paths (adapters, calibrations: beside the fleet file) and `~`
+    made absolute, so that a copy in a work folder reads the same files."""
+    doc = tomlkit.parse(fleet.read_text())
+    for model in doc.get("models", []):
+        if "path" in model:
+            model["path"] = str(Path(str(model["path"])).expanduser())
+        for adapter in model.get("adapters", []):
+            adapter["path"] = str((fleet.parent / Path(str(adapter["path"])).expanduser()).resolve())
+    for route in doc.get("routes", []):
+        if "calibration" in route:
+            route["calibration"] = str((fleet.parent / str(route["calibration"])).resolve())
+    return doc
 
 
 def write_config(workdir: Path, config: str) -> None:

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
 
-from appliance_server import cli, start, stop, write_config  # noqa: E402
+from appliance_server import cli, fleet_document, start, stop, write_config  # noqa: E402
 from economics_report import (  # noqa: E402
     Outcome, PairFigures, PassFigures, Targets, cache_figures, figures, manipulated, random_line, targets,
 )
@@ -71,20 +71,13 @@ def load_split(name: str) -> tuple[list[dict[str, Any]], str]:
 def fleet_config(fleet: Path, route: str, calibration: Path | None) -> tuple[str, list[str], dict[str, Price]]:
     """bench/fleet.toml in keys mode with the cache on (verified answers only) and budgets kept, so
     the ledger says what every pass cost. Returns the text, the route's tiers and the prices."""
-    doc = tomlkit.parse(fleet.read_text())
+    doc = fleet_document(fleet)
     doc.pop("server", None)
     doc["auth"] = {"mode": "keys"}
     doc["cache"] = {"enabled": True, "serve_unverified": False, "sweep_interval_s": 0}
     doc["tracing"] = {"store": False}
-    for model in doc["models"]:
-        if "path" in model:
-            model["path"] = str(Path(str(model["path"])).expanduser())
-        for adapter in model.get("adapters", []):  # a distilled tier's file, beside the fleet file
-            adapter["path"] = str((fleet.parent / Path(str(adapter["path"])).expanduser()).resolve())
     tiers: list[str] = []
     for r in doc.get("routes", []):
-        if "calibration" in r:
-            r["calibration"] = str((fleet.parent / str(r["calibration"])).resolve())
         # The bench measures answers, not this box's speed: a slow or busy CPU must not turn into
         # escalations by timeout.
         r["attempt_timeout_s"] = 900

@@ -136,14 +136,33 @@ def clamp_tier(tier: int, tiers: int, floor: int | None, ceiling: int | None) ->
     return max(0, min(tiers - 1, tier))
 
 
-def family_first(family_tiers: tuple[tuple[str, str], ...], metadata: dict[str, str] | None, floor: int | None) -> str | None:
+def split_tier(tier: str) -> tuple[str, str | None]:
+    """A route's tier: a chat model's alias, or "<alias>:<adapter>" (the model with that LoRA adapter)."""
+    alias, _, adapter = tier.partition(":")
+    return alias, adapter or None
+
+
+def family_rank(tiers: tuple[str, ...], tier: str) -> int | None:
+    """Where a family tier stands in its route's chain: its own place, else its base model's (an
+    adapter costs what its base does). None when its model is not in the chain."""
+    if tier in tiers:
+        return tiers.index(tier)
+    base = split_tier(tier)[0]
+    return next((i for i, t in enumerate(tiers) if split_tier(t)[0] == base), None)
+
+
+def family_first(family_tiers: tuple[tuple[str, str], ...], tiers: tuple[str, ...], metadata: dict[str, str] | None,
+                 floor: int | None, ceiling: int | None) -> tuple[str, int] | None:
     """The tier promoted for the family a request's metadata names, tried before the route's own
-    choice: an adapter is evaluated on one family, so that family is where it may serve. None for a
-    role whose floor asks for more than the cheapest tier."""
+    choice (an adapter is evaluated on one family, so that family is where it may serve), and its place
+    in the chain. A role whose floor is above that place or whose ceiling is below it skips it, so that
+    naming a family buys neither a dearer model nor a cheaper one than the role allows."""
     family = (metadata or {}).get("family")
-    if family is None or (floor is not None and floor > 0):
+    tier = dict(family_tiers).get(family) if family is not None else None
+    rank = family_rank(tiers, tier) if tier is not None else None
+    if tier is None or rank is None or (floor is not None and rank < floor) or (ceiling is not None and rank > ceiling):
         return None
-    return dict(family_tiers).get(family)
+    return tier, rank
 
 
 # -- validators ---------------------------------------------------------------------------------

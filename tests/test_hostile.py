@@ -18,8 +18,8 @@ import apsw
 import httpx
 import pytest
 
-from tests.conftest import CHAT_MODEL, EMBED_MODEL, Server, config_text, start_server, stop_server
-from tests.test_gate_api import admin_call, new_key
+from tests.conftest import CHAT_MODEL, EMBED_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
+from tests.test_gate_api import admin_call, cli, new_key
 
 REQUESTS_PER_MINUTE = 6
 TOKENS_PER_MINUTE = 700
@@ -537,3 +537,65 @@ def test_training_is_for_admins_and_its_inputs_cannot_escape(hostile: dict[str, 
         error = assert_refused(call(server, admin, "/admin/distill/train", {**body, **bad}))
         assert param is None or error["param"] == param, (bad, error)
     assert not [j for j in admin_call(server, admin, "GET", "/admin/jobs").json()["jobs"] if j["kind"] == "train"]
+
+
+FAMILY_ROUTE = f"""
+[[models]]
+alias = "dear"
+package_file = "{MODEL_FILE}"
+context_length = 1024
+slots = 2
+threads = 2
+price_input_per_mtok = 10.0
+price_output_per_mtok = 20.0
+
+[[routes]]
+alias = "auto"
+tiers = ["{CHAT_MODEL}", "dear"]
+# every family tier's answer escalates, so that each test shows the chain that follows it
+family_min_confidence = 1.0
+
+[routes.role_floor]
+analyst = "frontier"
+
+[routes.role_ceiling]
+intern = "small"
+
+[routes.family_tiers]
+cheap = "{CHAT_MODEL}"
+costly = "dear"
+"""
+
+
+def test_naming_a_family_buys_no_tier_a_role_may_not_have(tmp_path: Path) -> None:
+    """`metadata.family` is the caller's to set: it may get the family's promoted tier, never a model
+    above the role's ceiling or below its floor, and a malformed family is refused or ignored."""
+    text = config_text(embeddings=False, auth="keys", price_in=1.0, price_out=2.0, slots=2) + FAMILY_ROUTE
+    server = start_server(tmp_path, text.replace('[auth]\nmode = "keys"\n\n[auth.open_principal]\nadmin = true\n', '[auth]\nmode = "keys"\n'))
+    try:
+        keys = {role: cli(server, "keys", "create", "--tenant", "acme", "--app", "web", "--user", role, "--role", role).strip().splitlines()[-1]
+                for role in ("dev", "intern", "analyst")}
+
+        def ask(role: str, metadata: Any) -> httpx.Response:
+            body = {"model": "auto", "messages": [{"role": "user", "content": "Write one sentence about the sea."}], "max_tokens": 8,
+                    "temperature": 0, "metadata": metadata}
+            return call(server, keys[role], "/v1/chat/completions", body)
+
+        def served(response: httpx.Response) -> tuple[str, list[tuple[str, str]]]:
+            assert response.status_code == 200, response.text
+            attempts = [(a["model"], a["outcome"].split(" ")[0]) for a in json.loads(response.headers["x-route-attempts"])]
+            return response.headers["x-route-tier"], attempts
+
+        # the family's tier first; unsure, it escalates up the chain, never asking the same model twice
+        assert served(ask("dev", {"family": "cheap"})) == ("1", [(CHAT_MODEL, "low"), ("dear", "ok")])
+        assert served(ask("dev", {"family": "costly"})) == ("0", [("dear", "low"), (CHAT_MODEL, "ok")])  # the operator promoted it
+        # the intern is capped at the small tier: naming the family of a dearer tier does not lift the cap
+        assert served(ask("intern", {"family": "costly"})) == ("0", [(CHAT_MODEL, "ok")])
+        # the analyst's floor is the frontier: naming a cheap family does not lower it
+        assert served(ask("analyst", {"family": "cheap"})) == ("1", [("dear", "ok")])
+        for metadata in ({"family": "unknown"}, {"family": ""}, {"family": "cheap ", "other": "x"}, {"Family": "costly"}, {}):
+            assert served(ask("dev", metadata)) == ("0", [(CHAT_MODEL, "ok")]), metadata
+        for metadata in ({"family": "c" * 513}, {"family": 7}, {"family": ["cheap"]}, {f"k{i}": "v" for i in range(17)}, "cheap"):
+            assert_refused(ask("dev", metadata))
+    finally:
+        stop_server(server)

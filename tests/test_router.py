@@ -31,6 +31,7 @@ from policy.router import (
     decide,
     decide_calibrated,
     family_first,
+    family_rank,
     features,
     repetition,
     validate,
@@ -195,22 +196,33 @@ def test_a_calibration_file_round_trips_and_its_errors_name_the_key(tmp_path: Pa
 
 
 def test_a_family_tier_is_tried_first_for_its_family_only() -> None:
-    promoted = (("classification", "small:distilled"),)
-    assert family_first(promoted, {"family": "classification"}, None) == "small:distilled"
-    assert family_first(promoted, {"family": "classification"}, 0) == "small:distilled"  # a floor at the cheapest tier bounds nothing
-    assert family_first(promoted, {"family": "classification"}, 1) is None  # the role asked for at least the middle tier
-    assert family_first(promoted, {"family": "extraction"}, None) is None
-    assert family_first(promoted, {"tag": "classification"}, None) is None
-    assert family_first(promoted, None, None) is None
-    assert family_first((), {"family": "classification"}, None) is None
+    promoted, chain = (("classification", "small:distilled"),), ("small", "mid", "big")
+    assert family_first(promoted, chain, {"family": "classification"}, None, None) == ("small:distilled", 0)  # where its base stands
+    assert family_first(promoted, chain, {"family": "classification"}, 0, 0) == ("small:distilled", 0)  # bounds at its place hold nothing back
+    assert family_first(promoted, chain, {"family": "classification"}, 1, None) is None  # the role asked for at least the middle tier
+    assert family_first(promoted, chain, {"family": "extraction"}, None, None) is None
+    assert family_first(promoted, chain, {"tag": "classification"}, None, None) is None
+    assert family_first(promoted, chain, None, None, None) is None
+    assert family_first((), chain, {"family": "classification"}, None, None) is None
+    # a family tier that is a dearer model stands at that model's place: a role capped below it skips it
+    dear = (("classification", "big"), ("extraction", "mid"), ("rewrite", "small:distilled"))
+    assert family_first(dear, chain, {"family": "classification"}, None, 0) is None
+    assert family_first(dear, chain, {"family": "extraction"}, None, 1) == ("mid", 1)
+    assert family_first(dear, chain, {"family": "extraction"}, 2, None) is None
+    assert family_first(dear, ("mid", "big"), {"family": "rewrite"}, None, None) is None  # its model is not in this chain
+    assert family_rank(("small", "small:distilled"), "small:distilled") == 1  # a tier of the chain itself: its own place
 
 
-def test_a_family_tier_must_name_a_chat_model_or_its_adapter(tmp_path: Path) -> None:
+def test_a_family_tier_must_name_a_model_of_its_route_or_its_adapter(tmp_path: Path) -> None:
     models = "".join(f'[[models]]\nalias = "{a}"\npath = "m.gguf"\n\n' for a in TIERS)
+    models = models.replace('alias = "small"\npath = "m.gguf"\n', 'alias = "small"\npath = "m.gguf"\n\n[[models.adapters]]\nname = "distilled"\npath = "a.gguf"\n')
     route = '[[routes]]\nalias = "auto"\ntiers = ["small", "big"]\n\n[routes.family_tiers]\nclassification = "{}"\n'
-    settings = parse_settings(models + route.format("mid"), str(tmp_path / "models.toml"), tmp_path)
-    assert settings.route("auto").family_tiers == (("classification", "mid"),)  # a tier of its own, outside the chain
-    for tier, problem in (("nope", "'nope' is not the alias of a chat model"), ("small:distilled", "has no adapter 'distilled'")):
+    (tmp_path / "a.gguf").write_bytes(b"")
+    for tier in ("small:distilled", "big"):
+        settings = parse_settings(models + route.format(tier), str(tmp_path / "models.toml"), tmp_path)
+        assert settings.route("auto").family_tiers == (("classification", tier),)
+    for tier, problem in (("nope", "'nope' is not the alias of a chat model"), ("small:other", "has no adapter 'other'"),
+                          ("mid", "its model is not one of this route's tiers ['small', 'big']")):
         with pytest.raises(ConfigError) as caught:
             parse_settings(models + route.format(tier), str(tmp_path / "models.toml"), tmp_path)
         assert caught.value.key == "routes[0].family_tiers.classification" and problem in caught.value.problem
