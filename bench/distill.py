@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2, help="teacher requests at once (default 2, the fleet's slots)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", default="2")
+    parser.add_argument("--family", action="append", choices=FAMILIES,
+                        help="train and evaluate on this family's export only (repeatable; default both): one adapter per family")
     parser.add_argument("--until", choices=("teach", "export", "train", "evaluate"), default="evaluate", help="stop after this step")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         write_config(workdir, bench_config(args.fleet, args.student, args.teacher))
     log = Log(workdir / "steps.jsonl")
     examples = per_family(args.examples)
+    trained = [f for f in FAMILIES if f in (args.family or FAMILIES)]
     requests = [r for family in FAMILIES for r in traffic(family, examples[family], args.seed)]
     requests.sort(key=lambda r: (int(r["id"].rsplit("-", 1)[1]), r["family"]))  # the families interleaved, as traffic comes
     proc, base = start(workdir)
@@ -207,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         adapter = "distilled"
         if "train" not in log.done("step"):
-            both = workdir / "train.jsonl"  # one adapter for both families: one distilled tier
-            both.write_text("".join((data[f] / "train.jsonl").read_text() for f in FAMILIES))
+            both = workdir / "train.jsonl"  # one adapter for the families trained: one distilled tier
+            both.write_text("".join((data[f] / "train.jsonl").read_text() for f in trained))
             started = time.monotonic()
             print(must(appliance(workdir, base, "distill", "train", "--student", args.student, "--data", str(both), "--out", adapter,
                                  "--epochs", args.epochs)))
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         results: dict[str, dict[str, Any]] = {}
         folder = workdir / "home" / "adapters" / args.student / adapter
-        for f in FAMILIES:
+        for f in trained:
             if f not in log.done("evaluate"):
                 print(must(appliance(workdir, base, "distill", "evaluate", "--student", args.student, "--adapter", adapter, "--data", str(data[f]),
                                      "--workload", str(EVALUATION), "--family", f, "--teacher", args.teacher)))
