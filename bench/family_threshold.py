@@ -28,6 +28,7 @@ import tomlkit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
 
 from appliance_server import fleet_document, start, stop, write_config  # noqa: E402
 
