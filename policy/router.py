@@ -152,17 +152,17 @@ def family_rank(tiers: tuple[str, ...], tier: str) -> int | None:
 
 
 def family_first(family_tiers: tuple[tuple[str, str], ...], tiers: tuple[str, ...], metadata: dict[str, str] | None,
-                 floor: int | None, ceiling: int | None) -> tuple[str, int] | None:
+                 floor: int | None, ceiling: int | None) -> str | None:
     """The tier promoted for the family a request's metadata names, tried before the route's own
-    choice (an adapter is evaluated on one family, so that family is where it may serve), and its place
-    in the chain. A role whose floor is above that place or whose ceiling is below it skips it, so that
+    choice (an adapter is evaluated on one family, so that family is where it may serve). A role whose
+    floor is above its place in the chain (`family_rank`) or whose ceiling is below it skips it, so that
     naming a family buys neither a dearer model nor a cheaper one than the role allows."""
     family = (metadata or {}).get("family")
     tier = dict(family_tiers).get(family) if family is not None else None
     rank = family_rank(tiers, tier) if tier is not None else None
     if tier is None or rank is None or (floor is not None and rank < floor) or (ceiling is not None and rank > ceiling):
         return None
-    return tier, rank
+    return tier
 
 
 # -- validators ---------------------------------------------------------------------------------

@@ -197,8 +197,9 @@ def test_a_calibration_file_round_trips_and_its_errors_name_the_key(tmp_path: Pa
 
 def test_a_family_tier_is_tried_first_for_its_family_only() -> None:
     promoted, chain = (("classification", "small:distilled"),), ("small", "mid", "big")
-    assert family_first(promoted, chain, {"family": "classification"}, None, None) == ("small:distilled", 0)  # where its base stands
-    assert family_first(promoted, chain, {"family": "classification"}, 0, 0) == ("small:distilled", 0)  # bounds at its place hold nothing back
+    assert family_first(promoted, chain, {"family": "classification"}, None, None) == "small:distilled"
+    assert family_rank(chain, "small:distilled") == 0  # where its base stands
+    assert family_first(promoted, chain, {"family": "classification"}, 0, 0) == "small:distilled"  # bounds at its place hold nothing back
     assert family_first(promoted, chain, {"family": "classification"}, 1, None) is None  # the role asked for at least the middle tier
     assert family_first(promoted, chain, {"family": "extraction"}, None, None) is None
     assert family_first(promoted, chain, {"tag": "classification"}, None, None) is None
@@ -207,7 +208,7 @@ def test_a_family_tier_is_tried_first_for_its_family_only() -> None:
     # a family tier that is a dearer model stands at that model's place: a role capped below it skips it
     dear = (("classification", "big"), ("extraction", "mid"), ("rewrite", "small:distilled"))
     assert family_first(dear, chain, {"family": "classification"}, None, 0) is None
-    assert family_first(dear, chain, {"family": "extraction"}, None, 1) == ("mid", 1)
+    assert family_first(dear, chain, {"family": "extraction"}, None, 1) == "mid" and family_rank(chain, "mid") == 1
     assert family_first(dear, chain, {"family": "extraction"}, 2, None) is None
     assert family_first(dear, ("mid", "big"), {"family": "rewrite"}, None, None) is None  # its model is not in this chain
     assert family_rank(("small", "small:distilled"), "small:distilled") == 1  # a tier of the chain itself: its own place

@@ -178,8 +178,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     # timed out), the tiers below it are tried too, since a validated smaller answer beats the default.
     bottom = floor if floor is not None else 0
     order: list[int | None] = [*range(bounded, top + 1), *range(bounded - 1, bottom - 1, -1)]
-    promoted = family_first(route.family_tiers, route.tiers, body.metadata, floor, ceiling)
-    first = promoted[0] if promoted is not None else None
+    first = family_first(route.family_tiers, route.tiers, body.metadata, floor, ceiling)
     if first is not None:  # its family's promoted tier first (index None); the route's choice if it fails
         order = [None, *(i for i in order if route.tiers[i] != first)]  # a chain tier that is the same model is not asked twice
         traced.annotate(route__family_tier=first)
