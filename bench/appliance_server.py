@@ -15,6 +15,8 @@ import httpx
 import tomlkit
 from tomlkit.toml_document import TOMLDocument
 
+from policy.budgets import Price
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The top of a config for benches of the engine alone: no keys, budgets, semantic cache or trace store.
@@ -56,6 +58,12 @@ def fleet_document(fleet: Path) -> TOMLDocument:
         if "calibration" in route:
             route["calibration"] = str((fleet.parent / str(route["calibration"])).resolve())
     return doc
+
+
+def fleet_prices(doc: TOMLDocument) -> dict[str, Price]:
+    """Each model's price by alias, as the ledger charges it (an adapter costs what its base does)."""
+    return {str(m["alias"]): Price.per_million(float(m.get("price_input_per_mtok", 0)), float(m.get("price_output_per_mtok", 0)))
+            for m in doc.get("models", [])}
 
 
 def write_config(workdir: Path, config: str) -> None:

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
 
-from appliance_server import cli, fleet_document, start, stop, write_config  # noqa: E402
+from appliance_server import cli, fleet_document, fleet_prices, start, stop, write_config  # noqa: E402
 from economics_report import (  # noqa: E402
     Outcome, PairFigures, PassFigures, Targets, cache_figures, figures, manipulated, random_line, targets,
 )
@@ -87,8 +87,7 @@ def fleet_config(fleet: Path, route: str, calibration: Path | None) -> tuple[str
                 r["calibration"] = str(calibration.resolve())
     if not tiers:
         raise SystemExit(f"error: {fleet}: no [[routes]] alias {route!r}")
-    prices = {str(m["alias"]): Price.per_million(float(m["price_input_per_mtok"]), float(m["price_output_per_mtok"])) for m in doc["models"]}
-    return tomlkit.dumps(doc), tiers, prices
+    return tomlkit.dumps(doc), tiers, fleet_prices(doc)
 
 
 def read_outcomes(path: Path) -> dict[str, dict[str, Outcome]]:

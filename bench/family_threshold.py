@@ -21,8 +21,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 import httpx
 import tomlkit
 
@@ -30,12 +28,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
 
-from appliance_server import fleet_document, start, stop, write_config  # noqa: E402
+from appliance_server import fleet_document, fleet_prices, start, stop, write_config  # noqa: E402
 
 from appliance import calibration_file, eval_file  # noqa: E402
+from appliance.eval_file import QuestionLine  # noqa: E402
 from appliance.evaluate import Labelled, load_checker, routing_inputs  # noqa: E402
 from appliance.offline_routing import Row, calibrated_choices  # noqa: E402
-from policy.router import confidence_of  # noqa: E402
+from policy.budgets import Price  # noqa: E402
+from policy.router import Calibration, confidence_of, split_tier  # noqa: E402
 
 SPLITS = ("calibration", "development")
 THRESHOLDS = (0.0, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98)
@@ -49,25 +49,18 @@ def items(families: list[str], splits: list[str]) -> list[dict[str, Any]]:
     return found
 
 
-def prices(fleet: Path) -> dict[str, tuple[int, int]]:
-    """Nano-dollars per token, input and output, by model alias (an adapter costs what its base does)."""
-    models = tomllib.loads(fleet.read_text()).get("models", [])
-    return {m["alias"]: (round(m.get("price_input_per_mtok", 0) * 1000), round(m.get("price_output_per_mtok", 0) * 1000)) for m in models}
-
-
-def stored(export: Path) -> dict[str, dict[str, tuple[bool, int]]]:
+def stored(questions: list[QuestionLine]) -> dict[str, dict[str, tuple[bool, int]]]:
     """Each target's verdict and charge per workload id, from `appliance eval export`'s file."""
-    return {q.ref: {a.target: (a.correct, a.cost_nanos) for a in q.answers} for q in eval_file.read(export)[1]}
+    return {q.ref: {a.target: (a.correct, a.cost_nanos) for a in q.answers} for q in questions}
 
 
-def route_choices(export: Path, calibration: Path) -> dict[str, int]:
+def route_choices(questions: list[QuestionLine], table: Calibration) -> dict[str, int]:
     """The learned route's first choice for each question of an export, offline (as `appliance eval
     simulate` decides it): the tier index in the calibration's chain."""
-    table = calibration_file.read(calibration)
     rows = [Labelled(0, q.ref, q.family, tuple(q.messages), q.response_format is not None,
                      tuple(next(a.correct for a in q.answers if a.target == t) for t in table.tiers),
                      tuple(next(a.cost_nanos for a in q.answers if a.target == t) for t in table.tiers))
-            for q in eval_file.read(export)[1]]
+            for q in questions]
     found, _, vectors, _ = routing_inputs(rows, table.knn.settings.task if table.knn else False)
     scored = [Row(f, tuple(map(float, r.correct)), tuple(map(float, r.cost_nanos))) for f, r in zip(found, rows)]
     return {r.ref: tier for r, tier in zip(rows, calibrated_choices(scored, table, vectors))}
@@ -105,7 +98,7 @@ def on_route(rows: list[dict[str, Any]], taught: dict[str, dict[str, tuple[bool,
             print(f"{family}\t{t:.2f}\t{r2}\t{c2 / dear:.1%}\t{r2 - right:+d}\t{(c2 - cost) / dear:+.1%}")
 
 
-def ask(client: httpx.Client, model: str, record: dict[str, Any], price: tuple[int, int]) -> tuple[str, float | None, int]:
+def ask(client: httpx.Client, model: str, record: dict[str, Any], price: Price) -> tuple[str, float | None, int]:
     body = {"model": model, "messages": record["messages"], "max_tokens": record["max_tokens"], "temperature": 0, "logprobs": True}
     if record.get("response_format"):
         body["response_format"] = record["response_format"]
@@ -113,8 +106,7 @@ def ask(client: httpx.Client, model: str, record: dict[str, Any], price: tuple[i
     reply.raise_for_status()
     choice, usage = reply.json()["choices"][0], reply.json()["usage"]
     logprobs = [t["logprob"] for t in ((choice.get("logprobs") or {}).get("content") or [])]
-    cost = usage["prompt_tokens"] * price[0] + usage["completion_tokens"] * price[1]
-    return choice["message"]["content"] or "", confidence_of(logprobs), cost
+    return choice["message"]["content"] or "", confidence_of(logprobs), price.cost(usage["prompt_tokens"], usage["completion_tokens"])
 
 
 def table(rows: list[dict[str, Any]], teacher: str) -> None:
@@ -152,17 +144,19 @@ def main() -> int:
     check = load_checker(ROOT / "bench" / "workload" / "check.py")
     answers = args.workdir / "answers.jsonl"
     done = {r["id"]: r for r in map(json.loads, answers.read_text().splitlines())} if answers.exists() else {}
-    runs = stored(args.teacher_run) if args.teacher_run else None
+    questions = eval_file.read(args.teacher_run)[1] if args.teacher_run else None
+    runs = stored(questions) if questions is not None else None
     taught = {ref: answers[args.teacher] for ref, answers in runs.items() if args.teacher in answers} if runs is not None else None
-    price = prices(args.fleet)
+    fleet = fleet_document(args.fleet)
+    price = fleet_prices(fleet)
     todo = [r for r in items(families, args.split or list(SPLITS)) if r["id"] not in done and (taught is None or r["id"] in taught)]
     if todo:
-        write_config(args.workdir, tomlkit.dumps(fleet_document(args.fleet)))
+        write_config(args.workdir, tomlkit.dumps(fleet))
         proc, base = start(args.workdir)
         try:
             with httpx.Client(base_url=base, timeout=900, headers={"Cache-Control": "no-store"}) as client, answers.open("a") as out:
                 for i, record in enumerate(todo):
-                    text_tier, confidence, cost = ask(client, args.tier, record, price[args.tier.split(":")[0]])
+                    text_tier, confidence, cost = ask(client, args.tier, record, price[split_tier(args.tier)[0]])
                     if taught is None:
                         text_teacher, _, teacher_cost = ask(client, args.teacher, record, price[args.teacher])
                         teacher_right = bool(check(record, text_teacher))
@@ -177,10 +171,10 @@ def main() -> int:
         finally:
             stop(proc)
     table(list(done.values()), args.teacher)
-    if args.calibration is not None and runs is not None:
-        chosen = route_choices(args.teacher_run, args.calibration)
-        tiers = calibration_file.read(args.calibration).tiers
-        on_route([r for r in done.values() if r["id"] in chosen], runs, chosen, tiers, args.tier)
+    if args.calibration is not None and questions is not None and runs is not None:
+        table_read = calibration_file.read(args.calibration)
+        chosen = route_choices(questions, table_read)
+        on_route([r for r in done.values() if r["id"] in chosen], runs, chosen, table_read.tiers, args.tier)
     return 0
 
 
