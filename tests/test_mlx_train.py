@@ -73,6 +73,24 @@ def test_stop_resume_and_register(trained: tuple[Path, Path]) -> None:
     assert [a.name for a in load_settings(config).model("tiny").adapters] == ["vault"]  # type: ignore[union-attr]
 
 
+def test_a_resumed_run_is_the_run_that_was_stopped(trained: tuple[Path, Path]) -> None:
+    """Adam's state and the batches' order carry over a stop: where the stop fell leaves no mark."""
+    work, config = trained
+    resumed = work / "home" / "adapters" / "tiny" / "vault" / "mlx" / "adapters.safetensors"
+    if not resumed.is_file():
+        pytest.skip("the training test did not finish")
+    settings = load_settings(config)
+    straight = training.prepare(settings, "tiny", work / "vault.jsonl", "straight", OPTIONS, threads=2)
+    record = training.run(straight, lambda p: None, threading.Event())
+    assert record["resumed_from_step"] == 0
+    training.install(straight, config)
+    import mlx.core as mx
+    one, other = mx.load(str(resumed)), mx.load(str(work / "home" / "adapters" / "tiny" / "straight" / "mlx" / "adapters.safetensors"))
+    assert one.keys() == other.keys() and one
+    for key in one:
+        assert mx.allclose(one[key], other[key], atol=1e-5).item(), key
+
+
 def test_the_adapter_answers_the_same_on_both_engines(trained: tuple[Path, Path]) -> None:
     work, config = trained
     folder = work / "home" / "adapters" / "tiny" / "vault"
@@ -89,7 +107,7 @@ def test_the_adapter_answers_the_same_on_both_engines(trained: tuple[Path, Path]
             return r.choices[0].message.content or ""
 
         tuned = ask("tiny:vault")
-        # Twelve steps move a random model towards the reply (seen: "LE- code is PINE"; untrained: " Otto Gentle debug...").
+        # Twelve steps move a random model towards the reply (seen: "The vault code flavorLE vault"; untrained: " Otto Gentle debug...").
         assert any(word in tuned for word in ("vault", "code", "PINE")), tuned
         assert tuned == ask("tiny-mlx:vault"), "the two formats of one adapter disagree"
         assert tuned != ask("tiny") and ask("tiny") == ask("tiny-mlx")

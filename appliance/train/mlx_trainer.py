@@ -3,16 +3,18 @@
 The student is the folder the MLX engine serves (converted from the same GGUF); mlx-lm wraps the
 chosen projections in its LoRA layers and runs its training loop. This module adds what the job
 needs around it, as the PyTorch trainer does: the run's examples with their prompts masked, a
-linear schedule that continues across a resume, checkpoints in `checkpoint-<step>/` (the adapter's
-weights, then trainer_state.json, written last), a stop at the end of the step under way, and the
-trained pairs in Hugging Face's layout for appliance/lora_files.py to write in both formats.
+linear schedule, checkpoints in `checkpoint-<step>/` (the adapter's weights and Adam's state, then
+trainer_state.json, written last), a stop at the end of the step under way, and the trained pairs
+in Hugging Face's layout for appliance/lora_files.py to write in both formats.
 
-On a resume mlx-lm's optimizer starts afresh (it keeps no optimizer state): the adapter's weights
-and the schedule's position carry over, Adam's moments do not.
+A resumed run is the run that was stopped, as Hugging Face's Trainer makes it for PyTorch: the
+weights, Adam's moments and step (so the schedule) come back, and the batches go on in the seeded
+order from where it stopped, so where a stop fell does not change the adapter.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import time
@@ -46,10 +48,10 @@ def train_mlx(spec: Spec, emit: Callable[..., None], stopping: Callable[[], bool
         import mlx.core as mx
         import mlx.optimizers as optim
         import numpy as np
-        from mlx.utils import tree_flatten
+        from mlx.utils import tree_flatten, tree_unflatten
         from mlx_lm import load
         from mlx_lm.tuner.callbacks import TrainingCallback
-        from mlx_lm.tuner.trainer import TrainingArgs, train
+        from mlx_lm.tuner.trainer import TrainingArgs, iterate_batches, train
         from mlx_lm.tuner.utils import linear_to_lora_layers
     except ImportError as exc:
         emit("error", message=not_installed("mlx", exc.name))
@@ -63,26 +65,30 @@ def train_mlx(spec: Spec, emit: Callable[..., None], stopping: Callable[[], bool
         emit("error", message=f"student {spec.student!r}: mlx-lm cannot load {spec.mlx_folder} ({type(exc).__name__}: {exc})")
         return 1
     model.freeze()
+    mx.random.seed(options.seed)  # LoRA's A matrices start from it: one seed, one adapter
     linear_to_lora_layers(model, len(model.layers), {"rank": options.rank, "scale": options.lora_alpha / options.rank,
                                                       "dropout": 0.0, "keys": lora_keys(options.modules)})
     checkpoints = Path(spec.checkpoints)
+    total = total_steps(spec.example_count, options)
     resume = latest_checkpoint(checkpoints)
     done = 0
+    rate = options.learning_rate
+    optimizer = optim.Adam(learning_rate=lambda step: rate * (1.0 - step / total))  # linear to 0 over the whole run
     if resume is not None:
         model.load_weights(str(resume / "adapters.safetensors"), strict=False)
         done = int(json.loads((resume / "trainer_state.json").read_text())["global_step"])
-    total = total_steps(spec.example_count, options)
+        kept = resume / "optimizer.safetensors"
+        # Older checkpoints kept no optimizer: their moments start afresh, the schedule where it was.
+        optimizer.state = (tree_unflatten(list(mx.load(str(kept)).items())) if kept.is_file()
+                           else {"step": mx.array(done, mx.uint64)})
     rows = [json.loads(line) for line in Path(spec.examples).read_text().splitlines()]
     dataset = [(r["tokens"], prompt_length(r["labels"])) for r in rows]
     if stopping():
         emit("cancelled", step=done)
         return CANCELLED_EXIT
-    np.random.seed(options.seed + done)  # mlx-lm draws the batches' order from numpy
-    mx.random.seed(options.seed)
-    rate = options.learning_rate
 
-    def schedule(step: Any) -> Any:  # linear to 0 over the whole run, where the last session left it
-        return rate * (1.0 - (step + done) / total)
+    def batches(*args: Any, **kwargs: Any) -> Any:  # the seeded order, past the batches already trained on
+        return itertools.islice(iterate_batches(*args, **{**kwargs, "seed": options.seed}), done, None)
 
     losses: list[float] = []
 
@@ -90,6 +96,7 @@ def train_mlx(spec: Spec, emit: Callable[..., None], stopping: Callable[[], bool
         folder = checkpoints / f"checkpoint-{step}"
         folder.mkdir(parents=True, exist_ok=True)
         mx.save_safetensors(str(folder / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+        mx.save_safetensors(str(folder / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
         (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))  # last: the checkpoint is whole
         for older in checkpoints.glob("checkpoint-*"):
             if older != folder:
@@ -115,7 +122,7 @@ def train_mlx(spec: Spec, emit: Callable[..., None], stopping: Callable[[], bool
                             adapter_file=str(checkpoints / "last.safetensors"))  # mlx-lm's own save, at the end
         checkpoints.mkdir(parents=True, exist_ok=True)
         try:
-            train(model, optim.Adam(learning_rate=schedule), dataset, args=args, training_callback=Report())
+            train(model, optimizer, dataset, args=args, iterate_batches=batches, training_callback=Report())
         except _Stopped as stopped:
             emit("cancelled", step=stopped.args[0])
             return CANCELLED_EXIT

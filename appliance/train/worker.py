@@ -115,6 +115,7 @@ def _train_torch(spec: Spec, emit: Callable[..., None], stopping: Callable[[], b
     if stopping():
         emit("cancelled", step=0)
         return CANCELLED_EXIT
+    torch.manual_seed(options.seed)  # LoRA's A matrices start from it (the Trainer seeds only once it is built)
     model = get_peft_model(base, LoraConfig(r=options.rank, lora_alpha=options.lora_alpha, lora_dropout=0.0,
                                             target_modules=list(options.modules), task_type="CAUSAL_LM"))
     rows = [json.loads(line) for line in Path(spec.examples).read_text().splitlines()]
