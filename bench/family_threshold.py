@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import tomlkit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,16 +55,22 @@ def stored(questions: list[QuestionLine]) -> dict[str, dict[str, tuple[bool, int
     return {q.ref: {a.target: (a.correct, a.cost_nanos) for a in q.answers} for q in questions}
 
 
-def route_choices(questions: list[QuestionLine], table: Calibration) -> dict[str, int]:
-    """The learned route's first choice for each question of an export, offline (as `appliance eval
-    simulate` decides it): the tier index in the calibration's chain."""
+def routing_rows(questions: list[QuestionLine], table: Calibration) -> tuple[list[str], list[Row], np.ndarray]:
+    """An export's questions as the route sees them, embedded once: their ids, their rows (each tier's
+    stored verdict and charge, in the calibration's chain order) and their routing texts' vectors."""
     rows = [Labelled(0, q.ref, q.family, tuple(q.messages), q.response_format is not None,
                      tuple(next(a.correct for a in q.answers if a.target == t) for t in table.tiers),
                      tuple(next(a.cost_nanos for a in q.answers if a.target == t) for t in table.tiers))
             for q in questions]
     found, _, vectors, _ = routing_inputs(rows, table.knn.settings.task if table.knn else False)
-    scored = [Row(f, tuple(map(float, r.correct)), tuple(map(float, r.cost_nanos))) for f, r in zip(found, rows)]
-    return {r.ref: tier for r, tier in zip(rows, calibrated_choices(scored, table, vectors))}
+    return [r.ref for r in rows], [Row(f, tuple(map(float, r.correct)), tuple(map(float, r.cost_nanos))) for f, r in zip(found, rows)], vectors
+
+
+def route_choices(questions: list[QuestionLine], table: Calibration) -> dict[str, int]:
+    """The learned route's first choice for each question of an export, offline (as `appliance eval
+    simulate` decides it): the tier index in the calibration's chain."""
+    refs, scored, vectors = routing_rows(questions, table)
+    return dict(zip(refs, calibrated_choices(scored, table, vectors)))
 
 
 def replay(rows: list[dict[str, Any]], taught: dict[str, dict[str, tuple[bool, int]]], chosen: dict[str, int],
