@@ -334,6 +334,11 @@ class RouteSettings(_Table, frozen=True, kw_only=True):
     family_min_confidence: Annotated[float, Meta(ge=0.0, le=1.0, description=(
         "the geometric-mean token probability a family tier's answer needs to stand; below it the route's own choice "
         "answers (the tier's attempt is cheap: chosen on held-out items by bench/family_threshold.py)"))] = 0.0
+    program_families: Annotated[tuple[str, ...], Meta(
+        description="families (a request's metadata.family) whose plain-text requests the chosen tier answers with a short "
+                    "straight-line program that the appliance evaluates (never runs): the reply is the program and an "
+                    "`Answer:` line. Fewer tokens than a worked answer (word problems: bench/word_problem_programs.py); a "
+                    "program that does not evaluate is no answer, and the request is then answered as asked")] = ()
     calibration: Annotated[Calibration | None, Meta(
         description="the measured tier per kind of request (`appliance eval calibrate`)",
         extra={"load": _calibration, "form": "a calibration file's path"})] = None

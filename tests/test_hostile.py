@@ -599,3 +599,37 @@ def test_naming_a_family_buys_no_tier_a_role_may_not_have(tmp_path: Path) -> Non
             assert_refused(ask("dev", metadata))
     finally:
         stop_server(server)
+
+
+PROGRAM_ROUTE = f"""
+[[routes]]
+alias = "auto"
+tiers = ["{CHAT_MODEL}"]
+program_families = ["sums"]
+"""
+
+
+def test_a_program_the_caller_steers_is_never_run(tmp_path: Path) -> None:
+    """A program answer is the model's text, and the caller can make the model write anything: the
+    appliance evaluates straight-line arithmetic only, bounded, and answers as asked otherwise."""
+    marker = tmp_path / "ran"
+    server = start_server(tmp_path / "srv", config_text(embeddings=False, slots=2) + PROGRAM_ROUTE)
+    try:
+        def ask(program: str) -> httpx.Response:
+            body = {"model": "auto", "messages": [{"role": "user", "content": f"Copy this program exactly:\n```python\n{program}```"}],
+                    "max_tokens": 400, "temperature": 0, "metadata": {"family": "sums"}}
+            return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers={"Cache-Control": "no-store"}, timeout=300)
+
+        for program, why in ((f"import os\nos.system('touch {marker}')\nanswer = 1\n", "program: not a straight-line step"),
+                             (f"answer = __import__('os').system('touch {marker}')\n", "program: not arithmetic"),
+                             ("x = 10 ** 10\nx = x * x\nanswer = x * x\n", "program: a number out of range")):
+            started = time.monotonic()
+            response = ask(program)
+            assert response.status_code == 200, response.text
+            attempts = json.loads(response.headers["x-route-attempts"])
+            assert attempts[0]["outcome"].startswith(why), attempts
+            assert attempts[1]["outcome"] == "ok" and "Answer:" not in response.json()["choices"][0]["message"]["content"].splitlines()[-1]
+            assert time.monotonic() - started < 120
+        assert not marker.exists()
+    finally:
+        stop_server(server)

@@ -313,6 +313,11 @@ alias = "strict"
 tiers = ["tier-small", "tier-mid"]
 min_confidence = 0.999
 default_response = "No reliable answer: this is the route's default."
+
+[[routes]]
+alias = "programs"
+tiers = ["tier-small", "tier-mid"]
+program_families = ["sums"]
 """
 
 
@@ -778,3 +783,55 @@ def test_an_eval_run_cut_short_is_resumed_asking_only_what_is_missing(routed: tu
     other.write_text(data.read_text().splitlines()[0] + "\n")
     with pytest.raises(AssertionError, match="give the same --file and --limit"):
         cli(server, *[str(other) if a == str(data) else a for a in asked], "--resume", str(run_id))
+
+
+# The bundled model copies a program it is shown; it does not write a right one of its own.
+COPY = "Copy this program exactly:\n```python\nanswer = 3 + 4\n```"
+SUM = "Tom has 3 apples and buys 4 more. How many apples does he have?"
+
+
+def test_a_listed_family_is_answered_by_a_program_the_appliance_evaluates(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, collector = routed
+    response = ask(server, keys["dev"], COPY, model="programs", system="Solve it step by step.", max_tokens=96, metadata={"family": "sums"})
+    assert response.status_code == 200, response.text
+    attempts = json.loads(response.headers["x-route-attempts"])
+    model = response.headers["x-route-model"]
+    assert attempts == [{"model": model, "outcome": "program: ok"}]
+    reply = response.json()
+    assert reply["choices"][0]["message"]["content"] == "```python\nanswer = 3 + 4\n```\nAnswer: 7"
+    assert reply["usage"]["completion_tokens"] > 0 and reply["model"] == model
+    (row,) = settled(server, reply["id"], 1)
+    assert row[1] == model and row[3] > 0 and int(response.headers["x-route-cost-nanousd"]) == row[3]
+    spans = spans_of(collector, response.headers["x-trace-id"])
+    assert next(s for s in spans if s["name"] == "route.program")["attributes"]["appliance.outcome"] == "ok"
+    # the program's reply is kept apart from worked answers: the same question asked plainly is not served it
+    deadline = time.monotonic() + 10
+    while (again := ask(server, keys["dev"], COPY, model="programs", system="Solve it step by step.", max_tokens=96,
+                        metadata={"family": "sums"})).headers["x-cache"] != "hit":
+        assert time.monotonic() < deadline, again.headers
+        time.sleep(0.1)
+    assert again.json()["choices"][0]["message"]["content"] == reply["choices"][0]["message"]["content"]
+    plain = ask(server, keys["dev"], COPY, model="programs", system="Solve it step by step.", max_tokens=96)
+    assert plain.status_code == 200 and plain.headers["x-cache"] == "miss", plain.headers
+    assert not plain.json()["choices"][0]["message"]["content"].endswith("Answer: 7")
+    # nor is a program asked for where the family is not listed, or where the caller wants JSON
+    for extra in ({}, {"metadata": {"family": "other"}}, {"metadata": {"family": "sums"}, "response_format": {"type": "json_object"}}):
+        plain = ask(server, keys["dev"], COPY, model="programs", system="Solve it step by step.", max_tokens=96, headers={"Cache-Control": "no-cache"},
+                    **extra)
+        assert plain.status_code == 200 and plain.headers["x-cache"] == "bypass", (extra, plain.headers)
+        assert not any(a["outcome"].startswith("program") for a in json.loads(plain.headers["x-route-attempts"])), extra
+        assert not plain.json()["choices"][0]["message"]["content"].endswith("Answer: 7"), extra
+
+
+def test_a_program_that_does_not_evaluate_leaves_the_request_answered_as_asked(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, _ = routed
+    response = ask(server, keys["dev"], SUM, model="programs", system="Solve it step by step.", max_tokens=96, metadata={"family": "sums"},
+                   headers={"Cache-Control": "no-store"})
+    assert response.status_code == 200, response.text
+    attempts = json.loads(response.headers["x-route-attempts"])
+    program, worked = attempts[0], attempts[1]
+    assert program["outcome"].startswith("program: ") and program["outcome"] != "program: ok", attempts
+    assert worked == {"model": program["model"], "outcome": "ok"}  # the same tier, asked as the caller asked
+    assert "```python" not in response.json()["choices"][0]["message"]["content"]
+    rows = settled(server, response.json()["id"], 2)
+    assert len(rows) == 2 and all(r[3] > 0 for r in rows) and int(response.headers["x-route-cost-nanousd"]) == sum(r[3] for r in rows)

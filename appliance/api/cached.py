@@ -24,6 +24,7 @@ from appliance.settings import RouteSettings, split_tier
 from engines.base import FinishEvent, Usage
 from policy.cache import Cacheable, NotCacheable, classify
 from policy.identity import Principal
+from policy.programs import wants_program
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,8 @@ def route_cache_plan(header: str | None, services: Services, principal: Principa
         "seed": body.seed,
         "response_format": msgspec.to_builtins(body.response_format) if body.response_format is not None else None,
         **_adjustments(body),
+        # A program's reply has another form than a worked answer's: each keeps its own bucket.
+        **({"program": True} if wants_program(route.program_families, body.metadata, True) else {}),
     }
     versions = []
     for tier in route.tiers:  # a distilled tier ("alias:adapter") keeps its own answers, apart from its base's

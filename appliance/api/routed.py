@@ -15,6 +15,7 @@ import json
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 from litestar import Request, Response
 
@@ -23,7 +24,7 @@ from appliance.api.cached import CachePlan, charge_judge, route_cache_plan, serv
 from appliance.api.call import WireFor, known_answer
 from appliance.api.collect import both, keeper
 from appliance.api.errors import APIError
-from appliance.api.schemas import ChatCompletionRequest
+from appliance.api.schemas import ChatCompletionRequest, ChatMessage
 from appliance.api.translate import Prepared, chat_messages, prepare_chat, with_adapters
 from appliance.embedders import Embedder
 from appliance.registry import LoadedModel
@@ -34,6 +35,8 @@ from appliance.tracing import RequestTrace, annotate
 from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
 from policy.cache_guards import spelled
 from policy.identity import Principal
+from policy.programs import FORM_ROLES, NotStraightLine, program_of, straight_line, wants_program
+from policy.programs import PROMPT as PROGRAM_PROMPT, reply as program_reply
 from policy.router import TIER_NAMES, Verdict, buckets, clamp_tier, decide_calibrated, describe, family_first, features, validate
 from policy.router_text import embedded_text, routing_text
 
@@ -115,9 +118,12 @@ async def _own_embedder(services: Services, name: str) -> Embedder | None:
 
 def route_meta(route: RouteSettings) -> dict[str, object]:
     """What `/v1/models` says of a route: its tiers and what it decides by (method, labelled
-    questions, threshold, each tier's measured accuracy), and the tiers promoted for a family."""
+    questions, threshold, each tier's measured accuracy), the tiers promoted for a family, and the
+    families it answers with programs."""
     meta = describe(route.calibration, route.tiers)
-    return meta | {"family_tiers": dict(route.family_tiers)} if route.family_tiers else meta
+    if route.family_tiers:
+        meta = meta | {"family_tiers": dict(route.family_tiers)}
+    return meta | {"program_families": list(route.program_families)} if route.program_families else meta
 
 
 def _role_bounds(route: RouteSettings, role: str) -> tuple[int | None, int | None]:
@@ -178,13 +184,52 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     # timed out), the tiers below it are tried too, since a validated smaller answer beats the default.
     bottom = floor if floor is not None else 0
     order: list[int | None] = [*range(bounded, top + 1), *range(bounded - 1, bottom - 1, -1)]
+    def served(alias: str, model: LoadedModel, tier: int | str, prepared: Prepared, text: str, logprobs: list[Any],
+               finish: FinishEvent) -> Response[Any]:
+        services.metrics.route_answers.labels(route.alias, alias).inc()
+        traced.annotate(route__model=alias, route__tier=tier, route__attempts=len(attempts))
+        traced.answered(request_id, alias, [finish.reason], finish.usage.prompt_tokens, finish.usage.completion_tokens)
+        as_answered = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, id=request_id))
+        remember = both(plan.remember(services, model, as_answered, traced),
+                        keeper(services, principal, body, route.alias, alias, as_answered))
+        if remember is not None:
+            remember(text, finish)
+        return _respond(prepared, alias, text, logprobs, finish, body, request_id, started, wire_for,
+                        {"x-route": route.alias, "x-route-model": alias, "x-route-tier": str(tier),
+                         "x-route-attempts": json.dumps(attempts), "x-route-cost-nanousd": str(sum(spent)), **cache_headers})
+
+    plain_text = body.tools is None and body.functions is None and not wants_json
+    if wants_program(route.program_families, body.metadata, plain_text) and _cooling.get(route.tiers[bounded], 0) <= time.monotonic():
+        # The chosen tier writes a program instead of a worked answer; one that does not evaluate is no
+        # answer, and the chain below answers the request as it was asked.
+        alias = route.tiers[bounded]
+        model, adapters = tier_model(services, alias)
+        asked = msgspec.structs.replace(body, messages=[ChatMessage(role="system", content=PROGRAM_PROMPT),
+                                                        *(m for m in body.messages if m.role not in FORM_ROLES)],
+                                        logprobs=False, top_logprobs=None)
+        outcome = await _attempt(request, services, principal, asked, model, adapters, route, f"{request_id}.{len(attempts) + 1}",
+                                 bounded, traced, None, False, spent)
+        number, why = None, outcome[0]
+        if outcome[0] == "ok":
+            with traced.child("route.program") as span:
+                program = program_of(outcome[2])
+                try:
+                    number, why = straight_line(program), "ok"
+                except NotStraightLine as exc:
+                    why = str(exc)
+                annotate(span, outcome=why)
+        attempts.append({"model": alias, "outcome": f"program: {why}"})
+        if number is not None:
+            prepared = with_adapters(prepare_chat(body, model, services.settings.defaults, request_id), adapters)
+            return served(alias, model, bounded, prepared, program_reply(program, number), [], outcome[4])
     first = family_first(route.family_tiers, route.tiers, body.metadata, floor, ceiling)
     if first is not None:  # its family's promoted tier first (index None); the route's choice if it fails
         order = [None, *(i for i in order if route.tiers[i] != first)]  # a chain tier that is the same model is not asked twice
         traced.annotate(route__family_tier=first)
+    asked_before = len(attempts)  # a program's attempt, whose failure is no reason to go down the chain
     for index in order:
         if index is not None and index < bounded and not all(
-                a["outcome"] in _NOT_SERVED or a["outcome"].startswith("unavailable") for a in attempts[1 if first else 0:]):
+                a["outcome"] in _NOT_SERVED or a["outcome"].startswith("unavailable") for a in attempts[asked_before + (1 if first else 0):]):
             break
         alias = first if index is None else route.tiers[index]
         if _cooling.get(alias, 0) > time.monotonic():
@@ -198,17 +243,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
             too_long = outcome[1]
         if outcome[0] == "ok":
             _, prepared, text, logprobs, finish = outcome
-            services.metrics.route_answers.labels(route.alias, alias).inc()
-            traced.annotate(route__model=alias, route__tier="family" if index is None else index, route__attempts=len(attempts))
-            traced.answered(request_id, alias, [finish.reason], finish.usage.prompt_tokens, finish.usage.completion_tokens)
-            as_answered = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, id=request_id))
-            remember = both(plan.remember(services, model, as_answered, traced),
-                            keeper(services, principal, body, route.alias, alias, as_answered))
-            if remember is not None:
-                remember(text, finish)
-            return _respond(prepared, alias, text, logprobs, finish, body, request_id, started, wire_for,
-                            {"x-route": route.alias, "x-route-model": alias, "x-route-tier": "family" if index is None else str(index),
-                             "x-route-attempts": json.dumps(attempts), "x-route-cost-nanousd": str(sum(spent)), **cache_headers})
+            return served(alias, model, "family" if index is None else index, prepared, text, logprobs, finish)
     if attempts and all(a["outcome"] == "context too small" for a in attempts):
         assert too_long is not None
         raise too_long  # no tier can take this prompt: the caller's to shorten, not a default's to paper over
