@@ -6,17 +6,21 @@ eval export` of the calibration or development split; never the evaluation split
   does), and the oracle with one family pinned to one tier: the bound for a router that cannot tell
   that family's questions apart;
 - the best one-tier-per-family route;
-- with `--calibration`, the learned route's own choices, with the same family pinned, and its
-  learning curve: the table cut to a share of its labelled questions at random, the split routed again.
+- the learned route's own choices, with the same family pinned, and its learning curve: the table cut
+  to a share of its labelled questions at random, the split routed again;
+- with `--programs`, the learned route answering a family with programs, as `program_families` does:
+  the chosen tier's program (bench/word_problem_programs.py's kept replies), else its worked answer.
 
     .venv/bin/python bench/routing_bounds.py --export bench/runs/eval/development-tiers.jsonl \\
-        --calibration bench/fleet-learned.toml --pin gsm8k=qwen-0.5b --pin gsm8k=qwen-1.5b
+        --calibration bench/fleet-learned.toml --pin gsm8k=qwen-0.5b --pin gsm8k=qwen-1.5b \\
+        --programs bench/runs/word-problem-programs/answers.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,8 +32,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
 
 from family_threshold import routing_rows  # noqa: E402
+from word_problem_programs import judged  # noqa: E402
 
 from appliance import calibration_file, eval_file  # noqa: E402
+from appliance.evaluate import load_checker  # noqa: E402
 from appliance.offline_routing import Row, calibrated_choices, point  # noqa: E402
 from policy.router_knn import Knn  # noqa: E402
 
@@ -55,6 +61,20 @@ def per_family(rows: Sequence[Row], families: Sequence[str], slack: int) -> dict
     return choice
 
 
+def with_programs(rows: Sequence[Row], chosen: Sequence[int], programs: Sequence[tuple[bool | str, int] | None]) -> tuple[float, float]:
+    """Right answers and cost when question i, answered by tier chosen[i], was first asked for a program:
+    programs[i] is that program's verdict (right or not, or why it did not evaluate) and its cost, or
+    None where no program is asked. A program that does not evaluate pays for the worked answer too."""
+    right = cost = 0.0
+    for row, tier, program in zip(rows, chosen, programs):
+        if program is None or isinstance(program[0], str):
+            right, cost = right + row.correct[tier], cost + row.cost_nanos[tier]
+        if program is not None:
+            cost += program[1]
+            right += program[0] is True
+    return right, cost
+
+
 def cut(knn: Knn, keep: np.ndarray) -> Knn:
     """The table with only the labelled rows `keep` (indices)."""
     return dataclasses.replace(knn, vectors=knn.vectors[keep], features=knn.features[keep], correct=knn.correct[keep],
@@ -66,6 +86,8 @@ def main() -> int:
     parser.add_argument("--export", type=Path, required=True, help="an `appliance eval export` file that every tier answered")
     parser.add_argument("--calibration", type=Path, required=True, help="the learned route's calibration file (its tiers name the chain)")
     parser.add_argument("--pin", action="append", default=[], metavar="FAMILY=TIER", help="a family every route sends to one tier (repeat)")
+    parser.add_argument("--programs", type=Path, help="bench/word_problem_programs.py's answers.jsonl: the learned route with program answers")
+    parser.add_argument("--program-family", default="gsm8k")
     parser.add_argument("--repeats", type=int, default=10, help="random cuts of the table per share, for the learning curve")
     args = parser.parse_args()
     table = calibration_file.read(args.calibration)
@@ -105,6 +127,23 @@ def main() -> int:
     show(f"learned route (keep {table.keep})", learned)
     for family, tier in pins:
         show(f"learned route, {family} pinned to {tiers[tier]}", pinned(families, learned.__getitem__, {family: tier}))
+    if args.programs is not None:
+        check = load_checker(ROOT / "bench" / "workload" / "check.py")
+        kept = {(r["id"], r["tier"]): r for r in map(json.loads, args.programs.read_text().splitlines())}
+        records = {}
+        for split in ("calibration", "development"):
+            with open(ROOT / "bench" / "workload" / "splits" / f"{split}.jsonl") as handle:
+                records.update((r["id"], r) for r in map(json.loads, handle))
+
+        def program(i: int, tier: int) -> tuple[bool | str, int] | None:
+            found = kept.get((questions[i].ref, tiers[tier])) if families[i] == args.program_family else None
+            return None if found is None else (judged(records[questions[i].ref], found["reply"], check), found["cost"])
+
+        asked = [program(i, t) for i, t in enumerate(learned)]
+        missing = sum(1 for i, f in enumerate(families) if f == args.program_family and asked[i] is None and learned[i] > 0)
+        right, cost = with_programs(rows, learned, asked)
+        print(f"learned route, {args.program_family} answered with programs\t{right / (right_top * len(rows)):.1%}\t{cost / (cost_top * len(rows)):.1%}"
+              + (f"\t({missing} chosen tiers' programs not kept: answered worked)" if missing else ""))
     if table.knn is not None:
         rng = np.random.default_rng(0)
         n = table.knn.samples

@@ -10,7 +10,7 @@ import numpy as np
 
 _PATH = list(sys.path)
 sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
-from routing_bounds import cut, oracle, per_family, pinned  # noqa: E402
+from routing_bounds import cut, oracle, per_family, pinned, with_programs  # noqa: E402
 
 sys.path[:] = [*_PATH, str(Path(__file__).resolve().parent.parent / "bench")]  # the script puts bench/ first: not for the suite
 
@@ -51,3 +51,12 @@ def test_a_cut_table_keeps_its_rows_together() -> None:
     assert kept.texts == ("x", "z") and kept.samples == 2
     assert kept.correct.tolist() == [[True, False], [True, True]] and kept.cost_nanos[:, 1].tolist() == [2.0, 6.0]
     assert kept.vectors[1].tolist() == [0.0, 0.0, 1.0]
+
+
+def test_a_program_that_does_not_evaluate_pays_for_the_worked_answer_too() -> None:
+    rows = [row(False, False, True), row(False, False, True), row(False, True, True), row(True, True, True)]
+    chosen = [2, 2, 1, 0]
+    programs = [(False, 40), ("no step gives a number", 30), (True, 5), None]  # the last family is not asked for a program
+    right, cost = with_programs(rows, chosen, programs)
+    assert right == 0 + 1 + 1 + 1  # a wrong program stands; the refused one's worked answer is right
+    assert cost == 40 + (30 + 100) + 5 + 1
