@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
 
-from family_threshold import routing_rows  # noqa: E402
+from family_threshold import SPLITS, items, routing_rows  # noqa: E402
 from word_problem_programs import judged  # noqa: E402
 
 from appliance import calibration_file, eval_file  # noqa: E402
@@ -130,10 +130,7 @@ def main() -> int:
     if args.programs is not None:
         check = load_checker(ROOT / "bench" / "workload" / "check.py")
         kept = {(r["id"], r["tier"]): r for r in map(json.loads, args.programs.read_text().splitlines())}
-        records = {}
-        for split in ("calibration", "development"):
-            with open(ROOT / "bench" / "workload" / "splits" / f"{split}.jsonl") as handle:
-                records.update((r["id"], r) for r in map(json.loads, handle))
+        records = {r["id"]: r for r in items([args.program_family], list(SPLITS))}
 
         def program(i: int, tier: int) -> tuple[bool | str, int] | None:
             found = kept.get((questions[i].ref, tiers[tier])) if families[i] == args.program_family else None

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
 
 from appliance_server import fleet_document, fleet_prices, start, stop, write_config  # noqa: E402
+from family_threshold import items as workload_items  # noqa: E402
 
 from appliance import calibration_file, eval_file  # noqa: E402
 from appliance.evaluate import load_checker  # noqa: E402
@@ -70,8 +71,7 @@ def main() -> int:
     args = parser.parse_args()
     tiers = args.tier or ["qwen-0.5b", "qwen-1.5b"]
     check = load_checker(ROOT / "bench" / "workload" / "check.py")
-    with open(ROOT / "bench" / "workload" / "splits" / f"{args.split}.jsonl") as handle:
-        items = [r for r in map(json.loads, handle) if r["family"] == "gsm8k"]
+    items = workload_items(["gsm8k"], [args.split])
     worked = worked_answers(args.run, args.table, items)
     items = [r for r in items if r["id"] in worked]
     answers = args.workdir / "answers.jsonl"
