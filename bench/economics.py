@@ -302,8 +302,11 @@ class Replayer:
         if h.get("x-route-attempts"):
             # The route's own choice is its first attempt on one of its tiers; a family tier that answered
             # before any (`family_tiers`) counts as below them all: -1.
-            models = [a["model"] for a in json.loads(h["x-route-attempts"])]
+            attempts = json.loads(h["x-route-attempts"])
+            models = [a["model"] for a in attempts]
             chosen = next((self.tiers.index(m) for m in models if m in self.tiers), -1 if models else None)
+            if attempts[-1]["outcome"] == "program: ok":  # `program_families`: the tier's program answered
+                where += " program"
         return Outcome(record["id"], record["family"], record["cache"], correct, cost, latency, where, chosen, adversarial)
 
 

@@ -18,7 +18,7 @@ class Outcome:
     correct: bool
     cost_nanos: int
     latency_s: float
-    answered_by: str  # "cache", a model alias, "default" or "error"
+    answered_by: str  # "cache", a model alias (with " program" when its program answered), "default" or "error"
     chosen_tier: int | None = None  # a routed pass: the tier of its first attempt on a route tier (-1: a family tier answered)
     adversarial_of: str | None = None  # the id of the same question asked plainly
 
