@@ -87,7 +87,9 @@ def main() -> int:
     parser.add_argument("--calibration", type=Path, required=True, help="the learned route's calibration file (its tiers name the chain)")
     parser.add_argument("--pin", action="append", default=[], metavar="FAMILY=TIER", help="a family every route sends to one tier (repeat)")
     parser.add_argument("--programs", type=Path, help="bench/word_problem_programs.py's answers.jsonl: the learned route with program answers")
-    parser.add_argument("--program-family", default="gsm8k")
+    parser.add_argument("--program-family", action="append", help="a family answered with programs (repeat; default gsm8k)")
+    parser.add_argument("--program-tier", action="append", default=[], metavar="FAMILY=TIER",
+                        help="the tier that writes a family's programs (its `family_tiers` tier), else the route's choice (repeat)")
     parser.add_argument("--repeats", type=int, default=10, help="random cuts of the table per share, for the learning curve")
     args = parser.parse_args()
     table = calibration_file.read(args.calibration)
@@ -130,16 +132,20 @@ def main() -> int:
     if args.programs is not None:
         check = load_checker(ROOT / "bench" / "workload" / "check.py")
         kept = {(r["id"], r["tier"]): r for r in map(json.loads, args.programs.read_text().splitlines())}
-        records = {r["id"]: r for r in items([args.program_family], list(SPLITS))}
+        program_families = args.program_family or ["gsm8k"]
+        records = {r["id"]: r for r in items(program_families, list(SPLITS))}
 
         def program(i: int, tier: int) -> tuple[bool | str, int] | None:
-            found = kept.get((questions[i].ref, tiers[tier])) if families[i] == args.program_family else None
+            found = kept.get((questions[i].ref, tiers[tier])) if families[i] in program_families else None
             return None if found is None else (judged(records[questions[i].ref], found["reply"], check), found["cost"])
 
-        asked = [program(i, t) for i, t in enumerate(learned)]
-        missing = sum(1 for i, f in enumerate(families) if f == args.program_family and asked[i] is None and learned[i] > 0)
-        right, cost = with_programs(rows, learned, asked)
-        print(f"learned route, {args.program_family} answered with programs\t{right / (right_top * len(rows)):.1%}\t{cost / (cost_top * len(rows)):.1%}"
+        writers = {family: tiers.index(tier) for family, _, tier in (t.partition("=") for t in args.program_tier)}
+        writing = pinned(families, learned.__getitem__, writers)
+        asked = [program(i, t) for i, t in enumerate(writing)]
+        missing = sum(1 for i, f in enumerate(families) if f in program_families and asked[i] is None and writing[i] > 0)
+        right, cost = with_programs(rows, writing, asked)
+        on = "".join(f", {f} on {t}" for f, _, t in (w.partition("=") for w in args.program_tier))
+        print(f"learned route, {' and '.join(program_families)} answered with programs{on}\t{right / (right_top * len(rows)):.1%}\t{cost / (cost_top * len(rows)):.1%}"
               + (f"\t({missing} chosen tiers' programs not kept: answered worked)" if missing else ""))
     if table.knn is not None:
         rng = np.random.default_rng(0)

@@ -64,6 +64,7 @@ def main() -> int:
     parser.add_argument("--fleet", type=Path, default=ROOT / "bench" / "fleet.toml")
     parser.add_argument("--tier", action="append", help="default: qwen-0.5b and qwen-1.5b")
     parser.add_argument("--split", choices=("calibration", "development"), default="development")
+    parser.add_argument("--family", default="gsm8k", help="a workload family checked by number (gsm8k, arithmetic)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", type=Path, help="an `appliance eval export` of the same split, with each tier's worked answers")
     source.add_argument("--table", type=Path, help="a calibration file whose learned table labelled this split")
@@ -71,7 +72,7 @@ def main() -> int:
     args = parser.parse_args()
     tiers = args.tier or ["qwen-0.5b", "qwen-1.5b"]
     check = load_checker(ROOT / "bench" / "workload" / "check.py")
-    items = workload_items(["gsm8k"], [args.split])
+    items = workload_items([args.family], [args.split])
     worked = worked_answers(args.run, args.table, items)
     items = [r for r in items if r["id"] in worked]
     answers = args.workdir / "answers.jsonl"
@@ -102,7 +103,7 @@ def main() -> int:
             stop(proc)
     frontier = list(prices)[-1]  # the fleet's dearest model comes last
     bill = sum(worked[r["id"]][frontier][1] for r in items)
-    print(f"{len(items)} word problems of the {args.split} split; costs as shares of {frontier}'s worked answers' bill")
+    print(f"{len(items)} {args.family} items of the {args.split} split; costs as shares of {frontier}'s worked answers' bill")
     print("tier\tworked answers right\tworked cost\tprograms right\tprograms that did not run\tprograms' cost\tmean completion tokens"
           "\tthe route's way (the program, else the worked answer): right\tcost")
     for tier in tiers:

@@ -317,7 +317,13 @@ default_response = "No reliable answer: this is the route's default."
 [[routes]]
 alias = "programs"
 tiers = ["tier-small", "tier-mid"]
-program_families = ["sums"]
+program_families = ["sums", "counts"]
+
+[routes.family_tiers]
+counts = "tier-mid"
+
+[routes.role_ceiling]
+intern = "small"
 """
 
 
@@ -835,3 +841,12 @@ def test_a_program_that_does_not_evaluate_leaves_the_request_answered_as_asked(r
     assert "```python" not in response.json()["choices"][0]["message"]["content"]
     rows = settled(server, response.json()["id"], 2)
     assert len(rows) == 2 and all(r[3] > 0 for r in rows) and int(response.headers["x-route-cost-nanousd"]) == sum(r[3] for r in rows)
+
+
+def test_a_family_with_its_own_tier_has_its_program_written_there_within_the_role(routed: tuple[Server, dict[str, str], Collector]) -> None:
+    server, keys, _ = routed
+    for key, model, tier in ((keys["dev"], "tier-mid", "family"), (keys["intern"], "tier-small", "0")):  # the intern's ceiling is small
+        response = ask(server, key, COPY, model="programs", max_tokens=96, metadata={"family": "counts"}, headers={"Cache-Control": "no-store"})
+        assert response.status_code == 200, response.text
+        assert json.loads(response.headers["x-route-attempts"]) == [{"model": model, "outcome": "program: ok"}]
+        assert response.headers["x-route-tier"] == tier and response.json()["choices"][0]["message"]["content"].endswith("Answer: 7")

@@ -37,7 +37,7 @@ from policy.cache_guards import spelled
 from policy.identity import Principal
 from policy.programs import FORM_ROLES, NotStraightLine, program_of, straight_line, wants_program
 from policy.programs import PROMPT as PROGRAM_PROMPT, reply as program_reply
-from policy.router import TIER_NAMES, Verdict, buckets, clamp_tier, decide_calibrated, describe, family_first, features, validate
+from policy.router import TIER_NAMES, Verdict, buckets, clamp_tier, decide_calibrated, describe, family_first, family_rank, features, validate
 from policy.router_text import embedded_text, routing_text
 
 _NOT_SERVED = ("cooling down", "timeout", "failed to serve")
@@ -198,17 +198,20 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
                         {"x-route": route.alias, "x-route-model": alias, "x-route-tier": str(tier),
                          "x-route-attempts": json.dumps(attempts), "x-route-cost-nanousd": str(sum(spent)), **cache_headers})
 
+    first = family_first(route.family_tiers, route.tiers, body.metadata, floor, ceiling)
     plain_text = body.tools is None and body.functions is None and not wants_json
-    if wants_program(route.program_families, body.metadata, plain_text) and _cooling.get(route.tiers[bounded], 0) <= time.monotonic():
-        # The chosen tier writes a program instead of a worked answer; one that does not evaluate is no
-        # answer, and the chain below answers the request as it was asked.
-        alias = route.tiers[bounded]
+    writer = first or route.tiers[bounded]  # the family's tier where it has one (within the role's bounds), else the chosen tier
+    if wants_program(route.program_families, body.metadata, plain_text) and _cooling.get(writer, 0) <= time.monotonic():
+        # A program instead of a worked answer; one that does not evaluate is no answer, and the
+        # request is then answered as it was asked, from the same tier.
+        alias = writer
         model, adapters = tier_model(services, alias)
         asked = msgspec.structs.replace(body, messages=[ChatMessage(role="system", content=PROGRAM_PROMPT),
                                                         *(m for m in body.messages if m.role not in FORM_ROLES)],
                                         logprobs=False, top_logprobs=None)
+        at = bounded if first is None else family_rank(route.tiers, first)  # a chain tier's place: the route's own min_confidence
         outcome = await _attempt(request, services, principal, asked, model, adapters, route, f"{request_id}.{len(attempts) + 1}",
-                                 bounded, traced, None, False, spent)
+                                 at, traced, None, False, spent)
         number, why = None, outcome[0]
         if outcome[0] == "ok":
             with traced.child("route.program") as span:
@@ -221,8 +224,7 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
         attempts.append({"model": alias, "outcome": f"program: {why}"})
         if number is not None:
             prepared = with_adapters(prepare_chat(body, model, services.settings.defaults, request_id), adapters)
-            return served(alias, model, bounded, prepared, program_reply(program, number), [], outcome[4])
-    first = family_first(route.family_tiers, route.tiers, body.metadata, floor, ceiling)
+            return served(alias, model, bounded if first is None else "family", prepared, program_reply(program, number), [], outcome[4])
     if first is not None:  # its family's promoted tier first (index None); the route's choice if it fails
         order = [None, *(i for i in order if route.tiers[i] != first)]  # a chain tier that is the same model is not asked twice
         traced.annotate(route__family_tier=first)
