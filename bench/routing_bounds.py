@@ -90,9 +90,12 @@ def main() -> int:
     parser.add_argument("--program-family", action="append", help="a family answered with programs (repeat; default gsm8k)")
     parser.add_argument("--program-tier", action="append", default=[], metavar="FAMILY=TIER",
                         help="the tier that writes a family's programs (its `family_tiers` tier), else the route's choice (repeat)")
+    parser.add_argument("--keep", type=float, help="route at this threshold instead of the calibration's own")
     parser.add_argument("--repeats", type=int, default=10, help="random cuts of the table per share, for the learning curve")
     args = parser.parse_args()
     table = calibration_file.read(args.calibration)
+    if args.keep is not None:  # the table's threshold alone: its buckets stay where they were chosen
+        table = dataclasses.replace(table, keep=args.keep, bucket_keep=table.bucket_choice_keep)
     tiers = list(table.tiers)
     pins = []
     for pin in args.pin:
