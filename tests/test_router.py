@@ -850,3 +850,8 @@ def test_a_family_with_its_own_tier_has_its_program_written_there_within_the_rol
         assert response.status_code == 200, response.text
         assert json.loads(response.headers["x-route-attempts"]) == [{"model": model, "outcome": "program: ok"}]
         assert response.headers["x-route-tier"] == tier and response.json()["choices"][0]["message"]["content"].endswith("Answer: 7")
+    # streamed, the program's reply is replayed as it would be returned whole
+    streamed = ask(server, keys["dev"], COPY, model="programs", max_tokens=96, metadata={"family": "counts"}, stream=True,
+                   headers={"Cache-Control": "no-store"})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "```python\nanswer = 3 + 4\n```\nAnswer: 7"
