@@ -120,6 +120,13 @@ def _plan(services: Services, directives: set[str], principal: Principal, body: 
     return CachePlan(decision, read, write)
 
 
+def answered_by_program(route: RouteSettings, body: ChatCompletionRequest) -> bool:
+    """Whether the route asks for a program first: its family is listed and it wants plain text (no
+    tools, no JSON form). One decision for the route's attempt and for the cache bucket it answers in."""
+    json_form = body.response_format is not None and body.response_format.type in ("json_object", "json_schema")
+    return wants_program(route.program_families, body.metadata, body.tools is None and body.functions is None and not json_form)
+
+
 def route_cache_plan(header: str | None, services: Services, principal: Principal, body: ChatCompletionRequest,
                      route: RouteSettings) -> CachePlan:
     """A routed request's place in the cache: its bucket names the route and a digest of its tiers'
@@ -139,7 +146,7 @@ def route_cache_plan(header: str | None, services: Services, principal: Principa
         "response_format": msgspec.to_builtins(body.response_format) if body.response_format is not None else None,
         **_adjustments(body),
         # A program's reply has another form than a worked answer's: each keeps its own bucket.
-        **({"program": True} if wants_program(route.program_families, body.metadata, True) else {}),
+        **({"program": True} if answered_by_program(route, body) else {}),
     }
     versions = []
     for tier in route.tiers:  # a distilled tier ("alias:adapter") keeps its own answers, apart from its base's

@@ -20,7 +20,7 @@ import numpy as np
 from litestar import Request, Response
 
 from appliance.api import call
-from appliance.api.cached import CachePlan, charge_judge, route_cache_plan, serve_hit
+from appliance.api.cached import CachePlan, answered_by_program, charge_judge, route_cache_plan, serve_hit
 from appliance.api.call import WireFor, known_answer
 from appliance.api.collect import both, keeper
 from appliance.api.errors import APIError
@@ -35,7 +35,7 @@ from appliance.tracing import RequestTrace, annotate
 from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
 from policy.cache_guards import spelled
 from policy.identity import Principal
-from policy.programs import FORM_ROLES, NotStraightLine, program_of, straight_line, wants_program
+from policy.programs import FORM_ROLES, NotStraightLine, program_of, straight_line
 from policy.programs import PROMPT as PROGRAM_PROMPT, reply as program_reply
 from policy.router import TIER_NAMES, Verdict, buckets, clamp_tier, decide_calibrated, describe, family_first, family_rank, features, validate
 from policy.router_text import embedded_text, routing_text
@@ -199,12 +199,10 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
                          "x-route-attempts": json.dumps(attempts), "x-route-cost-nanousd": str(sum(spent)), **cache_headers})
 
     first = family_first(route.family_tiers, route.tiers, body.metadata, floor, ceiling)
-    plain_text = body.tools is None and body.functions is None and not wants_json
-    writer = first or route.tiers[bounded]  # the family's tier where it has one (within the role's bounds), else the chosen tier
-    if wants_program(route.program_families, body.metadata, plain_text) and _cooling.get(writer, 0) <= time.monotonic():
+    alias = first or route.tiers[bounded]  # the family's tier where it has one (within the role's bounds), else the chosen tier
+    if answered_by_program(route, body) and _cooling.get(alias, 0) <= time.monotonic():
         # A program instead of a worked answer; one that does not evaluate is no answer, and the
         # request is then answered as it was asked, from the same tier.
-        alias = writer
         model, adapters = tier_model(services, alias)
         asked = msgspec.structs.replace(body, messages=[ChatMessage(role="system", content=PROGRAM_PROMPT),
                                                         *(m for m in body.messages if m.role not in FORM_ROLES)],
