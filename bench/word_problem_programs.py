@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
 
 from appliance_server import fleet_document, fleet_prices, start, stop, write_config  # noqa: E402
-from family_threshold import items as workload_items  # noqa: E402
+from family_threshold import items as workload_items, stored  # noqa: E402
 
 from appliance import calibration_file, eval_file  # noqa: E402
 from appliance.evaluate import load_checker  # noqa: E402
@@ -48,7 +48,7 @@ def worked_answers(run: Path | None, table: Path | None, items: list[dict[str, A
     """Each item's worked answer per tier, (right, nano-dollars): from an export by id, or from a
     learned table by the text it embedded (the caller's turn; copies with other words are not there)."""
     if run is not None:
-        return {q.ref: {a.target: (a.correct, a.cost_nanos) for a in q.answers} for q in eval_file.read(run)[1]}
+        return stored(eval_file.read(run)[1])
     assert table is not None
     calibration = calibration_file.read(table)
     knn = calibration.knn
