@@ -46,7 +46,11 @@ from distill_traffic import records as traffic  # noqa: E402
 
 from appliance.evaluate import load_checker  # noqa: E402
 
-FAMILIES = ("classification", "extraction")
+FAMILIES = ("classification", "extraction", "gsm8k")
+DEFAULT_FAMILIES = ("classification", "extraction")
+# Families the teacher answers with programs (policy/programs.py) through the route: the kept example
+# is the program request and the program, which is what the student is asked when it writes them.
+PROGRAM_FAMILIES = ("gsm8k",)
 EVALUATION = ROOT / "bench" / "workload" / "splits" / "evaluation.jsonl"
 MAX_EXAMPLES = 1000
 TARGET = 0.9
@@ -79,7 +83,8 @@ def bench_config(fleet: Path, student: str, teacher: str) -> str:
             models.append(model)
     doc["models"] = models
     doc["routes"] = tomlkit.aot()
-    doc["routes"].append({"alias": "auto", "tiers": [student, teacher], "attempt_timeout_s": 900})
+    doc["routes"].append({"alias": "auto", "tiers": [student, teacher], "attempt_timeout_s": 900,
+                          "program_families": list(PROGRAM_FAMILIES), "family_tiers": dict.fromkeys(PROGRAM_FAMILIES, teacher)})
     return tomlkit.dumps(doc)
 
 
@@ -126,7 +131,8 @@ def teach(base: str, log: Log, requests: list[dict[str, Any]], teacher: str, che
 
         def ask(record: dict[str, Any]) -> None:
             nonlocal answered
-            body = {"model": teacher, "messages": record["messages"], "max_tokens": record["max_tokens"] or 256, "temperature": 0,
+            # A program family through the route, whose family tier (the teacher) writes the program.
+            body = {"model": "auto" if record["family"] in PROGRAM_FAMILIES else teacher, "messages": record["messages"], "max_tokens": record["max_tokens"] or 256, "temperature": 0,
                     "metadata": {"family": record["family"]}}
             if record["response_format"]:
                 body["response_format"] = record["response_format"]
@@ -180,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", default="2")
     parser.add_argument("--family", action="append", choices=FAMILIES,
-                        help="train and evaluate on this family's export only (repeatable; default both): one adapter per family")
+                        help="teach, train and evaluate this family only (repeatable; default classification and extraction): "
+                             "one adapter per family. gsm8k is taught as programs and measured by bench/word_problem_programs.py")
     parser.add_argument("--until", choices=("teach", "export", "train", "evaluate"), default="evaluate", help="stop after this step")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
@@ -191,19 +198,19 @@ def main(argv: list[str] | None = None) -> int:
         write_config(workdir, bench_config(args.fleet, args.student, args.teacher))
     log = Log(workdir / "steps.jsonl")
     examples = per_family(args.examples)
-    trained = [f for f in FAMILIES if f in (args.family or FAMILIES)]
-    requests = [r for family in FAMILIES for r in traffic(family, examples[family], args.seed)]
+    trained = [f for f in FAMILIES if f in (args.family or DEFAULT_FAMILIES)]
+    requests = [r for family in trained for r in traffic(family, examples[family], args.seed)]
     requests.sort(key=lambda r: (int(r["id"].rsplit("-", 1)[1]), r["family"]))  # the families interleaved, as traffic comes
     proc, base = start(workdir)
     try:
         teach(base, log, requests, args.teacher, load_check(), args.concurrency)
         if args.until == "teach":
             return 0
-        good = {f: sum(1 for r in log.done("teach").values() if r["family"] == f and r["good"]) for f in FAMILIES}
+        good = {f: sum(1 for r in log.done("teach").values() if r["family"] == f and r["good"]) for f in trained}
         print(f"verified teacher answers: {good}")
-        data = {f: workdir / f"data-{f}" for f in FAMILIES}
+        data = {f: workdir / f"data-{f}" for f in trained}
         if "export" not in log.done("step"):
-            for f in FAMILIES:
+            for f in trained:
                 print(must(appliance(workdir, None, "distill", "export", "--route", "auto", "--family", f, "--since", "365d", "--out", str(data[f]))))
             log.add({"kind": "step", "id": "export"})
         if args.until == "export":
@@ -222,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict[str, Any]] = {}
         folder = workdir / "home" / "adapters" / args.student / adapter
         for f in trained:
+            if f in PROGRAM_FAMILIES:  # `distill evaluate` asks the workload's requests as written, not for programs
+                print(f"{f}: measure the adapter's programs with bench/word_problem_programs.py --tier {args.student}:{adapter}")
+                continue
             if f not in log.done("evaluate"):
                 print(must(appliance(workdir, base, "distill", "evaluate", "--student", args.student, "--adapter", adapter, "--data", str(data[f]),
                                      "--workload", str(EVALUATION), "--family", f, "--teacher", args.teacher)))

@@ -36,6 +36,11 @@ from appliance.evaluate import load_checker  # noqa: E402
 from policy.programs import FORM_ROLES, PROMPT, NotStraightLine, number_text, program_of, straight_line  # noqa: E402
 from policy.router_text import embedded_text  # noqa: E402
 
+def model_of(tier: str) -> str:
+    """A tier's fleet model: `qwen-0.5b:programs` is qwen-0.5b with its adapter."""
+    return tier.partition(":")[0]
+
+
 def judged(record: dict[str, Any], reply: str, check: Any) -> bool | str:
     """Whether the reply's program gives the item's number, or why it was not evaluated."""
     try:
@@ -62,7 +67,9 @@ def worked_answers(run: Path | None, table: Path | None, items: list[dict[str, A
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fleet", type=Path, default=ROOT / "bench" / "fleet.toml")
-    parser.add_argument("--tier", action="append", help="default: qwen-0.5b and qwen-1.5b")
+    parser.add_argument("--tier", action="append",
+                        help="default: qwen-0.5b and qwen-1.5b; ALIAS:ADAPTER for a fleet model's adapter (its worked answers "
+                             "are taken to be the model's own, as the export has no others)")
     parser.add_argument("--split", choices=("calibration", "development"), default="development")
     parser.add_argument("--family", default="gsm8k", help="a workload family checked by number (gsm8k, arithmetic)")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -94,7 +101,7 @@ def main() -> int:
                     usage = body["usage"]
                     row = {"id": record["id"], "tier": tier, "reply": body["choices"][0]["message"]["content"] or "",
                            "completion_tokens": usage["completion_tokens"],
-                           "cost": prices[tier].cost(usage["prompt_tokens"], usage["completion_tokens"])}
+                           "cost": prices[model_of(tier)].cost(usage["prompt_tokens"], usage["completion_tokens"])}
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                     done[(record["id"], tier)] = row
@@ -110,9 +117,10 @@ def main() -> int:
         mine = [(r, done[(r["id"], tier)]) for r in items]
         verdicts = [judged(r, m["reply"], check) for r, m in mine]
         unrun = [r for r, v in zip(items, verdicts) if isinstance(v, str)]
-        either = sum(v is True for v in verdicts) + sum(worked[r["id"]][tier][0] for r in unrun)
-        either_cost = sum(m["cost"] for _, m in mine) + sum(worked[r["id"]][tier][1] for r in unrun)
-        print(f"{tier}\t{sum(worked[r['id']][tier][0] for r in items)}\t{sum(worked[r['id']][tier][1] for r in items) / bill:.1%}\t"
+        model = model_of(tier)
+        either = sum(v is True for v in verdicts) + sum(worked[r["id"]][model][0] for r in unrun)
+        either_cost = sum(m["cost"] for _, m in mine) + sum(worked[r["id"]][model][1] for r in unrun)
+        print(f"{tier}\t{sum(worked[r['id']][model][0] for r in items)}\t{sum(worked[r['id']][model][1] for r in items) / bill:.1%}\t"
               f"{sum(v is True for v in verdicts)}\t{len(unrun)}\t{sum(m['cost'] for _, m in mine) / bill:.1%}\t"
               f"{sum(m['completion_tokens'] for _, m in mine) / len(mine):.0f}\t{either}\t{either_cost / bill:.1%}")
     return 0

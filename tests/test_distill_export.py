@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from appliance.cli import build_parser
+from policy.programs import PROMPT, program_of, straight_line
 from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
 from tests.test_gate_api import cli, new_key
 
@@ -49,6 +50,14 @@ analyst = "frontier"
 
 [routes.role_ceiling]
 intern = "small"
+
+[[routes]]
+alias = "programs"
+tiers = ["{SMALL}", "{CHAT_MODEL}"]
+program_families = ["sums"]
+
+[routes.family_tiers]
+sums = "{CHAT_MODEL}"
 """
 
 
@@ -193,6 +202,24 @@ def test_export_keeps_exactly_the_verified_opted_in_clean_examples(traffic: dict
     assert export(server, tmp_path / "again", "--route", "auto", "--since", "1d", "--held-out", "0.5", "--seed", "3")[0] == 0
     for name in ("train.jsonl", "held-out.jsonl"):
         assert (tmp_path / "again" / name).read_bytes() == (tmp_path / "data" / name).read_bytes()
+
+
+def test_a_program_answer_is_kept_as_the_program_its_tier_was_asked_for(traffic: dict[str, Any], tmp_path: Path) -> None:
+    """The caller got the program and its computed answer; a student is asked what the tier was asked
+    (the program prompt in place of the caller's system turn) and learns the program as it was written."""
+    server, key = traffic["server"], traffic["keys"]["acme"]
+    copy = "Copy this program exactly:\n```python\nanswer = 3 + 4\n```"  # SmolLM2 copies it (tests/test_router.py)
+    response_id = ask(server, key, copy, "programs", family="sums", stop=None, max_tokens=96)
+    wait_for(server, "SELECT count(*) FROM kept_answers WHERE route = 'programs'", 1)
+    messages, answer = db(server).execute("SELECT messages, answer FROM kept_answers WHERE route = 'programs'").fetchone()
+    asked = [{"role": "system", "content": PROMPT}, {"role": "user", "content": copy}]
+    assert json.loads(messages) == asked
+    assert straight_line(program_of(answer)) == 7 and "Answer:" not in answer
+    assert rate(server, key, response_id, "good").status_code == 200
+    code, _, err = export(server, tmp_path / "programs", "--route", "programs", "--family", "sums", "--since", "1d", "--held-out", "0")
+    assert code == 0, err
+    (record,) = lines(tmp_path / "programs" / "train.jsonl")
+    assert record["messages"] == [*asked, {"role": "assistant", "content": answer}]
 
 
 def test_export_by_family(traffic: dict[str, Any], tmp_path: Path) -> None:

@@ -83,9 +83,12 @@ def test_records_have_the_workload_format(family: str) -> None:
         assert record["family"] == family and record["group"] == f"g-{record['id']}"
         assert (record["cache"], record["cache_of"], record["trap_kind"], record["adversarial"]) == ("oneoff", None, None, None)
         system, user = record["messages"]
-        assert system["role"] == "system" and user["role"] == "user" and record["max_tokens"] == sources.SHORT_TOKENS
+        assert system["role"] == "system" and user["role"] == "user"
+        assert record["max_tokens"] == (sources.LONG_TOKENS if family == "gsm8k" else sources.SHORT_TOKENS)
         prompt = next(p for p in TENANTS[record["tenant"]].values() if p["system"] == system["content"])
-        if family == "classification":
+        if family == "gsm8k":
+            assert record["response_format"] is None and record["check"]["type"] == "number"
+        elif family == "classification":
             assert record["response_format"] is None
             assert record["check"]["type"] == "label" and record["check"]["labels"] == prompt["labels"]
         else:
@@ -203,6 +206,18 @@ def test_every_gold_string_is_in_the_text_except_dates_and_enums() -> None:
 
 # --- the leak guard -------------------------------------------------------------------------------
 
+def test_word_problems_are_none_of_the_workloads_and_fewer_are_the_first_of_more() -> None:
+    splits = [json.loads(line) for split in ("calibration", "development", "evaluation")
+              for line in (WORKLOAD / "splits" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()]
+    workload = {r["messages"][1]["content"] for r in splits if r["family"] == "gsm8k"}
+    assert len(workload) == 105
+    ours = [r["messages"][1]["content"] for r in RECORDS["gsm8k"]]
+    assert not set(ours) & workload
+    assert [r["messages"][1]["content"] for r in distill_traffic.records("gsm8k", 40, 0)] == ours[:40]
+    for record in RECORDS["gsm8k"][:20]:
+        assert wc.check(record, f"Answer: {record['check']['value']}") and not wc.check(record, "Answer: -1")
+
+
 def test_no_generated_text_shares_a_sentence_or_a_long_run_with_the_handwritten_items() -> None:
     """Every string of every hand-written file, cut into sentences and normalised like the checker
     does (lowercase, no accents or punctuation); a generated sentence must be none of them, and
@@ -214,8 +229,8 @@ def test_no_generated_text_shares_a_sentence_or_a_long_run_with_the_handwritten_
                 sentences.update(_sentences(text))
     assert len(sentences) > 500  # the hand-written files were read
     runs = set().union(*(_runs(s) for s in sentences))
-    for family, records in RECORDS.items():
-        for record in records:
+    for family in ("classification", "extraction"):  # the written families; GSM8K's problems are the package's
+        for record in RECORDS[family]:
             for sentence in _sentences(_text(record)):
                 assert sentence not in sentences, (record["id"], sentence)
                 shared = _runs(sentence) & runs

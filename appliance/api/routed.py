@@ -22,7 +22,7 @@ from litestar import Request, Response
 from appliance.api import call
 from appliance.api.cached import CachePlan, answered_by_program, charge_judge, route_cache_plan, serve_hit
 from appliance.api.call import WireFor, known_answer
-from appliance.api.collect import both, keeper
+from appliance.api.collect import keeper
 from appliance.api.errors import APIError
 from appliance.api.schemas import ChatCompletionRequest, ChatMessage
 from appliance.api.translate import Prepared, chat_messages, prepare_chat, with_adapters
@@ -185,15 +185,19 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
     bottom = floor if floor is not None else 0
     order: list[int | None] = [*range(bounded, top + 1), *range(bounded - 1, bottom - 1, -1)]
     def served(alias: str, model: LoadedModel, tier: int | str, prepared: Prepared, text: str, logprobs: list[Any],
-               finish: FinishEvent) -> Response[Any]:
+               finish: FinishEvent, taught: tuple[ChatCompletionRequest, str] | None = None) -> Response[Any]:
+        """The answer given; `taught` is what a student would learn from it when that is not the request and
+        the reply (a program answer: the program request, and the program as the model wrote it)."""
         services.metrics.route_answers.labels(route.alias, alias).inc()
         traced.annotate(route__model=alias, route__tier=tier, route__attempts=len(attempts))
         traced.answered(request_id, alias, [finish.reason], finish.usage.prompt_tokens, finish.usage.completion_tokens)
         as_answered = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, id=request_id))
-        remember = both(plan.remember(services, model, as_answered, traced),
-                        keeper(services, principal, body, route.alias, alias, as_answered))
-        if remember is not None:
-            remember(text, finish)
+        stored = plan.remember(services, model, as_answered, traced)
+        if stored is not None:
+            stored(text, finish)
+        kept = keeper(services, principal, taught[0] if taught else body, route.alias, alias, as_answered)
+        if kept is not None:
+            kept(taught[1] if taught else text, finish)
         return _respond(prepared, alias, text, logprobs, finish, body, request_id, started, wire_for,
                         {"x-route": route.alias, "x-route-model": alias, "x-route-tier": str(tier),
                          "x-route-attempts": json.dumps(attempts), "x-route-cost-nanousd": str(sum(spent)), **cache_headers})
@@ -222,7 +226,8 @@ async def routed_chat(request: Request[Any, Any, Any], services: Services, princ
         attempts.append({"model": alias, "outcome": f"program: {why}"})
         if number is not None:
             prepared = with_adapters(prepare_chat(body, model, services.settings.defaults, request_id), adapters)
-            return served(alias, model, bounded if first is None else "family", prepared, program_reply(program, number), [], outcome[4])
+            return served(alias, model, bounded if first is None else "family", prepared, program_reply(program, number), [], outcome[4],
+                          (asked, outcome[2]))
     if first is not None:  # its family's promoted tier first (index None); the route's choice if it fails
         order = [None, *(i for i in order if route.tiers[i] != first)]  # a chain tier that is the same model is not asked twice
         traced.annotate(route__family_tier=first)

@@ -61,11 +61,16 @@ def shares(n: int) -> list[int]:
     return [first, second, n - first - second]
 
 
+def gsm8k() -> list[Item]:
+    """The GSM8K problems the splits draw, all splits' together."""
+    return sources.gsm8k(sum(COUNTS[s]["gsm8k"] for s in SPLITS), SEED)
+
+
 def pools() -> dict[str, list[Item]]:
     """Each split's questions (each question once, before any traffic is made around it)."""
     totals = {family: sum(COUNTS[s][family] for s in SPLITS) for family in ("gsm8k", "code", "arithmetic")}
     families = {
-        "gsm8k": sources.gsm8k(totals["gsm8k"], SEED),
+        "gsm8k": gsm8k(),
         "code": sources.humaneval(totals["code"]),
         "arithmetic": sources.arithmetic_items(totals["arithmetic"], SEED, ARITHMETIC_TRAP_EVERY),
         "extraction": sources.extraction(),

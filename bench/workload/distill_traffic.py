@@ -1,6 +1,7 @@
 """Training traffic for distillation: classification and extraction requests of the same kind as
 the economics workload's (same tenants, system prompts, label sets, JSON Schemas, user-message
-format and checks), but none of its items:
+format and checks), but none of its items; and word problems, GSM8K's problems that the workload
+did not draw (the same tenant, prompt and check):
 
     python bench/workload/distill_traffic.py --family classification --n 600 --seed 0 --out FILE.jsonl
 
@@ -28,7 +29,7 @@ import distill_classification  # noqa: E402
 import distill_extraction  # noqa: E402
 import sources  # noqa: E402
 
-FAMILIES = ("classification", "extraction")
+FAMILIES = ("classification", "extraction", "gsm8k")
 SPLIT = "distill"
 CLASSIFICATION_PROMPTS = (("acme", "triage"), ("inkwell", "sentiment"), ("inkwell", "topic"))
 ATTEMPTS = 200  # draws per record before a bank counts as too small for n distinct messages
@@ -44,8 +45,15 @@ def _plan(family: str, n: int, rng: random.Random) -> list[Any]:
             tenant, prompt = CLASSIFICATION_PROMPTS[i % len(CLASSIFICATION_PROMPTS)]
             labels = prompts[tenant][prompt]["labels"]
             plan.append((tenant, prompt, labels[(i // len(CLASSIFICATION_PROMPTS)) % len(labels)]))
-    else:
+    elif family == "extraction":
         plan = [distill_extraction.SCHEMAS[i % len(distill_extraction.SCHEMAS)] for i in range(n)]
+    else:
+        drawn = {item.key for item in build.gsm8k()}
+        unused = sources.gsm8k_unused(drawn)
+        if n > len(unused):
+            raise ValueError(f"GSM8K has {len(unused)} problems the workload did not draw, fewer than {n}")
+        rng.shuffle(unused)
+        return unused[:n]  # fewer records are the first of more: a smaller run's teach log is a larger one's start
     rng.shuffle(plan)
     return plan
 
@@ -55,6 +63,8 @@ def _item(family: str, key: str, about: Any, rng: random.Random, prompts: dict[s
         tenant, prompt, label = about
         return sources.classification_item(key, tenant, prompt, distill_classification.text(rng, tenant, prompt, label),
                                            label, prompts)
+    if family == "gsm8k":
+        return sources.gsm8k_item(key, about)
     text, gold = distill_extraction.text(rng, about)
     return sources.extraction_item(key, about.tenant, about.prompt, text, about.schema, gold)
 

@@ -67,8 +67,19 @@ def gsm8k(count: int, seed: int) -> list[Item]:
 
     pairs = read_gsm8k(10**6)
     chosen = sorted(random.Random(seed).sample(range(GSM8K_SKIP, len(pairs)), count))
-    return [Item(f"gsm8k-{i:04d}", "gsm8k", "tutorly", "steps", pairs[i][0], {"type": "number", "value": pairs[i][1]},
-                 LONG_TOKENS) for i in chosen]
+    return [gsm8k_item(f"gsm8k-{i:04d}", pairs[i]) for i in chosen]
+
+
+def gsm8k_unused(drawn: set[str]) -> list[tuple[str, str]]:
+    """GSM8K's problems past GSM8K_SKIP that no item in `drawn` (their keys) took: (question, answer)."""
+    from appliance.evaluate import gsm8k as read_gsm8k
+
+    pairs = read_gsm8k(10**6)
+    return [pairs[i] for i in range(GSM8K_SKIP, len(pairs)) if f"gsm8k-{i:04d}" not in drawn]
+
+
+def gsm8k_item(key: str, pair: tuple[str, str]) -> Item:
+    return Item(key, "gsm8k", "tutorly", "steps", pair[0], {"type": "number", "value": pair[1]}, LONG_TOKENS)
 
 
 def humaneval(count: int) -> list[Item]:
