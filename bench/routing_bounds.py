@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
 
 from family_threshold import SPLITS, items, routing_rows  # noqa: E402
-from word_problem_programs import judged  # noqa: E402
+from word_problem_programs import judged, model_of  # noqa: E402
 
 from appliance import calibration_file, eval_file  # noqa: E402
 from appliance.evaluate import load_checker  # noqa: E402
@@ -138,12 +138,18 @@ def main() -> int:
         program_families = args.program_family or ["gsm8k"]
         records = {r["id"]: r for r in items(program_families, list(SPLITS))}
 
+        # A writer ALIAS:ADAPTER stands at its model's place; where its program does not evaluate, the
+        # worked answer is taken to be the model's own (the export has no other).
+        writers = {family: tier for family, _, tier in (t.partition("=") for t in args.program_tier)}
+        if unknown := [t for t in writers.values() if model_of(t) not in tiers]:
+            raise SystemExit(f"error: --program-tier {unknown[0]}: not a tier of the route ({', '.join(tiers)})")
+
         def program(i: int, tier: int) -> tuple[bool | str, int] | None:
-            found = kept.get((questions[i].ref, tiers[tier])) if families[i] in program_families else None
+            name = writers.get(families[i], tiers[tier])
+            found = kept.get((questions[i].ref, name)) if families[i] in program_families else None
             return None if found is None else (judged(records[questions[i].ref], found["reply"], check), found["cost"])
 
-        writers = {family: tiers.index(tier) for family, _, tier in (t.partition("=") for t in args.program_tier)}
-        writing = pinned(families, learned.__getitem__, writers)
+        writing = pinned(families, learned.__getitem__, {f: tiers.index(model_of(t)) for f, t in writers.items()})
         asked = [program(i, t) for i, t in enumerate(writing)]
         missing = sum(1 for i, f in enumerate(families) if f in program_families and asked[i] is None and writing[i] > 0)
         right, cost = with_programs(rows, writing, asked)
