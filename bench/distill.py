@@ -132,7 +132,8 @@ def teach(base: str, log: Log, requests: list[dict[str, Any]], teacher: str, che
         def ask(record: dict[str, Any]) -> None:
             nonlocal answered
             # A program family through the route, whose family tier (the teacher) writes the program.
-            body = {"model": "auto" if record["family"] in PROGRAM_FAMILIES else teacher, "messages": record["messages"], "max_tokens": record["max_tokens"] or 256, "temperature": 0,
+            model = "auto" if record["family"] in PROGRAM_FAMILIES else teacher
+            body = {"model": model, "messages": record["messages"], "max_tokens": record["max_tokens"] or 256, "temperature": 0,
                     "metadata": {"family": record["family"]}}
             if record["response_format"]:
                 body["response_format"] = record["response_format"]
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             results[f] = log.done("evaluate")[f]["result"]
     finally:
         stop(proc)
-    return report(results, log, args.check)
+    return report(results, log, args.check) if results else 0
 
 
 def report(results: dict[str, dict[str, Any]], log: Log, check: bool) -> int:
