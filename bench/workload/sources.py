@@ -67,7 +67,12 @@ def gsm8k(count: int, seed: int) -> list[Item]:
 
     pairs = read_gsm8k(10**6)
     chosen = sorted(random.Random(seed).sample(range(GSM8K_SKIP, len(pairs)), count))
-    return [gsm8k_item(f"gsm8k-{i:04d}", pairs[i]) for i in chosen]
+    return [gsm8k_item(gsm8k_key(i), pairs[i]) for i in chosen]
+
+
+def gsm8k_key(index: int) -> str:
+    """A GSM8K problem's item key, by its place in the test split: what tells drawn problems from the rest."""
+    return f"gsm8k-{index:04d}"
 
 
 def gsm8k_unused(drawn: set[str]) -> list[tuple[str, str]]:
@@ -75,7 +80,7 @@ def gsm8k_unused(drawn: set[str]) -> list[tuple[str, str]]:
     from appliance.evaluate import gsm8k as read_gsm8k
 
     pairs = read_gsm8k(10**6)
-    return [pairs[i] for i in range(GSM8K_SKIP, len(pairs)) if f"gsm8k-{i:04d}" not in drawn]
+    return [pairs[i] for i in range(GSM8K_SKIP, len(pairs)) if gsm8k_key(i) not in drawn]
 
 
 def gsm8k_item(key: str, pair: tuple[str, str]) -> Item:
