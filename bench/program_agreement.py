@@ -1,0 +1,86 @@
+"""Two cheap programs that agree, else the frontier's: replayed on the word-problem programs that
+`bench/word_problem_programs.py` kept (no model asked). A word problem's number is accepted when two
+cheaper tiers' programs give the same one; otherwise the frontier's program answers. Both cheap
+programs are paid for on every problem, so this saves only if they agree often and rightly.
+
+    .venv/bin/python bench/program_agreement.py \\
+        --answers bench/runs/word-problem-programs/answers.jsonl \\
+        --answers bench/runs/word-problem-programs/first-student.jsonl=first-student \\
+        --pair qwen-0.5b,qwen-0.5b:distilled --pair first-student,qwen-0.5b:distilled
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from family_threshold import items as workload_items  # noqa: E402
+
+from appliance.evaluate import load_checker  # noqa: E402
+from policy.programs import NotStraightLine, number_text, program_of, straight_line  # noqa: E402
+
+
+def number(reply: str) -> str | None:
+    """The program's number as the route would state it, or None where it does not evaluate."""
+    try:
+        return number_text(straight_line(program_of(reply)))
+    except NotStraightLine:
+        return None
+
+
+def read(spec: str) -> list[dict[str, Any]]:
+    """A kept answers file; `PATH=LABEL` names every row's tier LABEL (a file of one earlier adapter)."""
+    path, _, label = spec.partition("=")
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [{**r, "tier": label} for r in rows] if label else rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--answers", action="append", required=True, metavar="PATH[=LABEL]")
+    parser.add_argument("--pair", action="append", required=True, metavar="TIER,TIER")
+    parser.add_argument("--frontier", default="qwen-1.5b")
+    parser.add_argument("--family", default="gsm8k")
+    args = parser.parse_args()
+    check = load_checker(ROOT / "bench" / "workload" / "check.py")
+    records = {r["id"]: r for r in workload_items([args.family], ["development", "calibration"])}
+    kept: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for spec in args.answers:
+        for row in read(spec):
+            if row["id"] in records:
+                kept[row["id"]][row["tier"]] = row
+    pairs = [tuple(p.split(",", 1)) for p in args.pair]
+    tiers = {t for pair in pairs for t in pair} | {args.frontier}
+    ids = sorted(i for i, by in kept.items() if tiers <= by.keys())
+    if not ids:
+        raise SystemExit(f"no {args.family} item has programs by all of {sorted(tiers)}")
+
+    def right(item: str, tier: str) -> bool:
+        value = number(kept[item][tier]["reply"])
+        return value is not None and bool(check(records[item], f"Answer: {value}"))
+
+    bill = sum(kept[i][args.frontier]["cost"] for i in ids)
+    print(f"{len(ids)} {args.family} items (development and calibration); costs as shares of {args.frontier}'s programs")
+    print("tier\tprograms right\tcost")
+    for tier in sorted(tiers):
+        print(f"{tier}\t{sum(right(i, tier) for i in ids)}\t{sum(kept[i][tier]['cost'] for i in ids) / bill:.1%}")
+    print("pair\tagree\tright where they agree\tright in all\tcost")
+    for a, b in pairs:
+        agree = [i for i in ids if (v := number(kept[i][a]["reply"])) is not None and v == number(kept[i][b]["reply"])]
+        others = [i for i in ids if i not in agree]
+        cost = sum(kept[i][a]["cost"] + kept[i][b]["cost"] for i in ids) + sum(kept[i][args.frontier]["cost"] for i in others)
+        print(f"{a} + {b}\t{len(agree)}\t{sum(right(i, b) for i in agree)}\t"
+              f"{sum(right(i, b) for i in agree) + sum(right(i, args.frontier) for i in others)}\t{cost / bill:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
