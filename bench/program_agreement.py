@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,31 @@ def number(reply: str) -> str | None:
         return number_text(straight_line(program_of(reply)))
     except NotStraightLine:
         return None
+
+
+@dataclass(frozen=True)
+class Program:
+    number: str | None  # None: it did not evaluate
+    right: bool
+    cost: int  # nano-dollars
+
+
+@dataclass(frozen=True)
+class Cascade:
+    agree: int
+    right_where_agreed: int
+    right: int
+    cost: int
+
+
+def cascade(problems: list[tuple[Program, Program, Program]]) -> Cascade:
+    """Each problem's (cheap, cheap, frontier) programs: the cheap pair is always paid for; their number
+    stands where both evaluate to the same one, else the frontier's program is paid for and answers."""
+    agreed = [b for a, b, _ in problems if a.number is not None and a.number == b.number]
+    asked = [f for a, b, f in problems if a.number is None or a.number != b.number]
+    return Cascade(agree=len(agreed), right_where_agreed=sum(p.right for p in agreed),
+                   right=sum(p.right for p in agreed) + sum(f.right for f in asked),
+                   cost=sum(a.cost + b.cost for a, b, _ in problems) + sum(f.cost for f in asked))
 
 
 def read(spec: str) -> list[dict[str, Any]]:
@@ -63,22 +89,20 @@ def main() -> int:
     if not ids:
         raise SystemExit(f"no {args.family} item has programs by all of {sorted(tiers)}")
 
-    def right(item: str, tier: str) -> bool:
-        value = number(kept[item][tier]["reply"])
-        return value is not None and bool(check(records[item], f"Answer: {value}"))
+    def program(item: str, tier: str) -> Program:
+        row = kept[item][tier]
+        value = number(row["reply"])
+        return Program(value, value is not None and bool(check(records[item], f"Answer: {value}")), row["cost"])
 
     bill = sum(kept[i][args.frontier]["cost"] for i in ids)
     print(f"{len(ids)} {args.family} items (development and calibration); costs as shares of {args.frontier}'s programs")
     print("tier\tprograms right\tcost")
     for tier in sorted(tiers):
-        print(f"{tier}\t{sum(right(i, tier) for i in ids)}\t{sum(kept[i][tier]['cost'] for i in ids) / bill:.1%}")
+        print(f"{tier}\t{sum(program(i, tier).right for i in ids)}\t{sum(program(i, tier).cost for i in ids) / bill:.1%}")
     print("pair\tagree\tright where they agree\tright in all\tcost")
     for a, b in pairs:
-        agree = [i for i in ids if (v := number(kept[i][a]["reply"])) is not None and v == number(kept[i][b]["reply"])]
-        others = [i for i in ids if i not in agree]
-        cost = sum(kept[i][a]["cost"] + kept[i][b]["cost"] for i in ids) + sum(kept[i][args.frontier]["cost"] for i in others)
-        print(f"{a} + {b}\t{len(agree)}\t{sum(right(i, b) for i in agree)}\t"
-              f"{sum(right(i, b) for i in agree) + sum(right(i, args.frontier) for i in others)}\t{cost / bill:.1%}")
+        got = cascade([(program(i, a), program(i, b), program(i, args.frontier)) for i in ids])
+        print(f"{a} + {b}\t{got.agree}\t{got.right_where_agreed}\t{got.right}\t{got.cost / bill:.1%}")
     return 0
 
 
