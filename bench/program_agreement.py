@@ -24,15 +24,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from family_threshold import items as workload_items  # noqa: E402
+from word_problem_programs import judged, stated_number  # noqa: E402
 
 from appliance.evaluate import load_checker  # noqa: E402
-from policy.programs import NotStraightLine, number_text, program_of, straight_line  # noqa: E402
+from policy.programs import NotStraightLine  # noqa: E402
 
 
 def number(reply: str) -> str | None:
     """The program's number as the route would state it, or None where it does not evaluate."""
     try:
-        return number_text(straight_line(program_of(reply)))
+        return stated_number(reply)
     except NotStraightLine:
         return None
 
@@ -89,19 +90,18 @@ def main() -> int:
     if not ids:
         raise SystemExit(f"no {args.family} item has programs by all of {sorted(tiers)}")
 
-    def program(item: str, tier: str) -> Program:
-        row = kept[item][tier]
-        value = number(row["reply"])
-        return Program(value, value is not None and bool(check(records[item], f"Answer: {value}")), row["cost"])
+    def judged_program(item: str, row: dict[str, Any]) -> Program:
+        return Program(number(row["reply"]), judged(records[item], row["reply"], check) is True, row["cost"])
 
-    bill = sum(kept[i][args.frontier]["cost"] for i in ids)
+    program = {(i, t): judged_program(i, kept[i][t]) for i in ids for t in tiers}  # each judged once
+    bill = sum(program[i, args.frontier].cost for i in ids)
     print(f"{len(ids)} {args.family} items (development and calibration); costs as shares of {args.frontier}'s programs")
     print("tier\tprograms right\tcost")
     for tier in sorted(tiers):
-        print(f"{tier}\t{sum(program(i, tier).right for i in ids)}\t{sum(program(i, tier).cost for i in ids) / bill:.1%}")
+        print(f"{tier}\t{sum(program[i, tier].right for i in ids)}\t{sum(program[i, tier].cost for i in ids) / bill:.1%}")
     print("pair\tagree\tright where they agree\tright in all\tcost")
     for a, b in pairs:
-        got = cascade([(program(i, a), program(i, b), program(i, args.frontier)) for i in ids])
+        got = cascade([(program[i, a], program[i, b], program[i, args.frontier]) for i in ids])
         print(f"{a} + {b}\t{got.agree}\t{got.right_where_agreed}\t{got.right}\t{got.cost / bill:.1%}")
     return 0
 

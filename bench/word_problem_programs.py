@@ -41,10 +41,15 @@ def model_of(tier: str) -> str:
     return tier.partition(":")[0]
 
 
+def stated_number(reply: str) -> str:
+    """The number the route states for a reply's program; NotStraightLine where it does not evaluate."""
+    return number_text(straight_line(program_of(reply)))
+
+
 def judged(record: dict[str, Any], reply: str, check: Any) -> bool | str:
     """Whether the reply's program gives the item's number, or why it was not evaluated."""
     try:
-        return bool(check(record, f"Answer: {number_text(straight_line(program_of(reply)))}"))
+        return bool(check(record, f"Answer: {stated_number(reply)}"))
     except NotStraightLine as exc:
         return str(exc)
 
