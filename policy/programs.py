@@ -28,6 +28,10 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {"round": round, "int": int, "float":
 # Bounds that keep a hostile program cheap: x = x * x forty times is a number of 2**40 digits.
 LARGEST = 1e18
 MAX_STATEMENTS = 200
+# A program longer or deeper than any worked answer is refused before it is parsed or walked: the
+# parser and the walk recurse, and 1,200 nested minus signs overflowed Python's stack.
+MAX_CHARS = 20_000
+MAX_DEPTH = 64
 # The turns a program request leaves out: they set the answer's form (prose), which the program prompt replaces.
 FORM_ROLES = ("system", "developer")
 _EQUATION = re.compile(r"^(?P<indent>[ \t]*)(?P<left>[^=\n#]*[^=\n#\w\s][^=\n#]*?)[ \t]*=[ \t]*-?[\d.,]+[ \t]*$", re.M)
@@ -57,18 +61,46 @@ def _first_line(node: ast.AST) -> str:
     return ast.unparse(node).splitlines()[0][:40]
 
 
+def _depth(tree: ast.AST) -> int:
+    """How deep the tree nests, walked without recursion (a hostile tree may be deeper than the stack)."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
 def straight_line(code: str) -> float:
     """The value of `answer`, else of the last step that gives one (an assignment, a `print(x)`, a
-    bare expression), after `code`'s steps; or NotStraightLine for anything else."""
+    bare expression), after `code`'s steps; or NotStraightLine for anything else, the evaluator's
+    own failures included: a program that cannot be evaluated is no answer, never a server error."""
+    if len(code) > MAX_CHARS:
+        raise NotStraightLine(f"longer than {MAX_CHARS} characters")
     try:
-        tree = ast.parse(code)
+        return _evaluate(code)
+    except NotStraightLine:
+        raise
+    except Exception as exc:  # RecursionError, MemoryError: whatever the bounds above did not foresee
+        raise NotStraightLine(f"could not be evaluated: {type(exc).__name__}") from None
+
+
+def _parse(code: str) -> ast.Module:
+    try:
+        return ast.parse(code)
     except (SyntaxError, ValueError) as exc:  # ValueError: a null byte
         try:  # a chain of worked equations ("52 - 4 = 48"): each left side is the step, computed here
-            tree = ast.parse(_EQUATION.sub(r"\g<indent>\g<left>", code))
+            return ast.parse(_EQUATION.sub(r"\g<indent>\g<left>", code))
         except (SyntaxError, ValueError):
             raise NotStraightLine(f"not Python: {getattr(exc, 'msg', exc)}") from exc
+
+
+def _evaluate(code: str) -> float:
+    tree = _parse(code)
     if len(tree.body) > MAX_STATEMENTS:
         raise NotStraightLine(f"more than {MAX_STATEMENTS} steps")
+    if _depth(tree) > MAX_DEPTH:
+        raise NotStraightLine(f"nested more than {MAX_DEPTH} deep")
     names: dict[str, Any] = {}
 
     def value(node: ast.expr) -> Any:

@@ -62,6 +62,24 @@ def test_a_program_that_grows_its_numbers_stops_at_the_bound_and_at_once() -> No
     assert time.monotonic() - started < 1.0
 
 
+@pytest.mark.parametrize("code", [
+    "answer = " + "-" * 1200 + "1",  # a tier can be steered into copying it: RecursionError in the walk
+    "answer = " + "-" * 5000 + "1",  # ... and in the parser
+    "answer = " + "-" * 19000 + "1",  # ... where the parser gives up with MemoryError
+    "answer = " + "1 + " * 1200 + "1",
+    "x = 1\n" + "#" * 30000,
+])
+def test_a_program_beyond_the_evaluators_bounds_is_refused_never_an_error(code: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(NotStraightLine):
+        straight_line(code)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_long_sum_within_the_bounds_still_evaluates() -> None:
+    assert straight_line("answer = " + " + ".join(["1"] * 50)) == 50.0
+
+
 def test_the_program_is_the_first_fenced_block() -> None:
     assert program_of("Here:\n```python\nanswer = 1\n```\nand ```python\nanswer = 2\n```") == "answer = 1\n"
     assert program_of("answer = 3") == "answer = 3"
