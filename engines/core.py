@@ -49,6 +49,7 @@ from engines.base import (
     check_context,
     refuse_unsupported,
 )
+from engines.embedding import embed_in_passes
 from engines.logprobs import token_logprob
 from engines.occupancy import Occupancy
 from engines.prefix import HostCache, PrefixIndex
@@ -95,7 +96,7 @@ class LoadedAdapter:
 class _Call:
     """A function to run on the model thread between steps (only that thread touches the model),
     its result handed back to the event loop as a future's. `on_done` runs first, on the model
-    thread: a call that is a request of its own (an embedding) is counted out before its caller wakes."""
+    thread, however the call ends: an embedding's last pass counts it out before its caller wakes."""
 
     def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any],
                  on_done: Callable[[], None] | None = None) -> None:
@@ -205,7 +206,13 @@ class LocalEngine:
     def _forget_holder(self, holder: Hashable) -> None:
         """Drops the KV a non-host prefix holder (a slot) keeps, computed under an adapter now gone."""
 
-    def _embed(self, inputs: list[list[int]]) -> Any:
+    def _embed_groups(self, inputs: list[list[int]]) -> list[list[int]]:
+        """The inputs' indexes grouped into forward passes (engines/embedding.py `pack`); refuses an
+        input the model cannot take whole. Called on the event loop, before anything runs."""
+        raise EngineError("this model is not configured for embeddings")
+
+    def _embed_pass(self, inputs: list[list[int]]) -> Any:
+        """One forward pass: a pooled, unnormalised row per input."""
         raise EngineError("this model is not configured for embeddings")
 
     def _on_thread_end(self) -> None:
@@ -247,7 +254,7 @@ class LocalEngine:
             missing = [name for name, _ in request.adapters if name not in self._adapters]
         if missing:
             raise UnknownAdapter(f"no adapter named {missing[0]!r} is loaded on this model")
-        self._occupancy.take(request=True)
+        self._occupancy.take()
         try:
             stream = EventStream(asyncio.get_running_loop())
             job = self._new_job(request, stream.push)
@@ -259,11 +266,42 @@ class LocalEngine:
         return stream
 
     async def embed(self, inputs: list[list[int]]) -> Any:
-        """Embeddings run on the model thread like requests, and keep the model busy meanwhile."""
+        """An embedding request counts as a request (queued, then running; the queue bounds them)
+        and runs on the model thread one pass per call, so requests take turns pass by pass and a
+        cancelled one (its client gone) stops at its next pass."""
         if not self.supports_embeddings:
             raise EngineError("this model is not configured for embeddings")
         self._occupancy.refuse_if_closed()
-        return await self._on_model_thread(lambda: self._embed(inputs), counted=True)
+        groups = self._embed_groups(inputs)
+        self._occupancy.take()
+        started = settled = False  # the model thread's to change
+        left = len(groups)
+
+        def settle() -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                self._occupancy.settle(queued=not started, running=started)
+
+        def one(batch: list[list[int]]) -> Any:
+            nonlocal started
+            if not started:
+                started = True
+                self._occupancy.admit()
+            return self._embed_pass(batch)
+
+        def run(batch: list[list[int]]) -> Any:
+            nonlocal left
+            left -= 1
+            return self._on_model_thread(lambda: one(batch), on_done=settle if left == 0 else None)
+
+        try:
+            return await embed_in_passes(inputs, groups, run)
+        except BaseException:
+            # Counted out on the model thread once its pass in flight, if any, is done (FIFO inbox).
+            loop = asyncio.get_running_loop()
+            self._inbox.put(_Call(lambda: None, loop, loop.create_future(), settle))
+            raise
 
     def adapters(self) -> list[AdapterInfo]:
         with self._lock:
@@ -331,7 +369,7 @@ class LocalEngine:
 
     @property
     def busy(self) -> int:
-        """Requests (and embedding calls) running or queued."""
+        """Requests (embeddings included) running or queued."""
         return self._occupancy.unfinished
 
     @property
@@ -364,14 +402,12 @@ class LocalEngine:
     def _in_use(self, name: str) -> bool:
         return any(name == n for job in self._in_flight() for n, _ in job.request.adapters)
 
-    async def _on_model_thread(self, fn: Callable[[], Any], counted: bool = False) -> Any:
+    async def _on_model_thread(self, fn: Callable[[], Any], on_done: Callable[[], None] | None = None) -> Any:
         if self._occupancy.closing:
             raise EngineClosed("the model is shutting down")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        if counted:
-            self._occupancy.take(request=False)
-        self._inbox.put(_Call(fn, loop, future, self._occupancy.settle if counted else None))
+        self._inbox.put(_Call(fn, loop, future, on_done))
         return await future
 
     # ---- the model thread -------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """What every embedding engine shares, as plain functions: the length check, packing a request's
-inputs into forward passes, pooling token states, and finishing vectors (truncation, L2)."""
+inputs into forward passes, running those passes one at a time, pooling token states, and
+finishing vectors (truncation, L2)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -50,6 +51,27 @@ def pack(lengths: Sequence[int], *, max_tokens: int, max_rows: int, padded: bool
         groups.append([i])
         used = n
     return groups
+
+
+def place(out: np.ndarray | None, count: int, group: Sequence[int], rows: np.ndarray) -> np.ndarray:
+    """A pass's rows put at its inputs' places in the request's (count, width) result, made on the first pass."""
+    if out is None:
+        out = np.empty((count, rows.shape[1]), dtype=np.float32)
+    out[list(group)] = rows
+    return out
+
+
+async def embed_in_passes(inputs: Sequence[Sequence[int]], groups: Sequence[Sequence[int]],
+                          run: Callable[[list[Sequence[int]]], Awaitable[np.ndarray]]) -> np.ndarray:
+    """A request's passes, each asked for only when the one before has returned: other requests'
+    passes queue between them on the model's one thread, so requests take turns pass by pass and
+    none holds the model for all its inputs; a caller cancelled (a client gone) stops at the next pass."""
+    out = None
+    for group in groups:
+        out = place(out, len(inputs), group, await run([inputs[i] for i in group]))
+    if out is None:
+        raise EngineError("no inputs to embed")
+    return out
 
 
 def pool(hidden: np.ndarray, mask: np.ndarray, how: str) -> np.ndarray:

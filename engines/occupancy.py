@@ -17,7 +17,7 @@ class Occupancy:
         self._lock = threading.Lock()
         self.queued = 0  # requests taken and not yet admitted into the batch
         self.running = 0  # requests admitted and not yet finished
-        self.unfinished = 0  # requests and counted calls (embeddings) taken and not yet finished
+        self.unfinished = 0  # requests taken and not yet finished
         self.idle_since: float | None = time.monotonic()  # None while anything is unfinished
         self.accepting = True  # False while draining
         self.closing = False
@@ -29,15 +29,14 @@ class Occupancy:
         if not self.accepting:
             raise EngineClosed("the model is being unloaded; retry shortly")
 
-    def take(self, *, request: bool) -> None:
-        """Counts a request (or, with request=False, a call) in; requests beyond the slots and the
-        queue are refused. Under the lock, so a drain sees every request taken before it."""
+    def take(self) -> None:
+        """Counts a request in; requests beyond the slots and the queue are refused. Under the
+        lock, so a drain sees every request taken before it."""
         with self._lock:
             self.refuse_if_closed()
-            if request:
-                if self.queued + self.running >= self.max_queue + self.slots:
-                    raise EngineOverloaded(f"the queue for this model is full ({self.max_queue} waiting)")
-                self.queued += 1
+            if self.queued + self.running >= self.max_queue + self.slots:
+                raise EngineOverloaded(f"the queue for this model is full ({self.max_queue} waiting)")
+            self.queued += 1
             self.unfinished += 1
             self.idle_since = None
 
@@ -47,7 +46,7 @@ class Occupancy:
             self.running += 1
 
     def settle(self, *, queued: bool = False, running: bool = False) -> None:
-        """Counts a finished request (or call) out; the last one out marks the model idle and ends drains."""
+        """Counts a finished request out; the last one out marks the model idle and ends drains."""
         with self._lock:
             self.queued -= queued
             self.running -= running

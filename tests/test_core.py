@@ -43,24 +43,22 @@ def test_host_cache_keeps_the_most_recently_used_under_its_budget() -> None:
 def test_occupancy_counts_requests_in_and_out_and_drains() -> None:
     async def run() -> None:
         o = Occupancy(slots=1, max_queue=1)
-        o.take(request=True)
+        o.take()
         o.admit()
-        o.take(request=True)
+        o.take()
         with pytest.raises(EngineOverloaded):  # one running, one queued: the slot and the queue are full
-            o.take(request=True)
-        o.take(request=False)  # a call (an embedding) is counted, never refused for the queue
-        assert (o.running, o.queued, o.unfinished, o.idle_since) == (1, 1, 3, None)
+            o.take()
+        assert (o.running, o.queued, o.unfinished, o.idle_since) == (1, 1, 2, None)
         drained = asyncio.create_task(o.drain(timeout=5))
         await asyncio.sleep(0)
         with pytest.raises(EngineClosed, match="unloaded"):
-            o.take(request=True)
+            o.take()
         o.settle(running=True)
-        o.settle(queued=True)
         assert not drained.done()
-        o.settle()
+        o.settle(queued=True)
         assert await drained is True and o.idle_since is not None and (o.running, o.queued) == (0, 0)
         o.accepting = True
-        o.take(request=False)
+        o.take()
         assert await o.drain(timeout=0.01) is False
 
     asyncio.run(run())

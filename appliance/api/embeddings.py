@@ -1,6 +1,7 @@
-"""POST /v1/embeddings: every input of a request tokenized, checked, and embedded together by the
-model's engine (one forward pass per group that fits, engines/embedding.py), then shortened and
-normalised as the model's settings say."""
+"""POST /v1/embeddings: every input of a request tokenized, checked, and embedded by the model's
+engine (one forward pass per group that fits, engines/embedding.py), then shortened and normalised
+as the model's settings say. Requests take turns on the model pass by pass, and a client that goes
+away stops its request at the next pass."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Any
 from litestar import Request, Response, post
 
 from appliance.api import render
-from appliance.api.call import engine_refusal
+from appliance.api.call import engine_refusal, until_disconnect
 from appliance.api.common import authenticate, decode_body
-from appliance.api.errors import invalid
+from appliance.api.errors import APIError, invalid
 from appliance.api.flow import annotate_principal, resolve_model
 from appliance.api.headers import new_request_id, request_id_of
 from appliance.api.schemas import EmbeddingRequest
@@ -98,14 +99,18 @@ async def _embeddings(request: Request[Any, Any, Any], services: Services, trace
     admission = await services.gate.admit(principal, request_id, alias, price_of(model), prompt_tokens, 0)
     outcome = "refused"
     try:
-        rows = await model.engine.embed(token_lists)
+        rows = await until_disconnect(request, model.engine.embed(token_lists))
         if body.dimensions is not None and body.dimensions > rows.shape[1]:
             raise invalid(f"'dimensions' must be at most {rows.shape[1]} for the model '{alias}'.", "dimensions")
         outcome = "stop"
     except EngineError as exc:
         raise engine_refusal(exc, "input") from None
+    except APIError as exc:
+        if exc.code == "client_closed":
+            outcome = "cancelled"  # the inputs were taken: paid for, as a chat prompt is when its client leaves
+        raise
     finally:
-        services.gate.settle(admission, prompt_tokens if outcome == "stop" else 0, 0, outcome)
+        services.gate.settle(admission, 0 if outcome == "refused" else prompt_tokens, 0, outcome)
     vectors = finish(rows, normalize=model.settings.normalize, dimensions=body.dimensions)
     services.metrics.prompt_tokens.labels(alias).inc(prompt_tokens)
     services.metrics.requests.labels(alias, "embeddings", "ok").inc()

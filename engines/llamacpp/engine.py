@@ -226,20 +226,21 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
     def _forget_holder(self, holder: Hashable) -> None:
         self.ctx.clear_sequence(holder[1])  # type: ignore[index]
 
-    def _embed(self, inputs: list[list[int]]) -> np.ndarray:
-        """Pooled, unnormalised vectors, one row per input: each packed group of inputs in one
-        decode, input j as sequence j, pooled by llama.cpp."""
+    def _embed_groups(self, inputs: list[list[int]]) -> list[list[int]]:
         # A pass holds an input whole; absolute positions (BERT) end at the trained length.
         check_lengths(inputs, min(self.context_length, self.config.batch_tokens, self.model.n_ctx_train))
-        vectors = np.empty((len(inputs), self.model.n_embd), dtype=np.float32)
-        for group in pack([len(t) for t in inputs], max_tokens=self.config.batch_tokens, max_rows=self.config.slots, padded=False):
-            for seq in range(len(group)):
-                self.ctx.clear_sequence(seq)
-            self.ctx.decode([(t, pos, seq, True) for seq, i in enumerate(group) for pos, t in enumerate(inputs[i])])
-            for seq, i in enumerate(group):
-                vectors[i] = self.ctx.sequence_embedding(seq)
-                self.ctx.clear_sequence(seq)
-        return vectors
+        return pack([len(t) for t in inputs], max_tokens=self.config.batch_tokens, max_rows=self.config.slots, padded=False)
+
+    def _embed_pass(self, inputs: list[list[int]]) -> np.ndarray:
+        """One decode, input j as sequence j, pooled by llama.cpp."""
+        rows = np.empty((len(inputs), self.model.n_embd), dtype=np.float32)
+        for seq in range(len(inputs)):
+            self.ctx.clear_sequence(seq)
+        self.ctx.decode([(t, pos, seq, True) for seq, tokens in enumerate(inputs) for pos, t in enumerate(tokens)])
+        for seq in range(len(inputs)):
+            rows[seq] = self.ctx.sequence_embedding(seq)
+            self.ctx.clear_sequence(seq)
+        return rows
 
     def _free_model(self) -> None:
         if self._drafter is not None:

@@ -1,7 +1,8 @@
 """An embedding model exported to ONNX (a sentence-transformers model, say), run by onnxruntime.
 
-One thread owns the session. A request's inputs run together: packed into as few padded forward
-passes as `batch_tokens` allows (engines/embedding.py), pooled over each input's real tokens.
+One thread owns the session. A request's inputs are packed into as few padded forward passes as
+`batch_tokens` allows (engines/embedding.py), pooled over each input's real tokens; requests take
+turns on the thread pass by pass, and one cancelled stops at its next pass.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from engines.base import AdapterInfo, Capabilities, EngineError, EngineStats, GenerationRequest
-from engines.embedding import check_lengths, pack, pool, resolve_pooling
+from engines.embedding import check_lengths, embed_in_passes, pack, place, pool, resolve_pooling
 from engines.occupancy import Occupancy
 from engines.onnx.vocabulary import OnnxVocabulary
 from engines.stream import EventStream
@@ -82,26 +83,35 @@ class OnnxEngine(SpeaksVocabulary):
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         self._occupancy.refuse_if_closed()
-        if not inputs:
-            raise EngineError("no inputs to embed")
-        check_lengths(inputs, self.config.context_length)
-        self._occupancy.take(request=True)  # the one running and max_queue waiting; busy until the thread is done with it
-        ran = False
+        groups = self._groups(inputs)
+        self._occupancy.take()  # max_queue waiting; busy until the thread is done with its last pass
+        started = False  # the session thread's to change
 
-        def run() -> np.ndarray:
-            nonlocal ran
-            ran = True
-            self._occupancy.admit()
-            return self._run(inputs)
+        def one(batch: list[list[int]]) -> np.ndarray:
+            nonlocal started
+            if not started:
+                started = True
+                self._occupancy.admit()
+            return self._forward(batch)
 
-        future = self._thread.submit(run)
-        future.add_done_callback(lambda _: self._occupancy.settle(queued=not ran, running=ran))  # ran, or cancelled while queued
-        return await asyncio.wrap_future(future)
+        def settle() -> None:
+            self._occupancy.settle(queued=not started, running=started)
+
+        try:
+            rows = await embed_in_passes(inputs, groups, lambda batch: asyncio.wrap_future(self._thread.submit(one, batch)))
+        except BaseException:
+            # Counted out behind its pass in flight on the one thread (one not begun was cancelled with its caller).
+            try:
+                self._thread.submit(settle)
+            except RuntimeError:  # shut down: nothing runs any more
+                settle()
+            raise
+        settle()  # every pass has returned: counted out before the caller wakes
+        return rows
 
     def embed_now(self, inputs: list[list[int]]) -> np.ndarray:
         """On the caller's thread, for tools and benches (never the event loop)."""
-        check_lengths(inputs, self.config.context_length)
-        return self._thread.submit(self._run, inputs).result()
+        return self._thread.submit(self._run, inputs, self._groups(inputs)).result()
 
     def adapters(self) -> list[AdapterInfo]:
         return []
@@ -134,13 +144,16 @@ class OnnxEngine(SpeaksVocabulary):
 
     # ---- the model's thread ---------------------------------------------------------------------
 
-    def _run(self, inputs: list[list[int]]) -> np.ndarray:
+    def _groups(self, inputs: list[list[int]]) -> list[list[int]]:
+        if not inputs:
+            raise EngineError("no inputs to embed")
+        check_lengths(inputs, self.config.context_length)
+        return pack([len(t) for t in inputs], max_tokens=self.config.batch_tokens, max_rows=len(inputs), padded=True)
+
+    def _run(self, inputs: list[list[int]], groups: list[list[int]]) -> np.ndarray:
         out: np.ndarray | None = None
-        for group in pack([len(t) for t in inputs], max_tokens=self.config.batch_tokens, max_rows=len(inputs), padded=True):
-            rows = self._forward([inputs[i] for i in group])
-            if out is None:
-                out = np.empty((len(inputs), rows.shape[1]), dtype=np.float32)
-            out[group] = rows
+        for group in groups:
+            out = place(out, len(inputs), group, self._forward([inputs[i] for i in group]))
         assert out is not None
         return out
 
