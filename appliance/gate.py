@@ -25,13 +25,18 @@ from appliance.settings import Settings
 from appliance.store.worker import StoreWorker
 from policy.budgets import Price, Refuse, Reserve, ReservationPolicy, seconds_until_reset, usd
 from policy.identity import AuthFailure, KeyRecord, Principal, bearer_token, check_key, fingerprint, secret_hash
-from policy.keystore import KeyStore
+from policy.keystore import FailureTally, KeyStore
 from policy.ledger import Ledger, Payer, Settlement
 from policy.limits import RateLimiter
 
 log = logging.getLogger("appliance.gate")
 
 FAILURE_RETENTION_S = 30 * 86400  # failed sign-in attempts kept for a month
+# Failed sign-ins are counted in memory and written once a second (one write, not one per attempt),
+# in at most FAILURE_BUCKETS rows a flush; the table keeps the newest MAX_FAILURE_ROWS rows.
+FAILURE_FLUSH_S = 1.0
+FAILURE_BUCKETS = 1000
+MAX_FAILURE_ROWS = 100_000
 
 
 @dataclass
@@ -71,6 +76,8 @@ class Gate:
         self._keys: dict[str, tuple[KeyRecord, float]] = {}  # secret hash → (record, looked up at)
         self._live: dict[str, Admission] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._failures = FailureTally(FAILURE_BUCKETS)
+        self._failure_flush: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._policy = ReservationPolicy(settings.budgets.clamp_max_tokens, settings.budgets.min_tokens)
         metrics.reservations_open.set_function(lambda: len(self._live))
@@ -113,10 +120,19 @@ class Gate:
     def _refuse(self, failure: AuthFailure, key_id: str | None, print_: str | None, client: str | None, path: str) -> APIError:
         self.metrics.auth_failures.labels(failure.reason).inc()
         log.warning("refused a request to %s from %s: %s key (id %s, fingerprint %s)", path, client, failure.reason, key_id, print_)
-        at = time.time()
-        self.worker.submit(lambda db: KeyStore(db).record_failure(
-            at=at, reason=failure.reason, key_id=key_id, fingerprint=print_, client=client, path=path))
+        self._failures.add(time.time(), failure.reason, key_id, print_, client, path)
+        if self._failure_flush is None:
+            self._failure_flush = asyncio.get_running_loop().call_later(FAILURE_FLUSH_S, self.flush_failures)
         return APIError(401, failure.message, code="invalid_api_key")
+
+    def flush_failures(self) -> None:
+        """Writes the failed sign-ins counted so far; a read submitted after this sees them."""
+        if self._failure_flush is not None:
+            self._failure_flush.cancel()
+            self._failure_flush = None
+        counts = self._failures.take()
+        if counts:
+            self.worker.submit(lambda db: KeyStore(db).record_failures(counts, MAX_FAILURE_ROWS))
 
     @staticmethod
     def require_admin(principal: Principal) -> None:
@@ -280,6 +296,7 @@ class Gate:
             self.metrics.leases_expired.inc(len(released))
 
     async def close(self) -> None:
+        self.flush_failures()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

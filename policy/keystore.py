@@ -1,6 +1,12 @@
-"""API keys and failed sign-in attempts in SQLite. Secrets never reach the database: only hashes."""
+"""API keys and failed sign-in attempts in SQLite. Secrets never reach the database: only hashes.
+
+Failed sign-ins are counted, not listed: one row per minute, reason, key, client and path, with how
+many there were and the first attempt's fingerprint, so a flood of wrong keys from one client is a
+row a minute, and the table keeps at most a fixed number of rows whatever the clients do."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import apsw
 
@@ -37,7 +43,58 @@ def create_tables(db: apsw.Connection) -> None:
     )
 
 
+def count_failures(db: apsw.Connection) -> None:
+    db.execute("ALTER TABLE auth_failures ADD COLUMN count INTEGER NOT NULL DEFAULT 1")
+    db.execute("ALTER TABLE auth_failures ADD COLUMN last_at REAL")
+    db.execute("UPDATE auth_failures SET last_at = at")
+
+
 _COLUMNS = "id, user, tenant, app, role, admin, created_at, expires_at, revoked_at"
+OTHER_CLIENTS = "(other clients)"  # where a tally that is full counts the failures of sources it has no room for
+
+
+@dataclass(frozen=True)
+class FailureBucket:
+    """The failed sign-ins one row counts."""
+
+    minute: int  # unix time // 60
+    reason: str
+    key_id: str | None
+    client: str | None
+    path: str | None
+
+
+@dataclass
+class FailureCount:
+    first_at: float
+    last_at: float
+    fingerprint: str | None  # the first attempt's
+    count: int = 1
+
+
+@dataclass
+class FailureTally:
+    """Failed sign-ins counted in memory until they are written together: a flood costs one write
+    per flush, not one per attempt. At most `room` buckets; beyond, a minute's failures of every
+    other source share one bucket (so a spray of clients or paths cannot grow it)."""
+
+    room: int
+    counts: dict[FailureBucket, FailureCount] = field(default_factory=dict)
+
+    def add(self, at: float, reason: str, key_id: str | None, fingerprint: str | None, client: str | None, path: str | None) -> None:
+        bucket = FailureBucket(int(at // 60), reason, key_id, client, path)
+        if bucket not in self.counts and len(self.counts) >= self.room:
+            bucket = FailureBucket(bucket.minute, reason, None, OTHER_CLIENTS, None)
+        found = self.counts.get(bucket)
+        if found is None:
+            self.counts[bucket] = FailureCount(at, at, fingerprint)
+        else:
+            found.count += 1
+            found.last_at = max(found.last_at, at)
+
+    def take(self) -> dict[FailureBucket, FailureCount]:
+        counts, self.counts = self.counts, {}
+        return counts
 
 
 def _record(row: tuple) -> KeyRecord:
@@ -79,12 +136,20 @@ class KeyStore:
     def all(self) -> list[KeyRecord]:
         return [_record(row) for row in self.db.execute(f"SELECT {_COLUMNS} FROM api_keys ORDER BY created_at")]
 
-    def record_failure(self, *, at: float, reason: str, key_id: str | None, fingerprint: str | None, client: str | None, path: str | None) -> None:
+    def record_failures(self, counts: dict[FailureBucket, FailureCount], keep: int) -> None:
+        """Adds a tally to its minute's rows (one per bucket), then drops the oldest rows beyond `keep`."""
         with immediate(self.db):
-            self.db.execute(
-                "INSERT INTO auth_failures(at, reason, key_id, fingerprint, client, path) VALUES (?,?,?,?,?,?)",
-                (at, reason, key_id, fingerprint, client, path),
-            )
+            for b, c in counts.items():
+                self.db.execute(
+                    "UPDATE auth_failures SET count = count + ?, last_at = max(last_at, ?) WHERE at >= ? AND at < ? "
+                    "AND reason = ? AND key_id IS ? AND client IS ? AND path IS ?",
+                    (c.count, c.last_at, b.minute * 60, b.minute * 60 + 60, b.reason, b.key_id, b.client, b.path))
+                if not self.db.changes():
+                    self.db.execute(
+                        "INSERT INTO auth_failures(at, reason, key_id, fingerprint, client, path, count, last_at) VALUES (?,?,?,?,?,?,?,?)",
+                        (c.first_at, b.reason, b.key_id, c.fingerprint, b.client, b.path, c.count, c.last_at))
+            # Ids grow with each row and only the oldest are deleted, so this keeps the newest `keep`.
+            self.db.execute("DELETE FROM auth_failures WHERE id <= (SELECT max(id) FROM auth_failures) - ?", (keep,))
 
     def prune_failures(self, before: float) -> int:
         with immediate(self.db):
@@ -92,6 +157,6 @@ class KeyStore:
             return self.db.changes()
 
     def failures(self, limit: int = 100) -> list[dict[str, object]]:
-        names = ("at", "reason", "key_id", "fingerprint", "client", "path")
+        names = ("at", "last_at", "count", "reason", "key_id", "fingerprint", "client", "path")
         rows = self.db.execute(f"SELECT {', '.join(names)} FROM auth_failures ORDER BY id DESC LIMIT ?", (limit,))
         return [dict(zip(names, row)) for row in rows]

@@ -27,7 +27,9 @@ def test_migrations_apply_once_and_give_the_exact_schema():
         "run_id", "question", "ref", "family", "messages", "response_format", "adversarial_of"]
     assert [row[0] for row in db.execute("SELECT name FROM migrations")] == [
         "0001_request_log", "0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
-        "0011_responses", "0012_kept_answers"]
+        "0011_responses", "0012_kept_answers", "0013_auth_failure_counts"]
+    assert [row[1] for row in db.execute("PRAGMA table_info(auth_failures)")] == [
+        "id", "at", "reason", "key_id", "fingerprint", "client", "path", "count", "last_at"]
     assert [row[1] for row in db.execute("PRAGMA table_info(responses)")] == ["tenant", "id", "created_at", "response", "conversation"]
     assert [row[1] for row in db.execute("PRAGMA table_info(kept_answers)")] == [
         "tenant", "response_id", "created_at", "route", "model", "family", "messages", "answer", "finish_reason", "validator", "rating"]
@@ -38,7 +40,7 @@ def test_a_database_from_before_the_ledger_migrates_forward(tmp_path: Path):
     assert migrate(db, MIGRATIONS[:1]) == ["0001_request_log"]
     db.execute("INSERT INTO request_log(id, created_at, endpoint, model, status, total_ms) VALUES ('r1', 1, 'chat', 'm', 'ok', 5)")
     assert migrate(db) == ["0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
-                           "0011_responses", "0012_kept_answers"]
+                           "0011_responses", "0012_kept_answers", "0013_auth_failure_counts"]
     assert db.execute("SELECT id, tenant, cost_nanos FROM request_log").fetchall() == [("r1", None, None)]
 
 

@@ -199,6 +199,7 @@ async def revoke_key(request: Request[Any, Any, Any], services: Services, key_id
 @get("/admin/auth/failures")
 async def auth_failures(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
     await _admin(request, services)
+    services.gate.flush_failures()  # the store runs calls in order: the read below sees what was counted
     return {"failures": await services.store.run(lambda db: KeyStore(db).failures())}
 
 

@@ -137,6 +137,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0010_spans_remote_parent", _spans_remote_parent),
     ("0011_responses", _create_responses),
     ("0012_kept_answers", _create_kept_answers),
+    ("0013_auth_failure_counts", keystore.count_failures),
 )
 
 
