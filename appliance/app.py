@@ -81,7 +81,7 @@ def build_services(settings: Settings, registry: Registry, read_at_start: Settin
     metrics_ = Metrics(lambda: {m.settings.alias: m.engine.stats() for m in registry.all()})
     store = StoreWorker(db_path, synchronous=settings.server.sqlite_synchronous)
     gate = Gate(settings, store, metrics_)
-    tracing = Tracing(settings.tracing, db_path, settings.server.sqlite_synchronous)
+    tracing = Tracing(settings.tracing, db_path, settings.server.sqlite_synchronous, join_callers=settings.auth.mode == "open")
     cache = SemanticCache(settings.cache, db_path, registry, metrics_, settings.server.sqlite_synchronous, tracing)
     return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate, cache, tracing,
                     read_at_start=read_at_start)

@@ -3,8 +3,10 @@ config names: one span for the request, children for the cache lookup, the judge
 reservation and settlement, and the model call.
 
 The request's span follows OpenTelemetry's GenAI conventions: named `{operation} {model}` (`chat
-smollm2`, `text_completion …`, `embeddings …`), kind SERVER, a child of the caller's span when
-the request carries a W3C `traceparent`, with the `gen_ai.*` attributes of the call. It is the
+smollm2`, `text_completion …`, `embeddings …`), kind SERVER, with the `gen_ai.*` attributes of the
+call. A W3C `traceparent` makes it a child of the caller's span where every caller is one tenant
+(open mode); with keys it starts a trace of its own that links to the caller's span, since a
+trace id is only the caller's word and may be another tenant's. It is the
 one span of a request that carries `gen_ai.*`: the spans under it (the engine's, a judge's) use
 our own names, so a backend that adds up `gen_ai.usage.*` counts each answer once.
 
@@ -22,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from appliance import __version__
@@ -38,8 +41,11 @@ _CLIENT_REQUEST_ID = re.compile(r"[\x20-\x7e]{1,512}")
 
 
 class Tracing:
-    def __init__(self, settings: TracingSettings, db_path: Path | None = None, synchronous: str = "normal") -> None:
+    def __init__(self, settings: TracingSettings, db_path: Path | None = None, synchronous: str = "normal",
+                 join_callers: bool = False) -> None:
+        """`join_callers`: a caller's `traceparent` joins its trace (callers are one tenant); else links to it."""
         self.settings = settings
+        self.join_callers = join_callers
         self._provider: Any = None
         store = settings.store and db_path is not None
         if not settings.enabled and not store:
@@ -53,8 +59,8 @@ class Tracing:
 
         resource = Resource.create({"service.name": settings.service_name, "service.version": __version__})
         ratio = TraceIdRatioBased(settings.sample_ratio)
-        # A caller that samples its trace gets ours joined to it; one that does not cannot switch
-        # ours off: the server's own ratio decides then.
+        # A caller whose trace ours joins, and samples, gets ours recorded; one that does not sample
+        # cannot switch ours off: the server's own ratio decides then (and for a linked trace).
         self._provider = TracerProvider(resource=resource, sampler=ParentBased(ratio, remote_parent_not_sampled=ratio))
         # Spans leave in batches from each processor's own thread: the request path never waits on export.
         if store:
@@ -74,9 +80,15 @@ class Tracing:
         return self.tracer.start_span(name, context=context, attributes=_clean(attributes))
 
     def start_server(self, name: str, headers: Mapping[str, str] | None, **attributes: Any) -> Span:
-        """A request's span: under the caller's span when its headers carry a trace context."""
+        """A request's span: under the caller's span when its headers carry a trace context and
+        callers may join; else a trace of its own, the caller's span kept as a link and as
+        `appliance.caller.{trace_id,span_id}`, so no caller joins (or is read with) another's trace."""
         context = _PROPAGATOR.extract(headers) if headers is not None else None
-        return self.tracer.start_span(name, context=context, kind=SpanKind.SERVER, attributes=_clean(attributes))
+        caller = trace.get_current_span(context).get_span_context() if context is not None else None
+        if caller is None or not caller.is_valid or self.join_callers:
+            return self.tracer.start_span(name, context=context, kind=SpanKind.SERVER, attributes=_clean(attributes))
+        return self.tracer.start_span(name, context=Context(), kind=SpanKind.SERVER, links=[Link(caller)], attributes=_clean(
+            {**attributes, "caller__trace_id": format(caller.trace_id, "032x"), "caller__span_id": format(caller.span_id, "016x")}))
 
     @contextmanager
     def span(self, name: str, parent: Span | None, **attributes: Any) -> Iterator[Span]:

@@ -191,7 +191,9 @@ def test_rate_limit_headers_count_down_and_come_with_a_429(served: tuple[Server,
     assert refused["x-ratelimit-limit-tokens"] == "1000"
 
 
-def test_a_callers_trace_context_joins_the_servers_trace(served: tuple[Server, dict[str, str], Collector]) -> None:
+def test_a_callers_trace_context_is_linked_to_the_servers_trace(served: tuple[Server, dict[str, str], Collector]) -> None:
+    """With keys, a trace id is the caller's word and may be another tenant's: the server's trace
+    is its own, linked to the caller's span (open mode joins it: tests/test_tracing.py)."""
     server, keys, collector = served
     client = _client(server, keys["admin"])
     trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -199,9 +201,11 @@ def test_a_callers_trace_context_joins_the_servers_trace(served: tuple[Server, d
         model=CHAT_MODEL, messages=HELLO, max_tokens=5, temperature=0.5, top_p=0.9, seed=11,  # type: ignore[arg-type]
         extra_headers={"traceparent": f"00-{trace_id}-{span_id}-01"})
     completion = raw.parse()
-    assert raw.headers["x-trace-id"] == trace_id
+    own = raw.headers["x-trace-id"]
+    assert own != trace_id and len(own) == 32
     root = _root(collector, completion.id)
-    assert (root["trace"], root["parent"], root["name"]) == (trace_id, span_id, f"chat {CHAT_MODEL}")
+    assert (root["trace"], root["parent"], root["links"], root["name"]) == (own, "", [(trace_id, span_id)], f"chat {CHAT_MODEL}")
+    assert (root["attributes"]["appliance.caller.trace_id"], root["attributes"]["appliance.caller.span_id"]) == (trace_id, span_id)
     assert completion.usage is not None
     attributes = root["attributes"]
     assert {k: v for k, v in attributes.items() if k.startswith("gen_ai.")} == {
@@ -213,27 +217,29 @@ def test_a_callers_trace_context_joins_the_servers_trace(served: tuple[Server, d
     }
     assert all(k.startswith(("gen_ai.", "appliance.", "http.", "error.")) for k in attributes), attributes
     children = [s for s in collector.spans if s["parent"] == root["id"]]
-    assert children and all(s["trace"] == trace_id for s in children)
+    assert children and all(s["trace"] == own for s in children)
     assert not any(k.startswith("gen_ai.") for s in children for k in s["attributes"])  # one GenAI span per request
-    # The stored copy: a root here, its caller's span kept as the remote parent.
+    # The stored copy: the server's own trace, the caller's span in its attributes; the caller's trace id stores nothing.
     admin = {"Authorization": f"Bearer {keys['admin']}"}
     deadline = time.monotonic() + 15
     while True:  # children are stored before their root ends: wait for the whole tree
-        stored = httpx.get(f"{server.base_url}/admin/traces/{trace_id}", headers=admin, timeout=10)
+        stored = httpx.get(f"{server.base_url}/admin/traces/{own}", headers=admin, timeout=10)
         if stored.status_code == 200 and [s["name"] for s in stored.json()["spans"]] == [f"chat {CHAT_MODEL}"]:
             break
         assert time.monotonic() < deadline, stored.text
         time.sleep(0.1)
     (top,) = stored.json()["spans"]
-    assert top["remote_parent_id"] == span_id and top["name"] == f"chat {CHAT_MODEL}"
+    assert top["remote_parent_id"] is None and top["attributes"]["appliance.caller.span_id"] == span_id
+    assert httpx.get(f"{server.base_url}/admin/traces/{trace_id}", headers=admin, timeout=10).status_code == 404
     listed = httpx.get(f"{server.base_url}/admin/traces", headers=admin, params={"name": f"chat {CHAT_MODEL}"}, timeout=10).json()
-    assert any(t["trace_id"] == trace_id for t in listed["traces"])
-    # A caller that does not sample its trace does not switch ours off; a malformed traceparent starts a trace of our own.
+    assert any(t["trace_id"] == own for t in listed["traces"])
+    # A caller that does not sample its trace does not switch ours off; a malformed traceparent is no link.
     unsampled = client.completions.with_raw_response.create(model=CHAT_MODEL, prompt="Colours:", max_tokens=3, n=2,  # type: ignore[arg-type]
                                                             extra_headers={"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-00"})
     text = unsampled.parse()
     text_root = _root(collector, text.id)
-    assert (text_root["trace"], text_root["parent"], text_root["name"]) == ("ab" * 16, "cd" * 8, f"text_completion {CHAT_MODEL}")
+    assert (text_root["trace"], text_root["links"], text_root["name"]) == (unsampled.headers["x-trace-id"], [("ab" * 16, "cd" * 8)],
+                                                                          f"text_completion {CHAT_MODEL}")
     assert text_root["attributes"]["gen_ai.operation.name"] == "text_completion"
     # n choices: every choice's finish reason, the usage of them all.
     assert text_root["attributes"]["gen_ai.request.choice.count"] == 2
@@ -241,7 +247,7 @@ def test_a_callers_trace_context_joins_the_servers_trace(served: tuple[Server, d
     assert text.usage is not None and text_root["attributes"]["gen_ai.usage.output_tokens"] == text.usage.completion_tokens
     bad = client.embeddings.with_raw_response.create(model=EMBED_MODEL, input="x", extra_headers={"traceparent": "00-zz-yy-01"})
     embedded = _root(collector, bad.headers["x-request-id"])
-    assert embedded["parent"] == "" and embedded["trace"] == bad.headers["x-trace-id"] != trace_id
+    assert embedded["parent"] == "" and embedded["links"] == [] and embedded["trace"] == bad.headers["x-trace-id"] != trace_id
     assert embedded["name"] == f"embeddings {EMBED_MODEL}" and embedded["attributes"]["gen_ai.usage.input_tokens"] == bad.parse().usage.prompt_tokens
 
 

@@ -45,6 +45,7 @@ class Collector:
                             attributes = {a.key: _value(a.value) for a in span.attributes}
                             collector.spans.append({"name": span.name, "kind": span.kind, "trace": span.trace_id.hex(), "id": span.span_id.hex(),
                                                     "parent": span.parent_span_id.hex(), "attributes": attributes,
+                                                    "links": [(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
                                                     "error": span.status.code == 2})
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -154,3 +155,29 @@ def test_the_request_attributes_are_what_the_caller_sent() -> None:
     plain = msgspec.json.decode(b'{"model": "m", "prompt": "x", "stop": ["a", "b"]}', type=CompletionRequest)
     assert request_attributes(plain)["gen_ai__request__stop_sequences"] == ["a", "b"]
     assert request_attributes(plain)["gen_ai__request__choice__count"] is None  # n = 1 is left out
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_a_callers_trace_is_joined_only_where_callers_are_one_tenant(tmp_path: Path, join: bool) -> None:
+    """Open mode joins the caller's trace; with keys the server's trace is its own, linked to the caller's span."""
+    from appliance.settings import TracingSettings
+    from appliance.store.db import connect, migrate
+    from appliance.tracing import Tracing
+
+    migrate(connect(tmp_path / "t.db"))
+    tracing = Tracing(TracingSettings(), tmp_path / "t.db", join_callers=join)
+    trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    span = tracing.start_server("chat", {"traceparent": f"00-{trace_id}-{span_id}-01"})
+    span.end()
+    context, parent = span.get_span_context(), span.parent  # type: ignore[attr-defined]
+    if join:
+        assert format(context.trace_id, "032x") == trace_id and format(parent.span_id, "016x") == span_id and not span.links  # type: ignore[attr-defined]
+    else:
+        assert format(context.trace_id, "032x") != trace_id and parent is None
+        (link,) = span.links  # type: ignore[attr-defined]
+        assert (format(link.context.trace_id, "032x"), format(link.context.span_id, "016x")) == (trace_id, span_id)
+        assert span.attributes["appliance.caller.trace_id"] == trace_id  # type: ignore[attr-defined]
+    fresh = tracing.start_server("chat", {})
+    assert fresh.parent is None and not fresh.links  # type: ignore[attr-defined]
+    fresh.end()
+    tracing.close()

@@ -42,6 +42,9 @@ async def serve_chat(request: Request[Any, Any, Any], services: Services, princi
             # Token ids belong to one vocabulary; a route's tiers may each have another.
             raise invalid(f"The route '{route.alias}' spans models with their own vocabularies: name a model to use logit_bias.",
                           "logit_bias")
+        if body.adapters:
+            # A route's tiers are its own models and adapters (a tier may name one); the caller's would apply to whichever answers.
+            raise invalid(f"The route '{route.alias}' chooses its tiers' adapters: name a model to use adapters.", "adapters")
         traced.annotate(model=route.alias, stream=body.stream, end_user=body.user)
         routed = await routed_chat(request, services, principal, body, route, request_id, traced, wire_for)
         traced.end(http__status_code=200)
