@@ -42,11 +42,18 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
+    from appliance.chat_template import ChatTemplate, TemplateError
     from appliance.model_files import ModelFileError, resolve
 
     settings = settings_of(args.path)
     problems = 0
     for model in settings.models:
+        if getattr(model, "chat_template", None):
+            try:  # compiled and tried within its bounds as `serve` will (the model's special tokens aside)
+                ChatTemplate(model.chat_template, {})
+            except TemplateError as exc:
+                print(f"{settings.file}: model {model.alias!r}: chat_template: {exc}", file=sys.stderr)
+                problems += 1
         if model.engine == "openai":
             missing = [u.api_key_env for u in model.upstreams if u.api_key_env and not os.environ.get(u.api_key_env)]
             if missing:  # `serve` would refuse to start; the check says so now
@@ -288,14 +295,22 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    from policy.keystore import KeyStore
+    from policy.keystore import KeyStore, LastAdminKey
 
+    last = False
     with closing(ledger_db(args.config)) as db:
-        revoked = KeyStore(db).revoke(args.id, time.time())
+        store, now = KeyStore(db), time.time()
+        try:
+            revoked = store.revoke(args.id, now)
+        except LastAdminKey:  # the admin API refuses this one; on the machine it is the operator's call
+            last, revoked = True, store.revoke(args.id, now, keep_an_admin=False)
     if not revoked:
         print(f"error: there is no active key {args.id}", file=sys.stderr)
         return 1
     print(f"revoked {args.id} (a running server stops accepting it within its key cache time)")
+    if last:
+        print(f"warning: {args.id} was the last active admin key: /admin/* and the TUI refuse every key until "
+              "`appliance keys create --admin` makes another", file=sys.stderr)
     return 0
 
 

@@ -14,12 +14,20 @@ import uvicorn
 
 from appliance.api.errors import envelope_when_cut
 from appliance.app import build_services, create_app
+from appliance.chat_template import TemplateError
+from appliance.http_protocol import ConnectionLimits, guarded_protocol
 from appliance.model_files import ModelFileError
 from appliance.registry import Registry
-from appliance.settings import Settings
+from appliance.settings import ServerSettings, Settings
 from engines.base import EngineError
 
 log = logging.getLogger("appliance")
+MAX_HEAD_BYTES = 16 * 1024  # a request line and its headers; h11's own default, stated where it is enforced
+
+
+def connection_limits(server: ServerSettings) -> ConnectionLimits:
+    return ConnectionLimits(header_timeout_s=server.header_timeout_s, body_timeout_s=server.body_timeout_s,
+                            max_connections=server.max_connections, max_head_bytes=MAX_HEAD_BYTES)
 
 
 def port_free(host: str, port: int) -> bool:
@@ -78,7 +86,7 @@ def serve(settings: Settings, read_at_start: Settings | None = None) -> int:
         return 1
     try:
         registry = Registry.load(settings)
-    except (ModelFileError, EngineError) as exc:
+    except (ModelFileError, EngineError, TemplateError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     services = build_services(settings, registry, read_at_start)
@@ -86,6 +94,8 @@ def serve(settings: Settings, read_at_start: Settings | None = None) -> int:
     config = uvicorn.Config(
         app, host=server.host, port=server.port, log_level="info", access_log=False,
         timeout_graceful_shutdown=int(server.shutdown_grace_s), lifespan="on",
+        http=guarded_protocol(connection_limits(server)), timeout_keep_alive=server.keep_alive_s,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
     log.info("serving %d model(s) on http://%s:%d/v1", len(registry.all()), server.host, server.port)
     _Server(config, services.end_streams).run()

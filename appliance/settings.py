@@ -78,6 +78,15 @@ class ServerSettings(_Table, frozen=True, kw_only=True):
         description="the memory loaded models may hold together: loading one unloads the least recently used idle ones; none: no budget")] = None
     load_timeout_s: Annotated[float, Meta(ge=0.1, le=3600.0, description=(
         "how long a request waits for its model to load, and for room in the memory budget, before a 503 with Retry-After"))] = 120.0
+    # The connection's own bounds (appliance/http_protocol.py): a client trickling bytes holds a file descriptor.
+    header_timeout_s: Annotated[float, Meta(ge=0.5, le=300.0, description=(
+        "how long a request's line and headers may take to arrive, from the connection's opening or the next request's first byte; "
+        "then 408 and the connection closes"))] = 10.0
+    body_timeout_s: Annotated[float, Meta(ge=1.0, le=3600.0, description=(
+        "how long a request's body may take to arrive after its headers; then 408 and the connection closes"))] = 60.0
+    keep_alive_s: Annotated[int, Meta(ge=1, le=300, description="how long an idle connection stays open for its next request")] = 5
+    max_connections: Annotated[int, Meta(ge=1, le=65536, description=(
+        "connections open at once; one more is answered 503 with Retry-After and closed"))] = 512
 
     @property
     def api_path_roots(self) -> tuple[Path, ...]:

@@ -75,3 +75,10 @@ def check_key(record: KeyRecord | None, now: float) -> Principal | AuthFailure:
     if record.expires_at is not None and record.expires_at <= now:
         return AuthFailure("expired", f"The API key {record.id} has expired.")
     return Principal(record.user, record.tenant, record.app, record.role, record.id, record.admin)
+
+
+def leaves_no_admin(target: KeyRecord, keys: list[KeyRecord], now: float) -> bool:
+    """Pure: revoking `target` would leave no key that `/admin/*` accepts, so nobody could use the
+    admin API (or the TUI) again until someone on the machine makes one with the CLI."""
+    active = [k.id for k in keys if k.admin and isinstance(check_key(k, now), Principal)]
+    return active == [target.id]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import apsw
 
-from policy.identity import KeyRecord, new_secret, secret_hash
+from policy.identity import KeyRecord, leaves_no_admin, new_secret, secret_hash
 from policy.sqlite import immediate
 
 
@@ -128,8 +128,14 @@ class KeyStore:
         row = self.db.execute(f"SELECT {_COLUMNS} FROM api_keys WHERE id = ?", (key_id,)).fetchone()
         return _record(row) if row else None
 
-    def revoke(self, key_id: str, now: float) -> bool:
+    def revoke(self, key_id: str, now: float, *, keep_an_admin: bool = True) -> bool:
+        """False if there is no such unrevoked key. With `keep_an_admin` (the admin API), the last
+        active admin key is refused (LastAdminKey): only the CLI, on the machine, may revoke it."""
         with immediate(self.db):
+            if keep_an_admin and (record := self.get(key_id)) is not None:
+                admins = [_record(row) for row in self.db.execute(f"SELECT {_COLUMNS} FROM api_keys WHERE admin = 1")]
+                if leaves_no_admin(record, admins, now):
+                    raise LastAdminKey(key_id)
             self.db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (now, key_id))
             return self.db.changes() > 0
 
@@ -160,3 +166,10 @@ class KeyStore:
         names = ("at", "last_at", "count", "reason", "key_id", "fingerprint", "client", "path")
         rows = self.db.execute(f"SELECT {', '.join(names)} FROM auth_failures ORDER BY id DESC LIMIT ?", (limit,))
         return [dict(zip(names, row)) for row in rows]
+
+
+class LastAdminKey(Exception):
+    def __init__(self, key_id: str) -> None:
+        super().__init__(f"{key_id} is the last active admin key: revoked, it would leave no key that can use /admin/*. "
+                         f"Create another admin key first, or revoke it on the server with `appliance keys revoke {key_id}`.")
+        self.key_id = key_id

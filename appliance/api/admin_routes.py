@@ -15,7 +15,7 @@ from appliance.api.common import authenticate, decode_body
 from appliance.services import Services
 from policy.budgets import GLOBAL_NAME, LEVELS, PERIODS, nanos_from_usd, usd
 from policy.identity import KeyRecord
-from policy.keystore import KeyStore
+from policy.keystore import KeyStore, LastAdminKey
 from policy.ledger import Ledger, LedgerError
 
 
@@ -165,9 +165,11 @@ def _key_view(record: KeyRecord) -> dict[str, Any]:
 
 @get("/admin/keys")
 async def list_keys(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
-    await _admin(request, services)
+    principal = await authenticate(request, services)
+    services.gate.require_admin(principal)
     records = await services.store.run(lambda db: KeyStore(db).all())
-    return {"keys": [_key_view(r) for r in records]}
+    # `caller`: the key this request came with (None in open mode), so a client can tell its own row.
+    return {"keys": [_key_view(r) for r in records], "caller": principal.key_id}
 
 
 @post("/admin/keys", status_code=201)
@@ -190,7 +192,11 @@ async def create_key(request: Request[Any, Any, Any], services: Services) -> dic
 async def revoke_key(request: Request[Any, Any, Any], services: Services, key_id: str) -> dict[str, Any]:
     await _admin(request, services)
     now = time.time()
-    if not await services.store.run(lambda db: KeyStore(db).revoke(key_id, now)):
+    try:
+        revoked = await services.store.run(lambda db: KeyStore(db).revoke(key_id, now))
+    except LastAdminKey as exc:
+        raise APIError(409, str(exc), param="key_id", code="last_admin_key") from None
+    if not revoked:
         raise APIError(404, f"There is no active key {key_id}.", type="not_found_error", code="key_not_found")
     services.gate.forget_key(key_id)
     return {"id": key_id, "revoked_at": now}
