@@ -92,7 +92,7 @@ async def test_keys_are_created_and_revoked(served: Server) -> None:
         table = app.query_one("#key-table", DataTable)
         assert not isinstance(app.screen, SecretScreen) and app.focused is table
         await settle(pilot, app, lambda: table.row_count >= 1)
-        await pilot.press("d")
+        await pilot.press("d", *keys(made[0]["id"]), "enter")  # revoking asks for the key's id (tests/test_tui_confirm.py)
         await settle(pilot, app, lambda: httpx.get(f"{served.base_url}/admin/keys").json()["keys"][0]["revoked_at"] is not None)
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from rich.markup import escape
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -33,18 +35,32 @@ PROMPTS = {
     "pull": "pull from the hub: REPO FILE.gguf",
     "train": "train an adapter: STUDENT DATA [NAME] [at HH:MM]   (DATA a JSONL file or an export folder on the server)",
     "add_model": "add a model file on the server: PATH [ALIAS] [like MODEL]",
-    "remove": "remove {alias} from models.toml (its file stays): type {alias} to confirm",
+    "remove": "remove {word} from models.toml (its file stays): type {word} to confirm",
+    "revoke": "revoke key {word}{detail}: type {word} to confirm",
+    "invalidate": "invalidate cache bucket {word} ({detail}): type {word} to confirm",
 }
+# What a confirmed prompt does, in the words of "… was not <done>" when the typed word is wrong.
+CONFIRMED = {"remove": "removed", "revoke": "revoked", "invalidate": "invalidated"}
 
 # The screen each action belongs to: the footer lists, and the keys run, only the current screen's.
 ASKED_ON = {"key": "keys", "budget": "budgets", "search": "cache", "traces": "traces",
             "adapter": "models", "quantize": "models", "pull": "models", "train": "models", "add_model": "models",
-            "remove": "models"}
+            "remove": "models", "revoke": "keys", "invalidate": "cache"}
 ACTION_ON = {"unload": "models", "load_model": "models", "unload_model": "models", "remove_model": "models", "stop_job": "models",
              "revoke": "keys", "invalidate": "cache", "mark": "cache", "cycle_filter": "traces"}
 # What takes the keys when a screen is shown, so Enter and the arrows act on it at once.
 FOCUS_ON = {"budgets": "#budget-tree", "cache": "#cache-buckets", "traces": "#trace-table", "keys": "#key-table", "models": "#model-table"}
 QUIET_LOGGERS = ("httpx", "httpcore")
+
+
+@dataclass(frozen=True)
+class Confirm:
+    """An action that waits until the operator types `word` (the row's name, as the table shows it)."""
+
+    word: str
+    detail: str  # what the prompt adds about the row
+    call: Callable[[], Awaitable[dict[str, Any]]]
+    said: Callable[[dict[str, Any]], str]
 
 
 class ApplianceTUI(App[None]):
@@ -97,7 +113,8 @@ class ApplianceTUI(App[None]):
         self.trace_text = ""
         self.entries: list[dict[str, Any]] = []
         self.fleet: list[views.FleetRow] = []  # the models table's rows, to act on the one under the cursor
-        self.removing: str | None = None  # the model `x` asked to remove, until its alias is typed
+        self.confirming: Confirm | None = None  # what `x`, `d` or `i` asked to do, until its row's name is typed
+        self.own_key: str | None = None  # the id of the key this TUI signs in with, as the server says
         self.connected = False
         self._logging: tuple[list[logging.Handler], dict[str, int]] | None = None
 
@@ -172,7 +189,24 @@ class ApplianceTUI(App[None]):
         except httpx.HTTPError:
             self._connected(False)
         except AdminError as exc:
-            self.query_one("#status", Static).update(f"[b]{exc.message}[/b]")
+            if exc.status in (401, 403):
+                self._refused(exc)
+            else:
+                self.query_one("#status", Static).update(f"[b]{escape(exc.message)}[/b]")
+
+    def _refused(self, exc: AdminError) -> None:
+        """The server no longer takes this TUI's key (revoked, expired, not admin): say so, and clear
+        every screen rather than go on showing what was true before."""
+        status = self.query_one("#status", Static)
+        status.update(f"[b]the server refuses this TUI's key ({exc.status}: {escape(exc.message)})[/b]: "
+                      "start it again with a working admin key")
+        status.set_class(True, "down")
+        for table in self.query(DataTable):
+            table.clear()
+        self.fleet, self.entries = [], []
+        self.query_one("#budget-tree", Tree).clear()
+        for shown in ("#overview-body", "#cache-summary", "#trace-timeline", "#memory", "#slots", "#jobs"):
+            self.query_one(shown, Static).update("")
 
     def _connected(self, ok: bool) -> None:
         status = self.query_one("#status", Static)
@@ -231,6 +265,7 @@ class ApplianceTUI(App[None]):
         _fill(self.query_one("#trace-table", DataTable), views.trace_rows(traces, self.trace_filter, self.trace_text))
 
     def _render_keys(self, keys: dict[str, Any]) -> None:
+        self.own_key = keys.get("caller")
         _fill(self.query_one("#key-table", DataTable), views.key_rows(keys))
 
     def _render_models(self, models: dict[str, Any], loaded: dict[str, Any], jobs: dict[str, Any]) -> None:
@@ -281,7 +316,8 @@ class ApplianceTUI(App[None]):
     def action_ask(self, what: str) -> None:
         prompt = self.query_one("#prompt", Input)
         self.asking = what
-        prompt.placeholder = PROMPTS[what].format(alias=self.removing)
+        confirming = self.confirming
+        prompt.placeholder = PROMPTS[what].format(word=confirming.word, detail=confirming.detail) if confirming else PROMPTS[what]
         prompt.value = ""
         prompt.disabled = False
         prompt.remove_class("hidden")
@@ -291,7 +327,7 @@ class ApplianceTUI(App[None]):
         prompt = self.query_one("#prompt", Input)
         prompt.add_class("hidden")
         prompt.disabled = True
-        self.asking = self.removing = None
+        self.asking = self.confirming = None
         self._focus_tab()
 
     def action_cycle_filter(self) -> None:
@@ -301,7 +337,7 @@ class ApplianceTUI(App[None]):
 
     @on(Input.Submitted, "#prompt")
     async def submitted(self, event: Input.Submitted) -> None:
-        what, words, removing = self.asking, event.value.split(), self.removing
+        what, words, confirming = self.asking, event.value.split(), self.confirming
         self.action_cancel_prompt()
         try:
             if what == "key" and len(words) == 4:
@@ -342,11 +378,11 @@ class ApplianceTUI(App[None]):
             elif what == "add_model" and (added := views.add_model_args(event.value)) is not None:
                 self.notify(f"adding {added[0]}…")
                 self._change(lambda: self.client.add_model(*added), lambda done: f"{done['alias']} added to models.toml, served now")
-            elif what == "remove" and removing is not None:
-                if event.value.strip() != removing:
-                    self.notify(f"{removing} was not removed: type its alias to confirm", severity="warning")
+            elif what in CONFIRMED and confirming is not None:
+                if event.value.strip() != confirming.word:
+                    self.notify(f"{confirming.word} was not {CONFIRMED[what]}: type {confirming.word} to confirm", severity="warning")
                 else:
-                    self._change(lambda: self.client.remove_model(removing), lambda _: f"{removing} removed (its file stays)")
+                    self._change(confirming.call, confirming.said)
             else:
                 self.notify(f"expected: {PROMPTS.get(what or '', '')}", severity="warning")
         except (AdminError, ValueError) as exc:
@@ -360,16 +396,16 @@ class ApplianceTUI(App[None]):
             return None
         return table.cursor_row, table.get_row_at(table.cursor_row)
 
-    async def action_revoke(self) -> None:
+    def _confirm(self, what: str, confirm: Confirm) -> None:
+        self.confirming = confirm
+        self.action_ask(what)
+
+    def action_revoke(self) -> None:
         if (selected := self._selected("keys", "#key-table")) is None:
             return
         key_id = str(selected[1][0])
-        try:
-            await self.client.revoke_key(key_id)
-            self.notify(f"revoked {key_id}")
-        except AdminError as exc:
-            self.notify(exc.message, severity="error")
-        self.poll()
+        own = " (the key this TUI signs in with: it stops working at once)" if key_id == self.own_key else ""
+        self._confirm("revoke", Confirm(key_id, own, lambda: self.client.revoke_key(key_id), lambda _: f"revoked {key_id}"))
 
     async def action_stop_job(self) -> None:
         try:
@@ -417,13 +453,13 @@ class ApplianceTUI(App[None]):
 
     def action_remove_model(self) -> None:
         if (row := self._selected_model()) is not None:
-            self.removing = row.alias
-            self.action_ask("remove")
+            alias = row.alias
+            self._confirm("remove", Confirm(alias, "", lambda: self.client.remove_model(alias), lambda _: f"{alias} removed (its file stays)"))
 
     @work(group="fleet")
     async def _change(self, call: Callable[[], Awaitable[dict[str, Any]]], said: Callable[[dict[str, Any]], str]) -> None:
-        """A change to the fleet, off the key handler: a load can take as long as the weights take
-        to read, and the screen keeps polling meanwhile (the table shows it loading)."""
+        """A change to the fleet, keys or cache, off the key handler: a load can take as long as the
+        weights take to read, and the screen keeps polling meanwhile (the table shows it loading)."""
         try:
             self.notify(said(await call()))
         except AdminError as exc:
@@ -435,11 +471,17 @@ class ApplianceTUI(App[None]):
     async def action_invalidate(self) -> None:
         if (selected := self._selected("cache", "#cache-buckets")) is None:
             return
-        stats = await self.client.cache()
-        bucket = stats["buckets"][selected[0]]["bucket"]
-        done = await self.client.invalidate(bucket=bucket)
-        self.notify(f"invalidated {done['invalidated']} entries")
-        self.poll()
+        shown, tenant, _, model, entries = (str(cell) for cell in selected[1][:5])
+        try:  # the table shows a bucket's first characters: the whole name is the server's
+            bucket = next((b["bucket"] for b in (await self.client.cache())["buckets"] if b["bucket"].startswith(shown)), None)
+        except AdminError as exc:
+            self.notify(exc.message, severity="error")
+            return
+        if bucket is None:
+            self.notify(f"bucket {shown} is gone", severity="warning")
+            return
+        self._confirm("invalidate", Confirm(shown, f"{entries} entries, tenant {tenant}, model {model}",
+                                            lambda: self.client.invalidate(bucket=bucket), lambda done: f"invalidated {done['invalidated']} entries"))
 
     async def action_mark(self, state: str) -> None:
         if (selected := self._selected("cache", "#cache-entries")) is None:

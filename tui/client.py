@@ -19,6 +19,9 @@ class AdminClient:
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout)
 
     async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return (await self._checked(method, path, **kwargs)).json()
+
+    async def _checked(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         response = await self._http.request(method, path, **kwargs)
         if response.status_code >= 400:
             try:
@@ -26,15 +29,14 @@ class AdminClient:
             except Exception:
                 message = response.text[:200]
             raise AdminError(response.status_code, message)
-        return response.json()
+        return response
 
     async def health(self) -> dict[str, Any]:
         return await self._json("GET", "/health")
 
     async def metrics(self) -> str:
-        response = await self._http.get("/metrics")
-        response.raise_for_status()
-        return response.text
+        # A refused key is an AdminError like any other route's, never "unreachable".
+        return (await self._checked("GET", "/metrics")).text
 
     async def budgets(self) -> dict[str, Any]:
         return await self._json("GET", "/admin/budgets")
