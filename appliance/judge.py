@@ -13,12 +13,13 @@ from engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEv
 YES_NO = 'root ::= "yes" | "no"'
 
 
-async def yes_probability(model: LoadedModel, messages: list[dict[str, str]]) -> tuple[float, tuple[int, int]]:
-    """P(yes), and the (prompt, completion) tokens spent."""
+async def yes_probability(model: LoadedModel, messages: list[dict[str, str]], tenant: str | None) -> tuple[float, tuple[int, int]]:
+    """P(yes), and the (prompt, completion) tokens spent; `tenant`: whose text is judged (its prefix scope)."""
     assert model.template is not None  # settings allow only local chat models as judges
     tokens = model.chat_prompt(messages)[1]
     request = GenerationRequest(f"judge-{uuid.uuid4().hex}", tokens, 1,
-                                SamplingParams(temperature=0.0, logprobs=True, top_logprobs=20, grammar=YES_NO))
+                                SamplingParams(temperature=0.0, logprobs=True, top_logprobs=20, grammar=YES_NO),
+                                prefix_scope=model.prefix_scope(tenant))
     yes = no = 0.0
     async for event in model.engine.generate(request):
         if isinstance(event, TokenEvent) and event.logprob is not None:

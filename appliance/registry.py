@@ -38,6 +38,14 @@ class LoadedModel:
         text, tokens = vocabulary_prompt(self.template, self.engine, messages, tools)
         return text, tuple(tokens)
 
+    def prefix_scope(self, tenant: str | None) -> str:
+        """The engine's prefix scope for a request on `tenant`'s behalf: a tenant reuses only its
+        own prefixes, unless the model's prefix_sharing is "all". The server's own requests (None:
+        cache sweeps) take "", the scope no tenant's request has under "tenant"."""
+        if tenant is None or self.settings.prefix_sharing == "all":
+            return ""
+        return f"tenant:{tenant}"
+
 
 def engine_for(model: ModelSettings) -> str:
     """`auto` is MLX on Apple silicon (faster there) and llama.cpp everywhere else."""

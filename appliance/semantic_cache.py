@@ -83,12 +83,12 @@ def bundled_minilm() -> Embedder:
     return OnnxEmbedder("all-minilm-l6-v2-int8", Path(str(model)), Path(str(vocab)))
 
 
-async def ask_judge(model: LoadedModel, cached: str, asked: str) -> tuple[float, tuple[int, int]]:
+async def ask_judge(model: LoadedModel, cached: str, asked: str, tenant: str | None = None) -> tuple[float, tuple[int, int]]:
     """P(one answer serves both questions), from a small local chat model, and the tokens spent."""
     return await yes_probability(model, [
         {"role": "system", "content": "You compare two user questions. Answer yes if one answer fully and correctly answers both, otherwise no."},
         {"role": "user", "content": f"Question 1: {cached}\nQuestion 2: {asked}\nDo these two questions have the same answer? Answer yes or no."},
-    ])
+    ], tenant)
 
 
 class SemanticCache:
@@ -159,7 +159,7 @@ class SemanticCache:
         decision = judge_candidates(item.question, candidates, now, policy, self.lexicon)
         judged, judge_tokens = False, (0, 0)
         if isinstance(decision, AskJudge):
-            probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question, span)
+            probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question, span, item.bucket.tenant)
             judged = True
             if probability >= policy.judge_min_probability:
                 decision = Hit(decision.candidate.entry_id, decision.candidate.similarity, judged=True)
@@ -208,7 +208,7 @@ class SemanticCache:
 
     # -- the judge -----------------------------------------------------------------------------
 
-    async def ask_judge(self, cached: str, asked: str, parent: Any = None) -> tuple[float, tuple[int, int]]:
+    async def ask_judge(self, cached: str, asked: str, parent: Any = None, tenant: str | None = None) -> tuple[float, tuple[int, int]]:
         """P(the two questions have the same answer); 0 when no judge is configured. Traced and
         costed (the caller settles its tokens) like any other model call."""
         model = self.registry.get(self.settings.judge_model) if self.settings.judge_model else None
@@ -216,7 +216,7 @@ class SemanticCache:
             return 0.0, (0, 0)
         self.metrics.cache_judge_calls.inc()
         with self.tracing.span("cache.judge", parent, model=model.settings.alias) as span:
-            probability, tokens = await ask_judge(model, cached, asked)
+            probability, tokens = await ask_judge(model, cached, asked, tenant)
             annotate(span, probability=probability, prompt_tokens=tokens[0], completion_tokens=tokens[1])
         return probability, tokens
 

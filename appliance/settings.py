@@ -35,6 +35,7 @@ Kind = Literal["chat", "embedding", "draft"]  # a draft model is loaded only ins
 Tier = Literal["small", "mid", "frontier"]
 KvType = Literal["f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
 SpeculationMode = Literal["auto", "off", "prompt_lookup", "draft"]
+PrefixSharing = Literal["tenant", "all"]
 ENGINES = (*get_args(Engine), "openai")  # openai: a model served by another server (engines/upstream)
 UNQUANTIZED_KV = ("f16", "bf16")
 
@@ -178,6 +179,9 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
                                           extra={"default_doc": "slots x context_length"})] | None = None
     prefix_cache: Annotated[bool, Meta(description="reuse the KV of earlier prompts' prefixes across requests and slots")] = True
     prefix_cache_host_mb: Annotated[int, Meta(ge=0, le=1 << 20, description="host RAM for prefixes evicted from the KV cache; 0: none")] = 256
+    prefix_sharing: Annotated[PrefixSharing, Meta(description="whose prefixes a request may reuse: \"tenant\": its own tenant's only (another "
+                                                              "tenant's reuse would show in cached_tokens and the time to first token); "
+                                                              "\"all\": every caller's, for a system prompt every tenant sends")] = "tenant"
     speculation: Annotated[SpeculationMode, Meta(description="speculative decoding; \"auto\" is \"draft\" when draft_model is set, else \"off\"")] = "auto"
     draft_model: Annotated[str | None, Meta(description="the alias of another [[models]] entry that drafts for this one")] = None
     speculation_max_tokens: Annotated[int, Meta(ge=1, le=64, description="the most tokens drafted at once")] = 8
@@ -232,6 +236,7 @@ class UpstreamModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="up
     # as far as this process is concerned, and no prefix cache or drafts.
     slots: ClassVar[int] = 1
     prefix_cache: ClassVar[bool] = False
+    prefix_sharing: ClassVar[str] = "tenant"
     speculation_mode: ClassVar[str] = "off"
     draft_model: ClassVar[None] = None
     path: ClassVar[None] = None

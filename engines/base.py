@@ -7,7 +7,7 @@ requests, streams events back, and cancels on request.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, runtime_checkable
 
 from engines.vocabulary import Vocabulary
 
@@ -68,6 +68,9 @@ class GenerationRequest:
     # results, which (role, content) cannot; and tools, tool_choice, parallel_tool_calls as JSON.
     messages_json: str | None = None
     tools_json: str | None = None
+    # Whose earlier prompts' KV this request may reuse: only KV computed under the same scope. Opaque
+    # here (like vLLM's cache_salt); the server sets it per tenant, or "" where everyone may share.
+    prefix_scope: str = ""
 
     @property
     def prompt_length(self) -> int:
@@ -78,6 +81,19 @@ class GenerationRequest:
     def adapter_key(self) -> tuple[tuple[str, float], ...]:
         """What the KV this request computes is valid for; a zero scale is no adapter at all."""
         return tuple(sorted((name, scale) for name, scale in self.adapters if scale != 0.0))
+
+    @property
+    def prefix_key(self) -> PrefixKey:
+        """What the KV this request computes may be reused for: its adapter set, within its scope."""
+        return PrefixKey(self.adapter_key, self.prefix_scope)
+
+
+class PrefixKey(NamedTuple):
+    """The key every holder of a prefix's KV is listed under (engines/prefix.py): a request
+    reuses only KV of its own adapter set and its own prefix scope."""
+
+    adapters: tuple[tuple[str, float], ...]
+    scope: str
 
 
 @dataclass(frozen=True)

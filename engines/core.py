@@ -68,7 +68,10 @@ class Job:
 
     def __init__(self, request: GenerationRequest, sampler: Any, emit: Callable[[EngineEvent], None]) -> None:
         self.request = request
-        self.key: AdapterKey = request.adapter_key  # the KV it computes is valid for this adapter set only
+        self.key: AdapterKey = request.adapter_key  # the adapter set its steps compute under
+        # What its KV is listed under in the prefix index: the adapter set and the request's prefix
+        # scope, so no holder (slot, copy, host RAM) ever serves one scope's prefix to another.
+        self.prefix_key = request.prefix_key
         self.sampler = sampler  # the library's sampler chain, closed when the job ends; or None
         # logit_bias and penalties: the logits adjusted in a copy before the sampler draws
         self.adjuster = LogitAdjuster(request.sampling) if request.sampling.adjusts_logits else None
@@ -143,8 +146,8 @@ class LocalEngine:
         self._occupancy = Occupancy(slots, max_queue)
         self.prefix_stats = PrefixStats()
         self.speculation_stats = SpeculationStats()
-        # Which slot or host-RAM copy holds which tokens, under which adapter set: a prompt that
-        # shares a prefix with an earlier one (a system prompt, a template's preamble) reuses its KV.
+        # Which slot or host-RAM copy holds which tokens, under which adapter set and prefix scope: a
+        # prompt that shares a prefix with an earlier one of its scope (a system prompt) reuses its KV.
         self._index = PrefixIndex()
         self._host: HostCache[Any] = HostCache(self._index, host_cache_bytes, self.prefix_stats)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -492,7 +495,7 @@ class LocalEngine:
             self._apply_adapters(())
             self._applied = ()
         for holder in self._index.holders():
-            if any(n == name for n, _ in self._index.key(holder)):  # type: ignore[attr-defined]
+            if any(n == name for n, _ in self._index.key(holder).adapters):  # type: ignore[attr-defined]
                 kind, ident = holder  # type: ignore[misc]
                 if kind == "host":
                     self._host.drop(ident)

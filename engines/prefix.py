@@ -1,9 +1,11 @@
 """Which KV holder has which token prefix: a radix tree over token sequences.
 
 A holder is anything that can hand a new request the KV of a prefix: a slot's sequence in the
-KV cache, or a sequence saved in host RAM. Every holder is inserted under a model key (the model
-and its adapter set), so a request never reuses KV computed under another key. Pure bookkeeping:
-the engine does the copying. `HostCache` is the host-RAM tier every local engine shares.
+KV cache, or a sequence saved in host RAM. Every holder is inserted under a key (the request's
+adapter set and prefix scope, engines.base.PrefixKey), so a request never reuses KV computed under
+another key: not another adapter's, and not another scope's (another tenant's prompt, whose reuse
+would show in the caller's cached-token count and its time to first token). Pure bookkeeping: the
+engine does the copying. `HostCache` is the host-RAM tier every local engine shares.
 """
 
 from __future__ import annotations

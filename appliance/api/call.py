@@ -186,7 +186,9 @@ async def start(services: Services, principal: Principal, model: LoadedModel, pr
     """Rate limits, then the engine and the budget reservation together: the prompt's prefill
     overlaps the ledger's write, and no token is read before the reservation stands. A refusal
     cancels the queued generation; a lowered max_tokens restarts it (the slot keeps the prompt's KV).
-    Every choice is reserved for (max_tokens each) and started at once."""
+    Every choice is reserved for (max_tokens each) and started at once. The request reuses only
+    prefixes its caller's tenant computed (the model's prefix_sharing says otherwise)."""
+    prepared = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, prefix_scope=model.prefix_scope(principal.tenant)))
     gate = services.gate
     pending = gate.begin(principal, prepared.request.id, model.settings.alias, price_of(model),
                          prepared.request.prompt_length, prepared.request.max_tokens, prepared.choices)

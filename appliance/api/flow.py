@@ -159,7 +159,7 @@ async def _judge_injection(services: Services, traced: RequestTrace, texts: list
         admission = await services.gate.admit(principal, f"{request_id}.guard", model.settings.alias, price, estimate, 1)
         tokens = (0, 0)
         try:
-            probability, tokens = await yes_probability(model, messages)
+            probability, tokens = await yes_probability(model, messages, principal.tenant)
         finally:
             services.gate.settle(admission, tokens[0], tokens[1], "guard_judge")
         flagged = probability >= settings.guard_judge_threshold

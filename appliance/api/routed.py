@@ -68,7 +68,8 @@ async def classify_with_llm(services: Services, route: RouteSettings, principal:
         admission = await services.gate.admit(principal, f"{request_id}.route", model.settings.alias, price_of(model), len(tokens), room)
         text, completion = "", 0
         try:
-            async for event in model.engine.generate(GenerationRequest(f"{request_id}.route", tokens, room, SamplingParams(temperature=0.0, grammar=grammar))):
+            async for event in model.engine.generate(GenerationRequest(f"{request_id}.route", tokens, room, SamplingParams(temperature=0.0, grammar=grammar),
+                                                                       prefix_scope=model.prefix_scope(principal.tenant))):
                 text += event.text
                 if isinstance(event, FinishEvent):
                     completion = event.usage.completion_tokens

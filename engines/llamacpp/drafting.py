@@ -40,7 +40,10 @@ class Drafter(Protocol):
         """How many of the slot's first `tokens` tokens the drafter must still process."""
         ...
 
-    def start(self, slot: int, prompt: tuple[int, ...]) -> DraftState: ...
+    def start(self, slot: int, prompt: tuple[int, ...], reused: int) -> DraftState:
+        """A request takes the slot, its first `reused` tokens' KV kept from the slot's last request
+        (same prefix scope): a drafter keeps no more of what it held (another scope's prompt)."""
+        ...
 
     def observe(self, state: DraftState, token: int) -> None: ...
 
@@ -67,7 +70,7 @@ class PromptLookupDrafter:
     def behind(self, slot: int, tokens: int) -> int:
         return 0
 
-    def start(self, slot: int, prompt: tuple[int, ...]) -> DraftState:
+    def start(self, slot: int, prompt: tuple[int, ...], reused: int) -> DraftState:
         return DraftState(NgramLookup(prompt))
 
     def observe(self, state: DraftState, token: int) -> None:
@@ -145,9 +148,9 @@ class DraftModelDrafter:
     def behind(self, slot: int, tokens: int) -> int:
         return max(0, tokens - len(self.held[slot]))
 
-    def start(self, slot: int, prompt: tuple[int, ...]) -> DraftState:
+    def start(self, slot: int, prompt: tuple[int, ...], reused: int) -> DraftState:
         held = self.held[slot]
-        keep = common_prefix(tuple(held), prompt)
+        keep = common_prefix(tuple(held), prompt[:reused])
         del held[keep:]
         self.ctx.trim_sequence(slot, keep)
         return DraftState()

@@ -301,9 +301,9 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
             self.prefix_stats.prompt_tokens += len(job.request.prompt_tokens)
             self.prefix_stats.reused_in_slot += admission.reuse
             if self.config.prefix_cache:
-                self._index.insert(job.key, ("slot", job.slot), job.request.prompt_tokens)
+                self._index.insert(job.prefix_key, ("slot", job.slot), job.request.prompt_tokens)
             if self._drafter is not None:
-                job.draft_state = self._drafter.start(job.slot, job.request.prompt_tokens)
+                job.draft_state = self._drafter.start(job.slot, job.request.prompt_tokens, admission.reuse)
                 job.acceptance = self._acceptance.prior()  # what this model's drafts scored lately, lightly held
             self._active[job.slot] = job
             if admission.source is not None:
@@ -313,7 +313,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
         free = [s for s in range(self.config.slots) if s not in self._active]
         if not self.config.prefix_cache:
             return Admission(min(free), 0)
-        shared = self._index.match(job.key, job.request.prompt_tokens)
+        shared = self._index.match(job.prefix_key, job.request.prompt_tokens)
         return self._plan_reuse(job, shared, {s: shared.get(("slot", s), 0) for s in free})
 
     def _plan_reuse(self, job: _SlotJob, shared: dict, candidates: dict[int, int]) -> Admission:
@@ -376,7 +376,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
                 if source_job.n_past >= source.length:
                     self._follow(job, Admission(job.slot, job.n_past, Source(source.holder, source.length, source.length)), copying_from)
                 continue
-            shared = self._index.match(job.key, job.request.prompt_tokens)
+            shared = self._index.match(job.prefix_key, job.request.prompt_tokens)
             admission = self._plan_reuse(job, shared, {job.slot: job.n_past})
             if admission.source is not None:
                 self._follow(job, admission, copying_from)
@@ -467,7 +467,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
                 return False
             job.swapped = None
             if self.config.prefix_cache:
-                self._index.insert(job.key, ("slot", job.slot), job.request.prompt_tokens)
+                self._index.insert(job.prefix_key, ("slot", job.slot), job.request.prompt_tokens)
         return True
 
     def _step(self) -> None:
@@ -639,4 +639,4 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
             self._index.remove(holder)
         else:
             self.ctx.trim_sequence(job.slot, job.n_past)
-            self._index.insert(job.key, holder, (job.request.prompt_tokens + tuple(job.decoded))[: job.n_past])
+            self._index.insert(job.prefix_key, holder, (job.request.prompt_tokens + tuple(job.decoded))[: job.n_past])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.base import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest
+from engines.base import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest, PrefixKey
 from engines.core import AdapterKey, Job, LocalEngine
 from engines.mlx.lora import AdapterSet, LoraWeights, read_adapter
 from engines.mlx.vocabulary import MlxVocabulary
@@ -304,7 +304,7 @@ class MlxEngine(SpeaksVocabulary, LocalEngine):
         self.prefix_stats.prompt_tokens += len(prompt)
         if not self.config.prompt_cache_bytes:
             return None, []
-        shared = self._index.match(job.key, prompt)
+        shared = self._index.match(job.prefix_key, prompt)
         if not shared:
             return None, []
         holder, length = max(shared.items(), key=lambda kv: kv[1])
@@ -320,7 +320,7 @@ class MlxEngine(SpeaksVocabulary, LocalEngine):
         self.prefix_stats.reused_from_host += length
         return start, list(prompt[:length])
 
-    def _keep(self, key: AdapterKey, cache: list[Any] | None, tokens: list[int] | None) -> None:
+    def _keep(self, key: PrefixKey, cache: list[Any] | None, tokens: list[int] | None) -> None:
         if not self.config.prompt_cache_bytes or not cache or not tokens:
             return
         length = min(cache[0].offset, len(tokens))
@@ -369,11 +369,11 @@ class MlxEngine(SpeaksVocabulary, LocalEngine):
         if reason is None:
             return
         if response.finish_reason is not None:  # the generator let it go with its cache
-            self._keep(job.key, response.prompt_cache, response.all_tokens)
+            self._keep(job.prefix_key, response.prompt_cache, response.all_tokens)
         else:  # a stop string: take it out of the batch, cache and all
             kept = job.generator.remove([job.uid], return_prompt_caches=True).get(job.uid)
             if kept:
-                self._keep(job.key, *kept)
+                self._keep(job.prefix_key, *kept)
         self._end(job, reason)
 
 

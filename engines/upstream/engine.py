@@ -439,7 +439,9 @@ class _Counted:
     def usage(self, request: GenerationRequest) -> Usage:
         if self.reported is not None:
             prompt, completion, cached = self.reported
-            return Usage(prompt, completion, cached)
+            # The upstream's prefix cache serves every caller this server sends it: its count would
+            # tell a scoped request what another scope sent, so only an unscoped request sees it.
+            return Usage(prompt, completion, 0 if request.prefix_scope else cached)
         return Usage(request.prompt_length, self.tokens)
 
 
