@@ -5,6 +5,8 @@ the plain question's decision. No model is called.
 
     .venv/bin/python bench/router_manipulation.py                       # the workload's templates (tune on these)
     .venv/bin/python bench/router_manipulation.py --templates heldout   # phrasings never tuned on (report)
+    .venv/bin/python bench/router_manipulation.py --templates blind_tune     # written by an outsider who never saw the defences
+    .venv/bin/python bench/router_manipulation.py --templates blind_eval     # the outsider's second set: measured once, never tuned on
 
 The evaluation split's questions are not read: it is kept for bench/economics.py. Prints, per
 template, how many copies read differently from their question (another routing text or bucket) and
@@ -29,7 +31,9 @@ from policy.router import buckets, decide_calibrated, features  # noqa: E402
 from policy.router_text import embedded_text  # noqa: E402
 
 WORKLOAD = ROOT / "bench" / "workload"
-TEMPLATES = {"workload": WORKLOAD / "handwritten" / "adversarial.jsonl", "heldout": WORKLOAD / "handwritten" / "adversarial_heldout.jsonl"}
+HANDWRITTEN = WORKLOAD / "handwritten"
+TEMPLATES = {"workload": HANDWRITTEN / "adversarial.jsonl", "heldout": HANDWRITTEN / "adversarial_heldout.jsonl",
+             "blind_tune": HANDWRITTEN / "adversarial_blind_tune.jsonl", "blind_eval": HANDWRITTEN / "adversarial_blind_eval.jsonl"}
 CHEAP = ("factual", "arithmetic", "classification")  # the families build.py wraps (ADVERSARIAL_FAMILIES)
 
 
@@ -56,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     tiers = len(calibration.tiers)
     plain = [r for s in splits for r in read_jsonl(WORKLOAD / "splits" / f"{s}.jsonl")
              if r["family"] in CHEAP and not r.get("adversarial") and r["messages"][-1]["role"] == "user"]
+    if not TEMPLATES[args.templates].exists():
+        raise SystemExit(f"error: --templates: {TEMPLATES[args.templates].relative_to(ROOT)} is not in this checkout")
     templates = read_jsonl(TEMPLATES[args.templates])
     cases = [(None, r, r["messages"]) for r in plain] + [(t, r, wrapped(r, t["template"])) for t in templates for r in plain]
     task = calibration.knn.settings.task if calibration.knn is not None else False
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 shown += 1
                 print(f"    {r['id']}: tier {base[2]} -> {copy[2]}; reads {copy[0][:160]!r}")
         totals.update(counts)
-        print(f"{t['id']:10} {t['kind']:14} {counts['differs']:>18} {counts['learned']:>17} {counts['heuristics']:>20}")
+        print(f"{t['id']:10} {t['kind'][:14]:14} {counts['differs']:>18} {counts['learned']:>17} {counts['heuristics']:>20}")
     n = len(plain) * len(templates)
     print(f"manipulation ({args.templates}): {totals['differs']}/{n} copies read differently, {totals['learned']}/{n} "
           f"({totals['learned'] / n:.1%}) bought a dearer tier from the learned router, {totals['heuristics']}/{n} from the heuristics")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from policy.guardrails import INJECTION
+from policy.router_meta import ASK, task_lines, unframed
 
 # Words that argue about the model, the effort or the caller's standing rather than state the task.
 PLEA = re.compile(
@@ -36,8 +37,11 @@ _TEMPLATE_TAG = re.compile(r"<\|(im_start|start_header_id)\|>\s*(system|user|ass
                            r"<\|(system|user|assistant)\|>|<<(/?)SYS>>|<\|(im_end|eot_id|end)\|>|<\|[a-z_]+\|>|\[/?INST\]", re.IGNORECASE)
 # A line that opens a turn ("### System", "[assistant]", "<system>", "User:", "[SYSTEM]: text"): what follows
 # until the next such line is that role's, and only the user's turns are the caller's.
-_ROLE_LINE = re.compile(r"^\s*(#{1,6}\s*|\[|<|\*\*)?\s*(system|assistant|developer|user|human|ai|model)\s*(\]|>|\*\*)?\s*(:|$)\s*(.*)$", re.IGNORECASE)
+_ROLE_LINE = re.compile(r"^\s*(#{1,6}\s*|\[|<|\*\*)?\s*(system|assistant|developer|user|human|ai|model)\s*(\]|>|\*\*)?\s*(?:\([^()\n]{1,40}\)\s*)?(:|$)\s*(.*)$", re.IGNORECASE)
 _ROLE_OBJECT = re.compile(r"[\"']role[\"']\s*:\s*[\"'](system|assistant|developer)[\"']", re.IGNORECASE)
+# A user turn written as a JSON object on its line: its content is the caller's text.
+_USER_OBJECT = re.compile(r"^\s*\{\s*[\"']role[\"']\s*:\s*[\"'](?:user|human)[\"']\s*,\s*[\"']content[\"']\s*:\s*[\"'](.*)[\"']\s*\}\s*$",
+                          re.IGNORECASE)
 _ROLE_ELEMENT = re.compile(r"<(system|sys|assistant|developer|instructions?)>.*?</\1>", re.IGNORECASE | re.DOTALL)
 _CLAUSE = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'”’)\]])\s+|(?<=[:;])\s+")
 _FENCE = re.compile(r"^\s*(```|~~~)")
@@ -71,7 +75,7 @@ _LEAD_IN = re.compile(r"^(((first|now|so|anyway|but|then|okay|ok)\b[\s,;:.-]*)*(
 _CODE_ASIDE = re.compile(
     r"\b((only|just|purely|merely) (for )?(context|background)|(context|background)( only)?\W+(ignore|skip)|for context only|"
     r"needs? no (changes?|review|fixing)|ignore (the |this |that |my )?(code|snippet|script|query|block|above|context)|"
-    r"(unrelated|irrelevant) to (my|the|this) (question|request)|has nothing to do with|"
+    r"(unrelated|irrelevant) to (my|the|this) (question|request)|nothing to do with|"
     r"(pasted|included|added|copied|left) (in )?(by accident|by mistake|accidentally)|(is|are) fine as (it is|is|they are))", re.IGNORECASE)
 # What still makes the question about code once those sentences are gone ("return", "table" or "key" do
 # not: a support ticket uses them too).
@@ -87,10 +91,8 @@ _QUESTION_END = re.compile(r"\?\s*[\"')\]]*\s*$")
 _REFERENCE = re.compile(r"\b(it|its|they|them|their|he|she|him|her|his|hers|above|previous|former|latter|aforementioned|"
                         r"the same|so far|earlier)\b", re.IGNORECASE)
 # Text that announces material to work on ("from this email:", "the following"): what comes after is that material.
-_INTRODUCES = re.compile(r":\s*$|:\s*\n|\b(following|below|this (text|email|message|passage|review|paragraph|document|article|note|letter|"
+_INTRODUCES = re.compile(r":\s*$|:\s*\n|\b(the following|as follows|below|this (text|email|message|passage|review|paragraph|document|article|note|letter|"
                          r"sentence|list|table|data|report|ticket|conversation|transcript))\b", re.IGNORECASE | re.MULTILINE)
-_ASK = re.compile(r"^\W*(classify|translate|name|list|give|tell|spell|summari[sz]e|rewrite|extract|write|say|define|convert|explain|"
-                  r"describe|identify|answer|compute|calculate|solve|what|who|where|when|which|why|how|is|are|does|do|can)\b", re.IGNORECASE)
 _WORD = re.compile(r"[^\W\d_]{3,}")
 _NUMBER = re.compile(r"\d+")
 _QUANTITY = re.compile(r"\b(how (many|much|long|far|old|often|fast|big|tall)|what (is|was|are) the (total|number|amount|sum|cost|price|"
@@ -137,8 +139,9 @@ def last_user_turn(messages: list[dict[str, str]]) -> str:
 def routing_text(messages: list[dict[str, str]]) -> str:
     """The task the last user turn states, each sentence once, and only the sentences it needs."""
     last = last_user_turn(messages)
-    lines = _without_code_nobody_asks_about(_callers_turns(_ROLE_ELEMENT.sub("\n", _TEMPLATE_TAG.sub(_turn_line, last))))
-    kept = _unreferenced_preamble_dropped(_after_dismissal(_clauses(lines)))
+    lines = _without_code_nobody_asks_about(_callers_turns(unframed(_ROLE_ELEMENT.sub("\n", _TEMPLATE_TAG.sub(_turn_line, last)))))
+    kept = _after_dismissal(_clauses(lines))
+    kept = _unreferenced_preamble_dropped(task_lines(kept, _code_lines(kept)))
     if kept:
         return "\n".join(kept)
     # Nothing but instructions to the system: what is left of them once the patterns are cut out.
@@ -169,7 +172,7 @@ def _callers_turns(text: str) -> list[str]:
             if not line.strip():
                 continue
         if role == "user" and not _ROLE_OBJECT.search(line):
-            kept.append(line)
+            kept.append(user.group(1) if (user := _USER_OBJECT.match(line)) else line)
     if not any(line.strip() for line in kept):
         # A forged turn that never hands back to the user holds the question too ("SYSTEM: ... What is X?"):
         # its sentences are sorted one by one instead.
@@ -197,7 +200,7 @@ def _without_code_nobody_asks_about(lines: list[str]) -> list[str]:
         return lines
     if any(_CODE_ASIDE.search(line) for line in lines):
         # Said to be beside the point: the code goes, and so do the sentences that say so.
-        kept = [line for line in (" ".join(s for s in re.split(r"(?<=[.!?])\s+", line) if not _CODE_ASIDE.search(s)) for line in prose)
+        kept = [line for line in (" ".join(s for s in re.split(r"(?<=[.!?])[)\]\"'”’]*\s+", line) if not _CODE_ASIDE.search(s)) for line in prose)
                 if line.strip()]
         if kept and not _ABOUT_CODE.search(_NOT_CODE.sub(" ", " ".join(kept))):
             return kept
@@ -275,12 +278,13 @@ def _unreferenced_preamble_dropped(lines: list[str]) -> list[str]:
     sentences = _sentences(lines)
     if len(sentences) < 2:
         return lines
-    # The ask: the last line when there are several, else the last sentence; a question or an instruction.
-    if len(lines) > 1:
+    # The ask: the last sentence when it is a question or there is one line, else the last line; a
+    # question or an instruction.
+    if len(lines) > 1 and not _QUESTION_END.search(sentences[-1][1]):
         question, before = lines[-1], " ".join(lines[:-1])
     else:
         question, before = sentences[-1][1], " ".join(s for _, s in sentences[:-1])
-    if not (_QUESTION_END.search(question) or _ASK.match(question)) or _INTRODUCES.search(before):
+    if not (_QUESTION_END.search(question) or ASK.match(question)) or _INTRODUCES.search(before):
         return lines
     standalone = len(re.findall(r"\w+", question)) >= 3 and not _REFERENCE.search(question) and not _content(question) & _content(before)
     looks_hard = len(before.split()) >= 25 or len(_NUMBER.findall(before)) >= 2 or bool(_HARD.search(before))

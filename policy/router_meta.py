@@ -1,0 +1,263 @@
+"""Which parts of a caller's turn state the task, and which only talk about it.
+
+What a caller writes about a request (how hard, urgent or important it is, who allowed what, how
+carefully to think, which model should answer, a metadata block, thanks and greetings) is not what
+the request needs, in any language. The turn is cut into segments (sentences in any script, a label
+before its colon, runs of emoji, markup tags), and a segment goes when it talks about the request
+and shares no content word with the ask (its question, or else the rest of the turn). A segment is
+judged on its own words and the ask's alone, so talk added around a question leaves the text the
+router reads, and with it every feature and the learned router's embedding, exactly as they were:
+such text can never buy a dearer tier. Pure.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+# Markup tags (`<routing tier="x"/>`, `</body>`): a boundary between segments, their attributes nobody's task.
+_TAG = re.compile(r"</?[A-Za-z][\w:.-]*(?:\s+[\w:.-]+(?:\s*=\s*(?:\"[^\"]*\"|'[^']*'|[^\s\"'>/]+))?)*\s*/?>")
+# Where a segment ends: a sentence's end in any script, a label's colon.
+_SEGMENT_END = re.compile(r"(?<=[.!?。！？؟…])[\"'”’»)\]*_]*\s+|(?<=[:：])[*_]*\s+|(?<=[。！？])")
+# A sentence that asks for something (an instruction or a question without its mark, in English).
+ASK = re.compile(r"^\W*(please\W+)?(classify|translate|name|list|give|tell|spell|summari[sz]e|rewrite|extract|write|say|define|convert|"
+                 r"explain|describe|identify|answer|compute|calculate|solve|what|who|where|when|which|why|how|is|are|does|do|can)\b",
+                 re.IGNORECASE)
+_QUESTION = re.compile(r"[?？؟][\s\"'”’»)\]*_]*$")
+_DIGIT = re.compile(r"\d")
+_LETTERS = re.compile(r"[^\W\d_]+")
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]")
+
+# Words of any of the languages below that carry no content of their own: function words, greetings
+# and thanks, the names of chat turns, and the words every request uses about itself.
+_FILLER = frozenset("""
+the and for are was were been being you your yours not but all any can cannot how who why its his her our out one has had
+have with from that this these those there their they them than then what which where when whose whom does did into about
+much many every each other another same own even still yet ever never always often don doesn didn isn aren wasn weren
+something anything everything nothing someone anyone unrelated
+won wouldn couldn shouldn haven hasn
+would could should will shall may might must also just only very more most some such here now well yes okay really so
+please thanks thank hello good morning afternoon evening dear regards cheers kindly grateful advance anyway actually
+question questions answer answers reply request requests query task thing following below above like know want need
+user human assistant bot message messages chat conversation previous history turn help get give tell make let
+les des une est que qui pour dans par sur avec pas plus vous nous sont ont cette ceci cela ici merci bonjour bonsoir
+svp voici voila reponse demande utilisateur mais tres bien plait aide historique precedent etre avoir fait faire
+tout tous toute elle ils elles leur leurs son ses mon mes ton tes notre votre aux comme quand alors donc aussi
+los las una del por para con que como esta este esto eso son muy mas sin ante sobre todo toda gracias hola favor
+pregunta respuesta usuario asistente aqui ayuda historial anterior pero porque cuando donde tambien esto ese esa
+hay ser estar tiene tengo puede puedo hacer sus mis tus nos les
+uma dos das pelo pela com nao sim isso isto disso nisso desse dessa aqui obrigado obrigada ola resposta voce voces ajuda
+historico mas mais porque quando onde tambem tem tenho pode posso fazer ser estar meu minha seu sua nada nenhum nenhuma
+muito muita jeito
+der die das und ist ein eine einen dem den des mit von fur auf bei nicht ich sie wir ihr bitte danke hallo hier frage
+antwort nutzer benutzer assistent diese dieser dieses hilfe bisheriger bisherige verlauf vorherige auch aber oder wenn
+wie was wer wo sich sind war hat habe haben kann kannst mein meine dein deine sein seine nur noch schon also
+gli della delle per con che non sono questa questo grazie ciao domanda risposta utente assistente anche
+""".split())
+
+# Talk about the request rather than of it, accent-folded and lower-cased: whole words, or a word's
+# beginning where marked `*`. A strong cue alone makes a short segment talk; a weak one needs a
+# second (a "model" may be a car's, a "router" the one at home, "best" or "hard" the question's own).
+_STRONG = """
+llm llms gpt* chatgpt frontier fronteira frontera frontiere flagship top-tier high-end state-of-the-art
+override* pre-approved mission-critical olympiad* olimpiad* genius genio genie
+expertise expertenwissen anspruchsvoll* redoutable urgent* dringend*
+carefully careful thoroughly thorough meticulous* methodical* deliberat* rigor rigour rigorous* rigoros* exhaustiv*
+erschopf* comprehensive encyclopedic enciclopedic* encyclopedi* ausfuhrlich* step-by-step double-check cuidadosa*
+cuidadosamente soigneu* attentivement sorgfalt* grundlich* minucios* scrupul* lifesaver
+"""
+_WEAK = """
+claude gemini tier tiers routing router route reroute escalat* upgrade* premium admin admins administrat* administrad*
+systemadministrator authoris* authoriz* autoris* autoriz* aprovad* aprobad* approuv* approved approval genehmig* freigegeb*
+berechtig* sudo clearance cleared enterprise platinum vip sla ceo cto phd phds doctora* doutora* doktor* nobel laureat*
+brilliant brillant* expert experts experto expertos especialista* sophisticated sofisticad* deceptive* trick
+priorit* priorid* critical critica critico critique kritisch* crucial ultra cuidado
+fired despedid* demitid* gekundigt desperate desesperad* supplie beg begging stressed crying garbage toy fraquinho
+mini-modell billig*
+model models modele modeles modelo modelos modell modelle modello modelli modle ai ia ki system systems sistema systeme
+engine brain cerebro cerebros cerveau gehirn intelligen* inteligen* capab* capacit* fahigkeit* power powerful potente
+puissant* leistungsstark* strongest stronger smartest smart big large small smaller little tiny
+best beste besten better meilleur* mejor mejores melhor melhores migliore biggest largest bigger larger maior mayor grosste
+most highest hochste* maximum maxima maximo maximal max top finest superior superieur* advanced avance* avanzad* avancad*
+fortgeschritten*
+hard hardest harder difficult difficulty dificil dificiles difficile difficiles schwer schwierig* complex complexe
+complexity complejo compleja complexo complexa komplex complicad* tricky challenging
+extreme extremely extrema extremo extremadamente extremamente extrem extremement simple simpler
+important importante importance importancia wichtig* serious seriousness serio seria matters matter depend depends depende
+dependen lives vida vidas carriere carrera carreira karriere job emprego trabajo promotion mistake mistakes wrong errar
+accuracy accurate precise precision precisao genau prazis*
+detailed detalhada detalhado detallada detallado detaillee detaille detail details complete completa completo
+vollstandig* deep profunda profundo approfondi* slowly lentement reason reasoning razonamiento raciocinio raisonnement
+think thinking piensa pense pensez reflechissez reflechis denk denke nachdenken
+step steps paso pasos passo etape schritt consider considering revisa revise verifiez verifie check
+pay paid paying pago zahle cheap quality qualidade calidad qualite qualitat level nivel niveau stufe
+pretend imagine act actua aja panel committee comite professors profesores professeurs professori professoren
+catedraticos chercheurs researchers
+exam exams examen exame prufung competition concours concurso
+warning attention achtung aviso atencion note nota hinweis budget unlimited ilimitado illimite unbegrenzt
+"""
+
+
+def _words(spec: str) -> str:
+    return "|".join(w[:-1] if w.endswith("*") else rf"{w}(?![^\W\d_])" for w in sorted(set(spec.split()), key=len, reverse=True))
+
+
+_CUE = re.compile(rf"(?<![^\W\d_])(?:(?P<strong>{_words(_STRONG)})|(?P<weak>{_words(_WEAK)}))")
+# The same for scripts without spaces between words (and Cyrillic, whose words the pattern above
+# never starts): each a cue of its own.
+_CUE_CJK = re.compile(r"模型|最好|最强|最先进|顶级|高级|困难|很难|复杂|专家|仔细|认真|一步一步|逐步|详细|管理员|授权|优先|紧急|重要|"
+                      r"モデル|最高|最強|難し|複雑|専門|慎重|丁寧|詳しく|管理者|承認|優先|緊急|重要|"
+                      r"модел|лучш|мощн|сложн|трудн|эксперт|тщательн|подробн|администратор|приоритет|срочн|важн|"
+                      r"шаг за шагом")
+
+
+def fold(text: str) -> str:
+    """Lower case without accents ("difícil" reads as "dificil", "größte" as "grosste")."""
+    decomposed = unicodedata.normalize("NFKD", text.lower().replace("ß", "ss"))
+    return "".join(c for c in decomposed if not unicodedata.combining(c))
+
+
+# A period that ends an abbreviation ("Dr.", "P.O.", "e.g."), not a sentence.
+_ABBREVIATION = re.compile(r"(?:^|[\s(])(?:(?:[^\W\d_]\.)+|(?:mr|mrs|ms|dr|st|prof|sr|jr|vs|etc|no|nr)\.)$", re.IGNORECASE)
+# "budget = unlimited": a setting's name is a label, as "priority:" is.
+_ASSIGN = re.compile(r"^(\s*[^\W\d][\w.-]{2,30}\s*=)\s+")
+# A lead-in that is the first half of a question ("Financially, which comes out better: ...").
+_WH = re.compile(r"\b(which|what|who|whom|whose|how|why|where|when)\b", re.IGNORECASE)
+_LEAD_IN = re.compile(r":[\s*_]*$|^\s*#{1,6}\s")
+
+
+def split_segments(line: str) -> list[str]:
+    """The segments of one line of prose: sentences in any script, a label before its colon or its
+    `=`, the text between markup tags and between runs of emoji."""
+    # "budget = unlimited" is a setting, "tablespoon = how many teaspoons?" one question
+    labelled = _ASSIGN.sub(lambda m: m.group(0) if line[m.end():m.end() + 1].islower() else m.group(1) + "\n", line)
+    text = "".join("\n" if _emoji(c) else c for c in _TAG.sub("\n", labelled))
+    segments = []
+    for piece in text.split("\n"):
+        start = 0
+        for end in _SEGMENT_END.finditer(piece):
+            if not _ABBREVIATION.search(piece[start:end.start()]):
+                segments.append(piece[start:end.start()])
+                start = end.end()
+        segments.append(piece[start:])
+    return [s.strip() for s in segments if s.strip()]
+
+
+def _emoji(c: str) -> bool:
+    code = ord(c)
+    return code >= 0x1F000 or 0x2600 <= code <= 0x27BF or 0x2B00 <= code <= 0x2BFF or code in (0xFE0F, 0x200D)
+
+
+def content(segment: str) -> set[str]:
+    """Content words cut to a six-letter stem, filler and talk about the request left out; in a
+    script without spaces, its pairs of characters."""
+    folded = fold(segment)
+    cues = [m.span() for m in _CUE.finditer(folded)]
+    words = set()
+    for m in _LETTERS.finditer(folded):
+        word = m.group()
+        if _CJK.search(word):
+            words |= {word[i:i + 2] for i in range(max(1, len(word) - 1))}
+        elif len(word) >= 3 and word not in _FILLER and not any(a <= m.start() < b for a, b in cues):
+            words.add(word[:6].rstrip("s"))
+    return words
+
+
+TALK_SHARE = 0.25  # cues (strong 1, weak 1/2) per other content word from which a sentence is talk, not material
+
+
+def cues(segment: str) -> float:
+    """How much a segment talks about the request: 1 for each strong cue, 1/2 for each weak one."""
+    folded = fold(segment)
+    return sum(1.0 if m.group("strong") is not None else 0.5 for m in _CUE.finditer(folded)) + 0.5 * len(_CUE_CJK.findall(folded))
+
+
+def talk(segment: str) -> bool:
+    """Whether a segment talks about the request: its cues (one strong or two weak) outweigh its other
+    content words, or a cue leads into what follows ("... can do justice to this:"), or nothing is left
+    once filler is set aside (a greeting, "Anyway:", a turn's name, a lone label)."""
+    score, words = cues(segment), len(content(segment))
+    if score >= 1 and score >= TALK_SHARE * words or score and _LEAD_IN.search(segment) and not _WH.search(segment):
+        return True
+    return not words and not _DIGIT.search(segment) and not _QUESTION.search(segment)  # "How?" still asks
+
+
+def asks(segment: str) -> bool:
+    return bool(_QUESTION.search(segment) or ASK.match(segment))
+
+
+def task_lines(lines: list[str], code: list[bool]) -> list[str]:
+    """`lines` without the segments that talk about the request and are not tied to the ask by its
+    content words (two, or one where the segment states a number). The ask: the questions that do
+    not talk; with none, every segment that does not talk; with none of those either, the questions.
+    With a question, a fragment of one content word or none is never the task either, and a label
+    goes with the value it introduces. Code lines stay as they are (whether code is padding is
+    decided before). Nothing goes when everything talks and nothing asks."""
+    split = [split_segments(line) if not is_code else [line] for line, is_code in zip(lines, code)]
+    flagged = [[not is_code and talk(s) for s in segments] for segments, is_code in zip(split, code)]
+    prose = [(s, mark) for segments, marks, is_code in zip(split, flagged, code) if not is_code for s, mark in zip(segments, marks)]
+    questions = [s for s, mark in prose if asks(s) and not mark]
+    if not questions and any(asks(s) for s, _ in prose):  # a question that talks is still asked
+        questions = [s for s, mark in prose if asks(s) or not mark]
+    anchor_segments = set(questions or [s for s, mark in prose if not mark])
+    if not anchor_segments:
+        return lines
+    anchor = set().union(*(content(s) for s in anchor_segments))
+
+    def kept(segment: str, mark: bool, introduced: bool) -> bool:
+        if segment in anchor_segments:
+            return True
+        shared = len(content(segment) & anchor)
+        if shared >= (1 if _DIGIT.search(segment) or not mark else 2):
+            return True
+        # An instruction's material may follow it in any form; a question of filler alone ("How do I do
+        # that?") points back at what it needs.
+        if not any(_QUESTION.search(q) and content(q) for q in questions):
+            return not mark
+        # Beside a question, a short sentence with a cue, or two, that shares nothing with it is talk, and so
+        # is a fragment; a label of material that is kept stays. A sentence stating a number may be a premise.
+        score, words = (0.0, 0) if _DIGIT.search(segment) else (cues(segment), len(content(segment)))
+        if _WH.search(segment):  # the first half of the question
+            score = 0.0
+        return not (mark or score >= 1 or (score and words <= 3) or (_fragment(segment) and not introduced))
+
+    kept_lines = []
+    for line, segments, marks, is_code in zip(lines, split, flagged, code):
+        if is_code:
+            kept_lines.append(line)
+            continue
+        keep: list[bool] = [False] * len(segments)
+        for i in reversed(range(len(segments))):
+            label = bool(_LEAD_IN.search(segments[i])) and len(segments[i].split()) <= 3
+            keep[i] = kept(segments[i], marks[i], label and i + 1 < len(segments) and keep[i + 1])
+            if label and i + 1 < len(segments) and keep[i + 1] and not keep[i] and len(segments[i + 1].split()) <= 3 \
+                    and segments[i + 1] not in anchor_segments:
+                keep[i + 1] = False  # "priority: P0": the value of a label that talks goes with it
+            if label and i + 1 < len(segments) and not keep[i + 1]:
+                keep[i] = False  # "cliente: premium": a label goes with the value it introduces
+        if all(keep):
+            kept_lines.append(line)
+        elif any(keep):
+            kept_lines.append(" ".join(s for s, k in zip(segments, keep) if k))
+    return kept_lines
+
+
+def _fragment(segment: str) -> bool:
+    return not _DIGIT.search(segment) and len(content(segment)) <= 1
+
+
+_RULE = re.compile(r"^\s*([=\-_*+])\1{2,}\s*|\s*([=\-_*+])\2{2,}\s*$")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def unframed(text: str) -> str:
+    """Outside code fences, a line that opens with a markup tag is read as the text between its tags,
+    and rules of `===` or `---` around a line are not part of it: a metadata frame is not code."""
+    out, fenced = [], False
+    for line in text.split("\n"):
+        if _FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            line = _RULE.sub("", _TAG.sub("\n", line) if _TAG.match(line.lstrip()) else line)
+        out.append(line)
+    return "\n".join(out)
