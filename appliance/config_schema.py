@@ -10,12 +10,17 @@ A field's `Meta(extra=...)` may add what a type cannot say:
   load          (text, key, where) -> value: the key names something to read, such as a file
   form          the words for a `load` key's value
   flatten       a nested struct whose keys sit in the parent's table
+  file          what else than a path the key may name a file as, which the admin API confines as it
+                confines paths: "template" (a file unless it is template text), "package", "hub"
+
+Every number is declared with both bounds (`ge` and `le`): what llama.cpp and the machine can take.
 
 Every error is one line naming the file and the dotted key (`models.toml: models[2].slots: ...`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import types
@@ -203,7 +208,9 @@ def _check(value: Any, tp: Any, key: str, where: Where, metas: tuple[msgspec.Met
         return value
     if tp in (int, float):
         what = "an integer" if tp is int else "a number"
-        if isinstance(value, bool) or not isinstance(value, (int,) if tp is int else (int, float)):
+        # TOML reads inf and nan; nan passes every comparison, so a bound alone would let it through.
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if isinstance(value, bool) or not isinstance(value, (int,) if tp is int else (int, float)) or not finite:
             raise _Mismatch(f"expected {what}, got {value!r}")
         low, high = _bounds(metas)
         if (low is not None and value < low) or (high is not None and value > high):

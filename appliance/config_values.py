@@ -13,6 +13,8 @@ from typing import ClassVar
 _DURATION = re.compile(r"^(?:\d+(?:\.\d+)?[hms])+$")
 _PART = re.compile(r"(\d+(?:\.\d+)?)([hms])")
 _SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+# Longer waits are "until the server stops" (-1); a bigger number overflows the timers that sleep on it.
+MAX_KEEP_ALIVE_S = 365 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -22,14 +24,16 @@ class KeepAlive:
     seconds: float | None  # None: until the server stops
     text: str | int  # as written
 
-    FORM: ClassVar[str] = 'a duration ("30s", "5m", "1h", "1h30m"), 0 to unload at once, or -1 to keep loaded'
+    FORM: ClassVar[str] = 'a duration up to a year ("30s", "5m", "1h", "1h30m"), 0 to unload at once, or -1 to keep loaded'
 
     @classmethod
     def from_toml(cls, value: object) -> KeepAlive:
         if isinstance(value, int) and not isinstance(value, bool) and value in (0, -1):
             return cls(None if value == -1 else 0.0, value)
         if isinstance(value, str) and _DURATION.match(value):
-            return cls(sum(float(n) * _SECONDS[unit] for n, unit in _PART.findall(value)), value)
+            seconds = sum(float(n) * _SECONDS[unit] for n, unit in _PART.findall(value))
+            if seconds <= MAX_KEEP_ALIVE_S:
+                return cls(seconds, value)
         raise ValueError(f"expected {cls.FORM}, got {value!r}")
 
     def to_toml(self) -> str | int:
@@ -38,6 +42,8 @@ class KeepAlive:
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)$", re.IGNORECASE)
 _SHARE = re.compile(r"^(\d+(?:\.\d+)?)\s*%$")
+# No machine this serves holds more; a longer number would overflow the arithmetic on it.
+MAX_MEMORY_BYTES = 1 << 50
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
@@ -49,15 +55,15 @@ class MemoryBudget:
     share: float | None  # ... or a fraction of RAM in (0, 1]
     text: str  # as written
 
-    FORM: ClassVar[str] = 'a size ("16GiB", "512MiB", "8GB") or a share of RAM ("80%")'
+    FORM: ClassVar[str] = 'a size up to 1PiB ("16GiB", "512MiB", "8GB") or a share of RAM ("80%")'
 
     @classmethod
     def from_toml(cls, value: object) -> MemoryBudget:
         if isinstance(value, str):
             if size := _SIZE.match(value.strip()):
-                total = int(float(size[1]) * _UNITS[size[2].lower()])
-                if total > 0:
-                    return cls(total, None, value)
+                total = float(size[1]) * _UNITS[size[2].lower()]
+                if 0 < total <= MAX_MEMORY_BYTES:
+                    return cls(int(total), None, value)
             elif share := _SHARE.match(value.strip()):
                 percent = float(share[1])
                 if 0 < percent <= 100:

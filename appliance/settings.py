@@ -52,7 +52,15 @@ Url = Annotated[str, Meta(pattern=r"^https?://", extra={"rule": "an http:// or h
 BaseUrl = Annotated[Url, Meta(description="the server's OpenAI API root, for example \"http://gpu1:8000/v1\"")]
 ApiKeyEnv = Annotated[str, Meta(pattern=ENV_NAME.pattern, description="the environment variable holding the server's key",
                                 extra={"rule": "the name of an environment variable (the key itself never goes in the file)"})]
-Price = Annotated[float, Meta(ge=0.0)]
+# Upper bounds: what llama.cpp and the machine can take. llama.cpp holds n_ctx, n_batch and positions
+# in 32-bit integers, so slots x context_length (at most 2**28) stays far inside them; a decode step
+# of more than MAX_BATCH_TOKENS gains no speed, and its buffers grow with it.
+MAX_CONTEXT = 1 << 20  # tokens per slot of a local model
+MAX_UPSTREAM_CONTEXT = 1 << 24  # an upstream's context: only an estimate's bound here
+MAX_BATCH_TOKENS = 1 << 16
+DAY_S = 86400.0
+# A cost in nano-dollars stays an int64 with this price and 2**31 tokens.
+Price = Annotated[float, Meta(ge=0.0, le=1e6)]
 
 
 class _Table(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,9 +73,9 @@ class ServerSettings(_Table, frozen=True, kw_only=True):
     data_dir: Annotated[Path, Meta(description="where keys, budgets, the cache, traces and downloaded models are kept",
                                    extra={"default_doc": "$APPLIANCE_HOME, else the platform's data directory"})] = \
         msgspec.field(default_factory=default_data_dir)
-    max_body_bytes: Annotated[int, Meta(ge=1024, description="the largest request body accepted")] = 4 * 1024 * 1024
-    max_queue: Annotated[int, Meta(ge=0, description="requests waiting for a slot, per model, before new ones get 503 + Retry-After")] = 64
-    shutdown_grace_s: Annotated[float, Meta(ge=0.0, description="how long running requests may finish at shutdown before they are cancelled")] = 10.0
+    max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30, description="the largest request body accepted")] = 4 * 1024 * 1024
+    max_queue: Annotated[int, Meta(ge=0, le=100_000, description="requests waiting for a slot, per model, before new ones get 503 + Retry-After")] = 64
+    shutdown_grace_s: Annotated[float, Meta(ge=0.0, le=3600.0, description="how long running requests may finish at shutdown before they are cancelled")] = 10.0
     sqlite_synchronous: Annotated[Literal["normal", "full"], Meta(
         description="\"normal\": ledger commits survive a crashed process, not always a power cut; \"full\": both")] = "normal"
     model_dirs: Annotated[tuple[Path, ...], Meta(
@@ -95,7 +103,7 @@ class ServerSettings(_Table, frozen=True, kw_only=True):
 
 
 class Defaults(_Table, frozen=True, kw_only=True):
-    max_tokens: Annotated[int, Meta(ge=1, description="a request's max_tokens when it gives none")] = 1024
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_UPSTREAM_CONTEXT, description="a request's max_tokens when it gives none")] = 1024
     temperature: Annotated[float, Meta(ge=0.0, le=2.0, description="a request's temperature when it gives none")] = 1.0
     top_p: Annotated[float, Meta(ge=0.0, le=1.0, description="a request's top_p when it gives none")] = 1.0
 
@@ -118,13 +126,13 @@ class UpstreamSettings(_Table, frozen=True, kw_only=True):
 class UpstreamTuning(_Table, frozen=True, kw_only=True):
     """How an upstream model treats its servers when they are slow or fail."""
 
-    connect_timeout_s: Annotated[float, Meta(ge=0.05, description="the longest wait for a connection")] = 5.0
-    read_timeout_s: Annotated[float, Meta(ge=0.05, description="the longest silence before the first token or between two")] = 60.0
+    connect_timeout_s: Annotated[float, Meta(ge=0.05, le=600.0, description="the longest wait for a connection")] = 5.0
+    read_timeout_s: Annotated[float, Meta(ge=0.05, le=3600.0, description="the longest silence before the first token or between two")] = 60.0
     max_retries: Annotated[int, Meta(ge=0, le=10, description="tries on another server, before any token was streamed only")] = 2
     retry_backoff_s: Annotated[float, Meta(ge=0.0, le=60.0, description="the wait before a retry (doubling each time)")] = 0.25
     breaker_failures: Annotated[int, Meta(ge=1, le=1000, description="failures in a row that open a server's circuit breaker")] = 3
-    breaker_cooldown_s: Annotated[float, Meta(ge=0.1, description="how long an open breaker keeps a server out")] = 30.0
-    health_interval_s: Annotated[float, Meta(ge=0.0, description="how often a server's health is probed")] = 15.0
+    breaker_cooldown_s: Annotated[float, Meta(ge=0.1, le=DAY_S, description="how long an open breaker keeps a server out")] = 30.0
+    health_interval_s: Annotated[float, Meta(ge=0.0, le=DAY_S, description="how often a server's health is probed")] = 15.0
 
 
 class _Model(_Table, frozen=True, kw_only=True):
@@ -136,10 +144,16 @@ class _Model(_Table, frozen=True, kw_only=True):
     price_output_per_mtok: Annotated[Price, Meta(description="dollars per million completion tokens, charged to budgets")] = 0.0
 
 
+def names_template_file(text: str) -> bool:
+    """Whether a chat_template value names a file rather than holding the template: a template
+    that renders messages has a `{`."""
+    return "{" not in text
+
+
 def _template_text(text: str, key: str, where: Where) -> str:
     """A template may be given inline or as a file next to the config."""
     candidate = where.base / text
-    return candidate.read_text() if "{" not in text and candidate.is_file() else text
+    return candidate.read_text() if names_template_file(text) and candidate.is_file() else text
 
 
 # Tagged only because msgspec (which Litestar runs over handler signatures) accepts a union of
@@ -151,21 +165,23 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
                                    extra={"rule": f"one of {', '.join(ENGINES)}"})] = "llamacpp"
     # Exactly one source: a local path, a file inside an installed Python package, or a hub file.
     path: Annotated[Path | None, Meta(description="a GGUF file, or an MLX folder (one source: path, package_file or hf_repo)")] = None
-    package_file: Annotated[str | None, Meta(description="a file inside an installed Python package, \"package/file.gguf\"")] = None
+    package_file: Annotated[str | None, Meta(description="a file inside an installed Python package, \"package/file.gguf\"",
+                                                      extra={"file": "package"})] = None
     hf_repo: Annotated[str | None, Meta(description="a Hugging Face repository, with hf_file; downloaded into data_dir")] = None
-    hf_file: Annotated[str | None, Meta(description="the file in hf_repo")] = None
+    hf_file: Annotated[str | None, Meta(description="the file in hf_repo", extra={"file": "hub"})] = None
     sha256: Annotated[str, Meta(pattern=r"^[0-9a-fA-F]{64}$", description="the file's digest, checked by `models pull` and `doctor`",
                                  extra={"rule": "64 hexadecimal digits"})] | None = None
-    context_length: Annotated[int, Meta(ge=64, description="tokens per slot")] = 4096
+    context_length: Annotated[int, Meta(ge=64, le=MAX_CONTEXT, description="tokens per slot")] = 4096
     slots: Annotated[int, Meta(ge=1, le=256, description="requests decoded together")] = 4
     threads: Annotated[int, Meta(ge=1, le=1024, description="CPU threads", extra={"default_doc": "the CPU count"})] = \
         msgspec.field(default_factory=lambda: max(1, os.cpu_count() or 1))
-    batch_tokens: Annotated[int, Meta(ge=1, description="tokens per decode step, at least slots")] = 512
-    prefills_per_step: Annotated[int, Meta(ge=0, description="prompts a step may leave unfinished (prompts that finish within the step's "
+    batch_tokens: Annotated[int, Meta(ge=1, le=MAX_BATCH_TOKENS, description="tokens per decode step, at least slots")] = 512
+    prefills_per_step: Annotated[int, Meta(ge=0, le=256, description="prompts a step may leave unfinished (prompts that finish within the step's "
                                                                   "batch_tokens always join it); 0: no limit",
                                            extra={"default_doc": "1; 0 for embedding models (no first token to hurry)"})] = 1
     chat_template: Annotated[str | None, Meta(description="a Jinja chat template, inline or a file next to this one; default: the model's own",
-                                              extra={"load": _template_text, "form": "a template, or a file name"})] = None
+                                              extra={"load": _template_text, "form": "a template, or a file name",
+                                                                     "file": "template"})] = None
     tier: Annotated[Tier, Meta(description="its place in a route's escalation")] = "small"
     batch_invariant: Annotated[bool, Meta(description="identical greedy output whatever shares the batch or the prefix cache; "
                                                       "prefill runs at about half speed (docs/performance.md)")] = False
@@ -173,7 +189,7 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
     kv_cache_type_k: Annotated[KvType, Meta(description="K's type", extra={"default_from": "kv_cache_type"})] = "f16"
     kv_cache_type_v: Annotated[KvType, Meta(description="V's type", extra={"default_from": "kv_cache_type"})] = "f16"
     # None: slots x context_length, every slot able to fill its context at once.
-    kv_tokens: Annotated[int, Meta(ge=64, description="KV cells all slots share (batch_invariant = false); a request may still "
+    kv_tokens: Annotated[int, Meta(ge=64, le=256 * MAX_CONTEXT, description="KV cells all slots share (batch_invariant = false); a request may still "
                                                             "fill context_length. Fewer than slots x context_length: when they run "
                                                             "out, the newest request waits in host RAM",
                                           extra={"default_doc": "slots x context_length"})] | None = None
@@ -194,7 +210,7 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
     preload: Annotated[bool | None, Meta(
         description="load at start and never unload; false: load on the first request and unload after keep_alive",
         extra={"default_doc": "true without [server] memory_budget, false with one"})] = None
-    gpu_layers: Annotated[Literal["auto"] | Annotated[int, Meta(ge=0)], Meta(
+    gpu_layers: Annotated[Literal["auto"] | Annotated[int, Meta(ge=0, le=10_000)], Meta(
         description="layers offloaded to a GPU; \"auto\": as many as fit its free memory (none on a CPU build); 0: all on the CPU")] = "auto"
     # kind = "embedding": how token states become a vector, whether vectors are unit length, and
     # whether a request's `dimensions` may keep the first n (a model trained Matryoshka-style).
@@ -202,7 +218,8 @@ class LocalModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="here"
     normalize: Annotated[bool, Meta(description="embedding models: vectors scaled to unit length")] = True
     matryoshka: Annotated[bool, Meta(description="embedding models: trained so that a request's `dimensions` may keep the first n")] = False
     tokenizer: Annotated[Path | None, Meta(description="engine \"onnx\": a tokenizer.json or WordPiece vocab.txt (or tokenizer_package_file)")] = None
-    tokenizer_package_file: Annotated[str | None, Meta(description="engine \"onnx\": the tokenizer as a file inside an installed Python package")] = None
+    tokenizer_package_file: Annotated[str | None, Meta(
+        description="engine \"onnx\": the tokenizer as a file inside an installed Python package", extra={"file": "package"})] = None
 
     @property
     def speculation_mode(self) -> str:
@@ -224,7 +241,7 @@ class UpstreamModel(_Model, frozen=True, kw_only=True, tag_field="runs", tag="up
     """A model served by other OpenAI-compatible servers (engine = "openai"), spread by least outstanding requests."""
 
     engine: Annotated[Literal["openai"], Meta(description="\"openai\": served by the servers below")]
-    context_length: Annotated[int, Meta(ge=64, description="the longest prompt and completion sent")] = 32768
+    context_length: Annotated[int, Meta(ge=64, le=MAX_UPSTREAM_CONTEXT, description="the longest prompt and completion sent")] = 32768
     tier: Annotated[Tier, Meta(description="its place in a route's escalation")] = "frontier"
     base_url: BaseUrl | None = None
     upstream_model: Annotated[str, Meta(description="the model's name on the servers", extra={"default_from": "alias"})] = ""
@@ -267,16 +284,16 @@ class AuthSettings(_Table, frozen=True, kw_only=True):
 
 class BudgetSettings(_Table, frozen=True, kw_only=True):
     enabled: Annotated[bool, Meta(description="charge calls to dollar budgets (`appliance budgets set`)")] = True
-    lease_s: Annotated[float, Meta(ge=1.0, description="a reservation's lease; only a crashed process's expire")] = 300.0
+    lease_s: Annotated[float, Meta(ge=1.0, le=DAY_S, description="a reservation's lease; only a crashed process's expire")] = 300.0
     clamp_max_tokens: Annotated[bool, Meta(description="lower max_tokens to what a budget covers, rather than refuse")] = True
-    min_tokens: Annotated[int, Meta(ge=1, description="... but refuse if fewer than this would remain")] = 16
+    min_tokens: Annotated[int, Meta(ge=1, le=MAX_CONTEXT, description="... but refuse if fewer than this would remain")] = 16
 
 
 class LimitSettings(_Table, frozen=True, kw_only=True):
     level: Annotated[Literal[LIMIT_LEVELS], Meta(description=f"one of {', '.join(LIMIT_LEVELS)}")]  # type: ignore[valid-type]
     name: Annotated[str, Meta(description="the key, user, tenant or app; \"*\": each one separately")] = "*"
-    requests_per_minute: Annotated[int, Meta(ge=1, description="requests a minute; none: no limit")] | None = None
-    tokens_per_minute: Annotated[int, Meta(ge=1, description="tokens a minute; none: no limit")] | None = None
+    requests_per_minute: Annotated[int, Meta(ge=1, le=10**9, description="requests a minute; none: no limit")] | None = None
+    tokens_per_minute: Annotated[int, Meta(ge=1, le=10**12, description="tokens a minute; none: no limit")] | None = None
 
 
 class CacheSettings(_Table, frozen=True, kw_only=True):
@@ -288,24 +305,24 @@ class CacheSettings(_Table, frozen=True, kw_only=True):
                                       extra={"default_from": "similarity_threshold"})] = 0.70
     judge_model: Annotated[str | None, Meta(description="a local chat model asked \"same answer?\" in the band; none: the band is a miss")] = None
     judge_min_probability: Annotated[float, Meta(ge=0.0, le=1.0, description="the judge's P(yes) that makes a hit")] = 0.85
-    freshness_s: Annotated[float, Meta(ge=1.0, description="how long an answer is served")] = 7 * 86400.0
+    freshness_s: Annotated[float, Meta(ge=1.0, le=3650 * DAY_S, description="how long an answer is served")] = 7 * 86400.0
     serve_unverified: Annotated[bool, Meta(description="serve answers nobody has confirmed yet")] = True
     max_temperature: Annotated[float, Meta(ge=0.0, le=2.0, description="hotter requests are not cached")] = 0.3
-    max_entries_per_tenant: Annotated[int, Meta(ge=1, description="entries kept per tenant")] = 10_000
-    sweep_interval_s: Annotated[float, Meta(ge=0.0, description="re-ask valuable entries when idle this often; 0: no sweeps")] = 300.0
-    sweep_batch: Annotated[int, Meta(ge=1, description="entries re-asked per sweep")] = 2
+    max_entries_per_tenant: Annotated[int, Meta(ge=1, le=10**8, description="entries kept per tenant")] = 10_000
+    sweep_interval_s: Annotated[float, Meta(ge=0.0, le=DAY_S, description="re-ask valuable entries when idle this often; 0: no sweeps")] = 300.0
+    sweep_batch: Annotated[int, Meta(ge=1, le=1000, description="entries re-asked per sweep")] = 2
     agree_threshold: Annotated[float, Meta(ge=0.0, le=1.0, description="a re-asked answer this similar to the stored one agrees")] = 0.90
 
 
 class TracingSettings(_Table, frozen=True, kw_only=True):
     store: Annotated[bool, Meta(description="keep spans in the appliance's database (GET /admin/traces)")] = True
-    retention_days: Annotated[float, Meta(ge=0.01, description="how long stored spans are kept")] = 7.0
-    max_spans: Annotated[int, Meta(ge=100, description="the most spans stored")] = 500_000
+    retention_days: Annotated[float, Meta(ge=0.01, le=3650.0, description="how long stored spans are kept")] = 7.0
+    max_spans: Annotated[int, Meta(ge=100, le=10**9, description="the most spans stored")] = 500_000
     enabled: Annotated[bool, Meta(description="export spans over OTLP/HTTP (protobuf) to a collector, Jaeger or Tempo")] = False
     otlp_endpoint: Annotated[Url, Meta(description="where spans are exported")] = "http://127.0.0.1:4318/v1/traces"
     service_name: Annotated[str, Meta(description="the service.name of exported spans")] = "appliance"
     sample_ratio: Annotated[float, Meta(ge=0.0, le=1.0, description="the share of calls traced")] = 1.0
-    export_interval_ms: Annotated[int, Meta(ge=10, description="how often spans are exported")] = 2000
+    export_interval_ms: Annotated[int, Meta(ge=10, le=3_600_000, description="how often spans are exported")] = 2000
 
 
 def _calibration_path(text: str, where: Where) -> Path:
@@ -336,8 +353,8 @@ class RouteSettings(_Table, frozen=True, kw_only=True):
     max_repetition: Annotated[float, Meta(ge=0.0, le=1.0, description="the most repetition an answer may have")] = 0.5
     classifier_model: Annotated[str | None, Meta(description="a local chat model asked for a tier when the heuristics are unsure")] = None
     classifier_below: Annotated[float, Meta(ge=0.0, le=1.0, description="the heuristics' confidence below which the classifier is asked")] = 0.6
-    cooldown_s: Annotated[float, Meta(ge=0.0, description="a model that failed to serve is skipped this long")] = 30.0
-    attempt_timeout_s: Annotated[float, Meta(ge=0.1, description="an attempt slower than this is abandoned for the next tier")] = 120.0
+    cooldown_s: Annotated[float, Meta(ge=0.0, le=DAY_S, description="a model that failed to serve is skipped this long")] = 30.0
+    attempt_timeout_s: Annotated[float, Meta(ge=0.1, le=3600.0, description="an attempt slower than this is abandoned for the next tier")] = 120.0
     role_floor: Annotated[tuple[tuple[str, Tier], ...], Meta(description="the lowest tier for a role: role = \"mid\"")] = ()
     role_ceiling: Annotated[tuple[tuple[str, Tier], ...], Meta(description="the highest tier for a role")] = ()
     family_tiers: Annotated[tuple[tuple[str, str], ...], Meta(
@@ -379,7 +396,7 @@ class DistillSettings(_Table, frozen=True, kw_only=True):
     tenants: Annotated[tuple[str, ...], Meta(
         description="the tenants whose prompts and answers are kept to train on; empty: nobody's, nothing is kept",
         extra={"rule": "a list of tenant names"})] = ()
-    retention_days: Annotated[float, Meta(ge=0.01, description="how long a kept answer stays for `appliance distill export`")] = 30.0
+    retention_days: Annotated[float, Meta(ge=0.01, le=3650.0, description="how long a kept answer stays for `appliance distill export`")] = 30.0
     margin: Annotated[float, Meta(ge=0.0, le=1.0, description="how far below the teacher's accuracy a distilled adapter may score (a share of it) and still be promoted")] = 0.1
 
 

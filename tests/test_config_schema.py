@@ -102,7 +102,7 @@ def test_the_new_model_settings_default_and_parse() -> None:
     assert parse_settings(MODEL + "gpu_layers = 28\n", "m.toml").models[0].gpu_layers == 28
     for bad in ("-1", '"all"', "1.5"):
         error = _error(MODEL + f"gpu_layers = {bad}\n")
-        assert error.key == "models[0].gpu_layers" and error.problem.startswith('expected "auto" or an integer at least 0, got ')
+        assert error.key == "models[0].gpu_layers" and error.problem.startswith('expected "auto" or an integer between 0 and 10000, got ')
     assert _error(MODEL + 'preload = "yes"\n').key == "models[0].preload"
 
 
