@@ -98,35 +98,52 @@ def render_marked(template: ChatTemplate, messages: Sequence[Mapping[str, Any]],
     return "".join(text), spans
 
 
-def chat_prompt(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], controls: Mapping[str, int],
-                tokenize: Tokenize, bos: Sequence[int], tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[int]]:
-    """The rendered prompt and its tokens: `bos` (the tokenizer's start, if it adds one), then the
-    template's control tokens by id and every other piece tokenized as plain text. `tools` go to
+def render_prompt(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], controls: Iterable[str],
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered prompt and where each message's text lies in it (no places where the template
+    changes message text). It needs no tokenizer, so it may run on any thread. `tools` go to
     templates that render them; they and messages' tool calls must hold no control-token text."""
     structured = [tools or [], [m.get("tool_calls") or [] for m in messages]]
     inside_tools = control_text(structured, controls)
     if inside_tools is not None:
         raise TemplateError(f"a tool or tool call contains the control token {inside_tools!r}")
     marked = render_marked(template, messages, tools)
-    if marked is None:
-        text = template.render(list(messages), tools=tools)
-        inside = [c for m in messages if isinstance(m.get("content"), str) for c in controls if c in m["content"]]
-        if inside:
-            raise TemplateError(f"a message contains the control token {inside[0]!r}, and this model's chat template changes "
-                                "message text so it cannot be kept apart from the template's own tokens")
-        spans: list[tuple[int, int]] = []
-    else:
-        text, spans = marked
+    if marked is not None:
+        return marked
+    text = template.render(list(messages), tools=tools)
+    inside = [c for m in messages if isinstance(m.get("content"), str) for c in controls if c in m["content"]]
+    if inside:
+        raise TemplateError(f"a message contains the control token {inside[0]!r}, and this model's chat template changes "
+                            "message text so it cannot be kept apart from the template's own tokens")
+    return text, []
+
+
+def prompt_tokens(text: str, spans: Sequence[tuple[int, int]], controls: Mapping[str, int], tokenize: Tokenize,
+                  bos: Sequence[int]) -> list[int]:
+    """`bos` (the tokenizer's start, if it adds one), then the template's control tokens by id and
+    every other piece tokenized as plain text."""
     tokens = list(bos)
     for piece in pieces(text, spans, list(controls)):
         tokens += [controls[piece.text]] if piece.control else tokenize(piece.text)
-    return text, tokens
+    return tokens
+
+
+def chat_prompt(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], controls: Mapping[str, int],
+                tokenize: Tokenize, bos: Sequence[int], tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[int]]:
+    """The rendered prompt and its tokens."""
+    text, spans = render_prompt(template, messages, controls, tools)
+    return text, prompt_tokens(text, spans, controls, tokenize, bos)
+
+
+def vocabulary_tokens(vocabulary: Vocabulary, text: str, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """prompt_tokens with a model's own vocabulary."""
+    bos = vocabulary.tokenize("", add_special=vocabulary.add_bos(), parse_special=False)
+    return prompt_tokens(text, spans, vocabulary.control_tokens(), lambda t: vocabulary.tokenize(t, add_special=False, parse_special=False), bos)
 
 
 def vocabulary_prompt(template: ChatTemplate, vocabulary: Vocabulary, messages: Sequence[Mapping[str, Any]],
                       tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[int]]:
     """chat_prompt with a model's own vocabulary (an engine, or a file's vocabulary alone): what
     serving sends the model, and what training teaches it to answer."""
-    bos = vocabulary.tokenize("", add_special=vocabulary.add_bos(), parse_special=False)
-    return chat_prompt(template, messages, vocabulary.control_tokens(),
-                       lambda t: vocabulary.tokenize(t, add_special=False, parse_special=False), bos, tools)
+    text, spans = render_prompt(template, messages, vocabulary.control_tokens(), tools)
+    return text, vocabulary_tokens(vocabulary, text, spans)

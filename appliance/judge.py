@@ -16,7 +16,7 @@ YES_NO = 'root ::= "yes" | "no"'
 async def yes_probability(model: LoadedModel, messages: list[dict[str, str]], tenant: str | None) -> tuple[float, tuple[int, int]]:
     """P(yes), and the (prompt, completion) tokens spent; `tenant`: whose text is judged (its prefix scope)."""
     assert model.template is not None  # settings allow only local chat models as judges
-    tokens = model.chat_prompt(messages)[1]
+    tokens = (await model.chat_prompt_async(messages))[1]
     request = GenerationRequest(f"judge-{uuid.uuid4().hex}", tokens, 1,
                                 SamplingParams(temperature=0.0, logprobs=True, top_logprobs=20, grammar=YES_NO),
                                 prefix_scope=model.prefix_scope(tenant))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,6 +25,27 @@ def package_file(spec: str) -> Path:
     except ModuleNotFoundError:
         raise ModelFileError(f"package {package!r} is not installed (pip install {package.replace('_', '-')})") from None
     return Path(str(root.joinpath(relative)))
+
+
+def package_file_unimported(spec: str) -> Path | None:
+    """Where package_file(spec) lies, found without importing the package (the admin API checks a
+    value before anything runs); None when no installed top-level package has that name."""
+    package, _, relative = spec.partition("/")
+    if not package.isidentifier():  # a dotted name would import its parents
+        return None
+    try:
+        found = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    return Path(locations[0]) / relative if locations else None
+
+
+def hub_file_problem(name: str) -> str | None:
+    """Why `name` cannot be a file inside a hub repo (it would land outside the download folder), or None."""
+    if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/"):
+        return "a file inside the hub repo: no leading '/' and no '..'"
+    return None
 
 
 def hub_cache_dir(data_dir: Path) -> Path:

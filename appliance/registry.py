@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -12,8 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from appliance.chat_prompt import vocabulary_prompt
-from appliance.chat_template import ChatTemplate, TemplateError, template_of
+from appliance.chat_prompt import render_prompt, vocabulary_prompt, vocabulary_tokens
+from appliance.chat_template import ChatTemplate, TemplateError, render_threads, template_of
 from appliance.model_files import package_file, resolve, sha256
 from appliance.fleet_change import FleetChange, adapter_swap
 from appliance.model_manager import ModelManager, total_ram
@@ -37,6 +38,16 @@ class LoadedModel:
             raise TemplateError(f"the model '{self.settings.alias}' has no chat template")
         text, tokens = vocabulary_prompt(self.template, self.engine, messages, tools)
         return text, tuple(tokens)
+
+    async def chat_prompt_async(self, messages: Sequence[Mapping[str, Any]],
+                                tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, tuple[int, ...]]:
+        """chat_prompt with the template rendered off the event loop (its bound is seconds). The
+        tokens are read on the loop, where a replaced model's engine cannot be closed under them."""
+        if self.template is None:
+            raise TemplateError(f"the model '{self.settings.alias}' has no chat template")
+        text, spans = await asyncio.get_running_loop().run_in_executor(
+            render_threads, functools.partial(render_prompt, self.template, messages, self.engine.control_tokens(), tools))
+        return text, tuple(vocabulary_tokens(self.engine, text, spans))
 
     def prefix_scope(self, tenant: str | None) -> str:
         """The engine's prefix scope for a request on `tenant`'s behalf: a tenant reuses only its
@@ -197,12 +208,18 @@ def _build_upstream(model: ModelSettings, settings: Settings) -> Engine:
     ))
 
 
-def load_model(model: ModelSettings, settings: Settings, engine: Engine | None = None) -> LoadedModel:
-    """The model with its template; `engine`: one made already (a model loaded on demand)."""
+def template_for(model: ModelSettings, vocabulary: Vocabulary) -> ChatTemplate | None:
+    """A local chat model's template, compiled and tried within its bounds (else TemplateError)."""
+    if model.kind != "chat" or getattr(vocabulary, "takes_messages", False):
+        return None
+    return template_of(model.chat_template, vocabulary)
+
+
+def load_model(model: ModelSettings, settings: Settings, engine: Engine | None = None, template: ChatTemplate | None = None) -> LoadedModel:
+    """The model with its template; `engine`: one made already (a model loaded on demand), and
+    `template`: its template, compiled already."""
     engine = engine or build_engine(model, settings)
-    template = None
-    if model.kind == "chat" and not engine.takes_messages:
-        template = template_of(model.chat_template, engine)
+    template = template or template_for(model, engine)
     if engine.takes_messages:
         log.info("loaded %s (upstream: %s)", model.alias, ", ".join(u.base_url for u in model.upstreams))
     else:
@@ -291,15 +308,17 @@ class _Made:
     need: int
     engine: Engine | None = None  # loaded in full
     standby: tuple[Vocabulary, Capabilities] | None = None  # or only its vocabulary, for a model loaded on demand
+    template: ChatTemplate | None = None
 
     def serve(self, settings: Settings, manager: ModelManager, *, pinned: bool) -> LoadedModel:
         if self.engine is not None:
             manager.add(self.settings, self.need, self.engine)
-            return load_model(self.settings, settings, self.engine)
+            return load_model(self.settings, settings, self.engine, self.template)
         from appliance.on_demand import OnDemandEngine
 
         assert isinstance(self.settings, LocalModel) and self.standby is not None
-        return load_model(self.settings, settings, OnDemandEngine(self.settings, *self.standby, manager, self.need, pinned=pinned))
+        return load_model(self.settings, settings, OnDemandEngine(self.settings, *self.standby, manager, self.need, pinned=pinned),
+                          self.template)
 
     def discard(self) -> None:
         if self.engine is not None:
@@ -313,8 +332,18 @@ def _make(model: ModelSettings, settings: Settings, need: int, *, on_demand: boo
     for one loaded on demand, only its vocabulary."""
     if on_demand:
         assert isinstance(model, LocalModel)
-        return _Made(model, need, standby=standby(model, settings))
-    return _Made(model, need, engine=build_engine(model, settings))
+        made = _Made(model, need, standby=standby(model, settings))
+    else:
+        made = _Made(model, need, engine=build_engine(model, settings))
+    # Its template too, before the fleet switches to it: a refused one leaves the fleet as it was.
+    try:
+        made.template = template_for(model, made.engine or made.standby[0])  # type: ignore[index]
+    except BaseException as exc:
+        made.discard()
+        if isinstance(exc, TemplateError):
+            raise type(exc)(f"{settings.file}: model {model.alias!r}: chat_template: {exc}") from None
+        raise
+    return made
 
 
 class Registry:

@@ -287,7 +287,7 @@ class SemanticCache:
             request = GenerationRequest(request_id, (), max_tokens, SamplingParams(temperature=0.0), stop, messages=messages)
         else:
             if turns is not None:
-                tokens = model.chat_prompt(turns)[1]  # callers' text stays text, as when it was first asked
+                tokens = (await model.chat_prompt_async(turns))[1]  # callers' text stays text, as when it was first asked
             else:  # an entry stored before turns were kept: its text, read as it was read then
                 tokens = tuple(model.engine.tokenize(entry.prompt_text, add_special=model.engine.add_bos(), parse_special=True))
             request = GenerationRequest(request_id, tokens, max_tokens, SamplingParams(temperature=0.0), stop)

@@ -61,9 +61,13 @@ def server_path(services: Services, text: str, param: str) -> Path:
     refusal reads the same whether or not the file exists, so the API cannot probe the machine."""
     path = confined(text, services.settings.server.api_path_roots)
     if path is None:
-        raise APIError(403, f"{param} must name a file inside the server's data directory or a folder in [server] model_dirs.",
-                       type="permission_error", param=param, code="path_not_allowed")
+        raise path_not_allowed(param)
     return path
+
+
+def path_not_allowed(param: str) -> APIError:
+    return APIError(403, f"{param} must name a file inside the server's data directory or a folder in [server] model_dirs.",
+                    type="permission_error", param=param, code="path_not_allowed")
 
 
 def _check_level(level: str, name: str) -> str:

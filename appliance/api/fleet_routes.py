@@ -8,22 +8,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 import msgspec
 from litestar import Request, delete, patch, post
 
-from appliance.api.admin_routes import _admin, server_path
+from appliance.api.admin_routes import _admin, confined, path_not_allowed, server_path
 from appliance.api.common import decode_body
 from appliance.api.errors import APIError, invalid
+from appliance.chat_template import TemplateError
+from appliance.config_schema import keys_of, strip
 from appliance.config_writer import remove_table, update_table
 from appliance.fleet_change import FleetChange
 from appliance.model_admin import ModelAdminError, alias_for, check_alias, register
-from appliance.model_files import sha256
+from appliance.model_files import hub_file_problem, package_file_unimported, sha256
 from appliance.model_manager import ModelUnavailable
 from appliance.reconfigure import apply_config
 from appliance.services import Services
-from appliance.settings import ConfigError
+from appliance.settings import ConfigError, LocalModel, names_template_file
 
 log = logging.getLogger("appliance.api")
 
@@ -49,6 +51,9 @@ async def change_fleet(services: Services, edit: Any = None) -> FleetChange:
         return await apply_config(services, edit)
     except ConfigError as exc:
         raise APIError(400, str(exc), param=exc.key, code="invalid_config") from None
+    except TemplateError as exc:  # compiled, and tried within its bounds, before the fleet switched
+        raise APIError(400, f"The change was not applied (the file and the running models are as they were): {exc}",
+                       param="chat_template", code="invalid_chat_template") from None
     except ModelAdminError as exc:
         raise invalid(str(exc), code="invalid_config") from None
     except Exception as exc:  # a file llama.cpp cannot read, a missing tokenizer, an upstream key not set
@@ -109,6 +114,7 @@ async def edit_model(request: Request[Any, Any, Any], services: Services, alias:
         raise APIError(404, f"The model '{alias}' does not exist.", param="model", code="model_not_found")
     if not values:
         raise invalid("Give at least one key of the model's table to set.")
+    values = confined_values(services, LocalModel, values)
     change = await change_fleet(services, lambda config: update_table(config, "models", alias, values))
     return _change_view(change, services)
 
@@ -123,6 +129,42 @@ async def remove_model(request: Request[Any, Any, Any], services: Services, alia
         raise APIError(404, f"The model '{alias}' does not exist.", param="model", code="model_not_found")
     change = await change_fleet(services, lambda config: remove_table(config, "models", alias))
     return _change_view(change, services)
+
+
+def confined_values(services: Services, table: type, values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`values` for a table of `table` with every value that names a file confined as POST's
+    `path` is (inside the data directory or a [server] model_dirs folder, symlinks resolved, one
+    answer whether or not a file outside exists) and written as the absolute path it resolved to. A
+    value of another form is left for the writer to refuse, naming its key."""
+    out = dict(values)
+    for key in keys_of(table):
+        value, param, declared = values.get(key.name), f"{prefix}{key.name}", strip(key.type)
+        if get_origin(declared) is tuple and isinstance(item := strip(get_args(declared)[0]), type) and issubclass(item, msgspec.Struct):
+            if isinstance(value, list):  # an array of tables: the adapters
+                out[key.name] = [confined_values(services, item, v, f"{param}[{i}].") if isinstance(v, dict) else v
+                                 for i, v in enumerate(value)]
+            continue
+        kind = "path" if declared is Path else key.extra.get("file")
+        if not isinstance(value, str) or kind is None:
+            continue
+        if kind == "hub":
+            if (problem := hub_file_problem(value)) is not None:
+                raise invalid(f"{param} names {problem}.", param)
+        elif kind == "package":  # found without importing it; where it lies is confined like any path
+            where = package_file_unimported(value)
+            if where is None or confined(str(where), services.settings.server.api_path_roots) is None:
+                raise path_not_allowed(param)
+            _existing(where, param)
+        elif kind == "path" or (kind == "template" and names_template_file(value)):  # a template's text stays as it is
+            out[key.name] = str(_existing(server_path(services, value, param), param, folder=kind == "path"))
+    return out
+
+
+def _existing(path: Path, param: str, *, folder: bool = True) -> Path:
+    """Said only of a path inside the allowed folders. `folder`: an MLX model or adapter may be one."""
+    if not (path.exists() if folder else path.is_file()):
+        raise invalid(f"There is no file{' or folder' if folder else ''} {path} on the server.", param)
+    return path
 
 
 def _entry(services: Services, alias: str) -> Any:

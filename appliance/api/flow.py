@@ -51,7 +51,7 @@ async def serve_chat(request: Request[Any, Any, Any], services: Services, princi
         return routed
     model, adapters = model_with_adapters(services, body.model, body.adapters, "chat")
     traced.annotate(model=model.settings.alias, stream=body.stream, end_user=body.user)
-    prepared = with_adapters(prepare_chat(body, model, services.settings.defaults, request_id), adapters)
+    prepared = with_adapters(await prepare_chat(body, model, services.settings.defaults, request_id), adapters)
     plan = cache_plan(request.headers.get("cache-control"), services, principal, body, model, prepared)
     if plan.read and plan.item is not None:
         with traced.child("cache.lookup", cache__bucket=plan.item.bucket.key) as span:
@@ -154,7 +154,7 @@ async def _judge_injection(services: Services, traced: RequestTrace, texts: list
     ]
     price = price_of(model)
     assert model.template is not None
-    estimate = len(model.chat_prompt(messages)[1])
+    estimate = len((await model.chat_prompt_async(messages))[1])
     with traced.child("guard.judge", model=model.settings.alias) as span:
         admission = await services.gate.admit(principal, f"{request_id}.guard", model.settings.alias, price, estimate, 1)
         tokens = (0, 0)

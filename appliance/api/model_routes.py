@@ -18,7 +18,7 @@ from appliance.api.errors import APIError, invalid
 from appliance.api.fleet_routes import apply_from_thread
 from appliance.jobs import Job, JobBusy
 from appliance.model_admin import QUANT_TYPES, alias_for, estimated_size, file_type, quantize, quantized_name, register
-from appliance.model_files import ModelFileError, download, resolve, sha256
+from appliance.model_files import ModelFileError, download, hub_file_problem, resolve, sha256
 from appliance.registry import LoadedModel
 from appliance.services import Services
 from appliance.settings import NAME, NAME_RULE
@@ -184,8 +184,8 @@ async def pull_model(request: Request[Any, Any, Any], services: Services) -> dic
     config = _config_file(services)
     if "/" not in body.repo or not body.file.endswith(".gguf"):
         raise invalid("Give a hub repo as owner/name and a .gguf file in it.", "repo" if "/" not in body.repo else "file")
-    if body.file.startswith(("/", "\\")) or ".." in body.file.replace("\\", "/").split("/"):
-        raise invalid("file names a file inside the hub repo: no leading '/' and no '..'.", "file")
+    if (problem := hub_file_problem(body.file)) is not None:
+        raise invalid(f"file names {problem}.", "file")
     alias = _new_alias(services, alias_for(Path(body.file)) if body.alias is None else body.alias)
     data_dir = services.settings.server.data_dir
     loop = asyncio.get_running_loop()

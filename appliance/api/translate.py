@@ -15,7 +15,7 @@ from appliance.api.errors import APIError, invalid
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, ResponseFormat
 from appliance.api.tool_request import generic_messages, tool_plan, tool_turns
 from appliance.chat_prompt import control_text
-from appliance.chat_template import TemplateError
+from appliance.chat_template import TemplateBoundError, TemplateError
 from appliance import tool_calls
 from appliance.tool_calls import ToolPlan
 from appliance.registry import LoadedModel
@@ -235,7 +235,7 @@ def with_adapters(prepared: Prepared, adapters: tuple[tuple[str, float], ...]) -
     return replace(prepared, request=replace(prepared.request, adapters=adapters)) if adapters else prepared
 
 
-def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
+async def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:
     _check_common(body, model)
     if body.logprobs and (body.tools or body.functions):
         raise invalid("logprobs cannot be combined with tools on this server.", "logprobs")
@@ -252,7 +252,10 @@ def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defa
         raise invalid(f"The model '{model.settings.alias}' has no chat template; use /v1/completions.", "model")
     messages, tools, plan = _template_chat(body, model)
     try:
-        prompt_text, tokens = model.chat_prompt(messages, tools)
+        prompt_text, tokens = await model.chat_prompt_async(messages, tools)  # a template may take its time: off the loop
+    except TemplateBoundError as exc:
+        raise APIError(400, f"The model's chat template went past its bounds on these messages: {exc}", param="messages",
+                       code="chat_template_bound") from None
     except TemplateError as exc:
         raise invalid(f"The model's chat template rejected these messages: {exc}", "messages") from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
