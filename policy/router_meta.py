@@ -17,11 +17,12 @@ import unicodedata
 
 # Markup tags (`<routing tier="x"/>`, `</body>`): a boundary between segments, their attributes nobody's task.
 _TAG = re.compile(r"</?[A-Za-z][\w:.-]*(?:\s+[\w:.-]+(?:\s*=\s*(?:\"[^\"]*\"|'[^']*'|[^\s\"'>/]+))?)*\s*/?>")
-# Where a segment ends: a sentence's end in any script, a label's colon.
-_SEGMENT_END = re.compile(r"(?<=[.!?。！？؟…])[\"'”’»)\]*_]*\s+|(?<=[:：])[*_]*\s+|(?<=[。！？])")
+# Where a segment ends: a sentence's end in any script, a label's colon, a semicolon before a new sentence.
+_SEGMENT_END = re.compile(r"(?<=[.!?。！？؟…])[\"'”’»)\]*_]*\s+|(?<=[:：])[*_]*\s+|(?<=[;；])\s+(?=[^\W\d_]*[A-ZÀ-Þ¿¡])|(?<=[。！？])")
 # A sentence that asks for something (an instruction or a question without its mark, in English).
 ASK = re.compile(r"^\W*(please\W+)?(classify|translate|name|list|give|tell|spell|summari[sz]e|rewrite|extract|write|say|define|convert|"
-                 r"explain|describe|identify|answer|compute|calculate|solve|what|who|where|when|which|why|how|is|are|does|do|can)\b",
+                 r"explain|describe|identify|answer|compute|calculate|solve|prove|derive|show|find|determine|simplify|implement|fix|"
+                 r"debug|create|generate|sort|count|estimate|what|who|where|when|which|why|how|is|are|does|do|can)\b",
                  re.IGNORECASE)
 _QUESTION = re.compile(r"[?？؟][\s\"'”’»)\]*_]*$")
 _DIGIT = re.compile(r"\d")
@@ -34,7 +35,7 @@ _FILLER = frozenset("""
 the and for are was were been being you your yours not but all any can cannot how who why its his her our out one has had
 have with from that this these those there their they them than then what which where when whose whom does did into about
 much many every each other another same own even still yet ever never always often don doesn didn isn aren wasn weren
-something anything everything nothing someone anyone unrelated
+something anything everything nothing someone anyone unrelated lot lots
 won wouldn couldn shouldn haven hasn
 would could should will shall may might must also just only very more most some such here now well yes okay really so
 please thanks thank hello good morning afternoon evening dear regards cheers kindly grateful advance anyway actually
@@ -53,6 +54,7 @@ der die das und ist ein eine einen dem den des mit von fur auf bei nicht ich sie
 antwort nutzer benutzer assistent diese dieser dieses hilfe bisheriger bisherige verlauf vorherige auch aber oder wenn
 wie was wer wo sich sind war hat habe haben kann kannst mein meine dein deine sein seine nur noch schon also
 gli della delle per con che non sono questa questo grazie ciao domanda risposta utente assistente anche
+это очень вопрос ответ пожалуйста как что для все так его она они мне меня вас вы
 """.split())
 
 # Talk about the request rather than of it, accent-folded and lower-cased: whole words, or a word's
@@ -64,7 +66,8 @@ override* pre-approved mission-critical olympiad* olimpiad* genius genio genie
 expertise expertenwissen anspruchsvoll* redoutable urgent* dringend*
 carefully careful thoroughly thorough meticulous* methodical* deliberat* rigor rigour rigorous* rigoros* exhaustiv*
 erschopf* comprehensive encyclopedic enciclopedic* encyclopedi* ausfuhrlich* step-by-step double-check cuidadosa*
-cuidadosamente soigneu* attentivement sorgfalt* grundlich* minucios* scrupul* lifesaver
+cuidadosamente soigneu* attentivement sorgfalt* grundlich* minucios* scrupul* lifesaver step+by+step paso+a+paso
+passo+a+passo etape+par+etape schritt+fur+schritt stap+voor+stap adim+adim
 """
 _WEAK = """
 claude gemini tier tiers routing router route reroute escalat* upgrade* premium admin admins administrat* administrad*
@@ -74,7 +77,8 @@ brilliant brillant* expert experts experto expertos especialista* sophisticated 
 priorit* priorid* critical critica critico critique kritisch* crucial ultra cuidado
 fired despedid* demitid* gekundigt desperate desesperad* supplie beg begging stressed crying garbage toy fraquinho
 mini-modell billig*
-model models modele modeles modelo modelos modell modelle modello modelli modle ai ia ki system systems sistema systeme
+model* modle ai ia ki system* sistem* yonetici onay* moeilijk* zorgvuldig* belangrijk* trudn* najlepsz* wazne pilne
+onemli acil dikkatli* esperto approvato attenzione properly
 engine brain cerebro cerebros cerveau gehirn intelligen* inteligen* capab* capacit* fahigkeit* power powerful potente
 puissant* leistungsstark* strongest stronger smartest smart big large small smaller little tiny
 best beste besten better meilleur* mejor mejores melhor melhores migliore biggest largest bigger larger maior mayor grosste
@@ -84,14 +88,15 @@ hard hardest harder difficult difficulty dificil dificiles difficile difficiles 
 complexity complejo compleja complexo complexa komplex complicad* tricky challenging
 extreme extremely extrema extremo extremadamente extremamente extrem extremement simple simpler
 important importante importance importancia wichtig* serious seriousness serio seria matters matter depend depends depende
-dependen lives vida vidas carriere carrera carreira karriere job emprego trabajo promotion mistake mistakes wrong errar
+dependen lives vida vidas carriere carrera carreira karriere job emprego trabajo promotion mistake mistakes wrong errar perfect perfectly manager boss
 accuracy accurate precise precision precisao genau prazis*
 detailed detalhada detalhado detallada detallado detaillee detaille detail details complete completa completo
 vollstandig* deep profunda profundo approfondi* slowly lentement reason reasoning razonamiento raciocinio raisonnement
 think thinking piensa pense pensez reflechissez reflechis denk denke nachdenken
 step steps paso pasos passo etape schritt consider considering revisa revise verifiez verifie check
 pay paid paying pago zahle cheap quality qualidade calidad qualite qualitat level nivel niveau stufe
-pretend imagine act actua aja panel committee comite professors profesores professeurs professori professoren
+pretend imagine act actua aja you+are+a you+are+an you+are+now eres+un eres+una voce+e+um voce+e+uma vous+etes
+tu+es+un tu+es+une du+bist sie+sind+ein sei+un sei+una think+it+through take+your+time panel committee comite professors profesores professeurs professori professoren
 catedraticos chercheurs researchers
 exam exams examen exame prufung competition concours concurso
 warning attention achtung aviso atencion note nota hinweis budget unlimited ilimitado illimite unbegrenzt
@@ -99,16 +104,12 @@ warning attention achtung aviso atencion note nota hinweis budget unlimited ilim
 
 
 def _words(spec: str) -> str:
-    return "|".join(w[:-1] if w.endswith("*") else rf"{w}(?![^\W\d_])" for w in sorted(set(spec.split()), key=len, reverse=True))
+    """Alternatives of a pattern from a list: `stem*` a word's beginning, `a+b` words in a row."""
+    words = sorted(set(spec.split()), key=len, reverse=True)
+    return "|".join(w[:-1].replace("+", r"\s+") if w.endswith("*") else w.replace("+", r"\s+") + r"(?![^\W\d_])" for w in words)
 
 
 _CUE = re.compile(rf"(?<![^\W\d_])(?:(?P<strong>{_words(_STRONG)})|(?P<weak>{_words(_WEAK)}))")
-# The same for scripts without spaces between words (and Cyrillic, whose words the pattern above
-# never starts): each a cue of its own.
-_CUE_CJK = re.compile(r"模型|最好|最强|最先进|顶级|高级|困难|很难|复杂|专家|仔细|认真|一步一步|逐步|详细|管理员|授权|优先|紧急|重要|"
-                      r"モデル|最高|最強|難し|複雑|専門|慎重|丁寧|詳しく|管理者|承認|優先|緊急|重要|"
-                      r"модел|лучш|мощн|сложн|трудн|эксперт|тщательн|подробн|администратор|приоритет|срочн|важн|"
-                      r"шаг за шагом")
 
 
 def fold(text: str) -> str:
@@ -126,11 +127,20 @@ _WH = re.compile(r"\b(which|what|who|whom|whose|how|why|where|when)\b", re.IGNOR
 _LEAD_IN = re.compile(r":[\s*_]*$|^\s*#{1,6}\s")
 
 
+# The same for scripts without spaces between words (and Cyrillic, whose words the pattern above
+# never starts): each a weak cue of its own.
+_CUE_CJK = re.compile(fold(r"非常|极其|極めて|模型|最好|最强|最先进|顶级|高级|困难|很难|复杂|专家|仔细|认真|一步一步|逐步|详细|管理员|授权|优先|紧急|重要|"
+                      r"モデル|最高|最強|難し|複雑|専門|慎重|丁寧|詳しく|管理者|承認|優先|緊急|重要|"
+                      r"модел|лучш|мощн|сложн|трудн|эксперт|тщательн|подробн|администратор|приоритет|срочн|важн|"
+                      r"шаг за шагом"))
+
+
 def split_segments(line: str) -> list[str]:
     """The segments of one line of prose: sentences in any script, a label before its colon or its
     `=`, the text between markup tags and between runs of emoji."""
     # "budget = unlimited" is a setting, "tablespoon = how many teaspoons?" one question
-    labelled = _ASSIGN.sub(lambda m: m.group(0) if line[m.end():m.end() + 1].islower() else m.group(1) + "\n", line)
+    labelled = _ASSIGN.sub(lambda m: m.group(0) if line[m.end():m.end() + 1].islower() and _QUESTION.search(line)
+                           else m.group(1) + "\n", line)
     text = "".join("\n" if _emoji(c) else c for c in _TAG.sub("\n", labelled))
     segments = []
     for piece in text.split("\n"):
@@ -152,7 +162,7 @@ def content(segment: str) -> set[str]:
     """Content words cut to a six-letter stem, filler and talk about the request left out; in a
     script without spaces, its pairs of characters."""
     folded = fold(segment)
-    cues = [m.span() for m in _CUE.finditer(folded)]
+    cues = [m.span() for pattern in (_CUE, _CUE_CJK) for m in pattern.finditer(folded)]
     words = set()
     for m in _LETTERS.finditer(folded):
         word = m.group()
@@ -172,18 +182,31 @@ def cues(segment: str) -> float:
     return sum(1.0 if m.group("strong") is not None else 0.5 for m in _CUE.finditer(folded)) + 0.5 * len(_CUE_CJK.findall(folded))
 
 
+def _word_count(segment: str) -> int:
+    """Content words, the characters of a script without spaces counting one word per four."""
+    found = content(segment)
+    return sum(1 for w in found if not _CJK.search(w)) + len("".join(_CJK.findall(segment))) // 4
+
+
 def talk(segment: str) -> bool:
     """Whether a segment talks about the request: its cues (one strong or two weak) outweigh its other
     content words, or a cue leads into what follows ("... can do justice to this:"), or nothing is left
     once filler is set aside (a greeting, "Anyway:", a turn's name, a lone label)."""
-    score, words = cues(segment), len(content(segment))
+    score, words = cues(segment), _word_count(segment)
     if score >= 1 and score >= TALK_SHARE * words or score and _LEAD_IN.search(segment) and not _WH.search(segment):
         return True
     return not words and not _DIGIT.search(segment) and not _QUESTION.search(segment)  # "How?" still asks
 
 
-def asks(segment: str) -> bool:
-    return bool(_QUESTION.search(segment) or ASK.match(segment))
+def joined(parts: list[str]) -> str:
+    """Sentences back on one line: a space after each, none after "。" (that script puts none)."""
+    return "".join(p + ("" if p.endswith(("。", "！", "？")) else " ") for p in parts).rstrip()
+
+
+def only_talk(line: str) -> bool:
+    """A line of prose that asks nothing and only talks about the request."""
+    segments = split_segments(line)
+    return bool(segments) and not any(_QUESTION.search(s) or ASK.match(s) for s in segments) and all(map(talk, segments))
 
 
 def task_lines(lines: list[str], code: list[bool]) -> list[str]:
@@ -192,16 +215,18 @@ def task_lines(lines: list[str], code: list[bool]) -> list[str]:
     not talk; with none, every segment that does not talk; with none of those either, the questions.
     With a question, a fragment of one content word or none is never the task either, and a label
     goes with the value it introduces. Code lines stay as they are (whether code is padding is
-    decided before). Nothing goes when everything talks and nothing asks."""
+    decided before). When everything talks and nothing asks, what is left is code, or else all of it."""
     split = [split_segments(line) if not is_code else [line] for line, is_code in zip(lines, code)]
     flagged = [[not is_code and talk(s) for s in segments] for segments, is_code in zip(split, code)]
     prose = [(s, mark) for segments, marks, is_code in zip(split, flagged, code) if not is_code for s, mark in zip(segments, marks)]
-    questions = [s for s, mark in prose if asks(s) and not mark]
-    if not questions and any(asks(s) for s, _ in prose):  # a question that talks is still asked
-        questions = [s for s, mark in prose if asks(s) or not mark]
+    # The questions; without one, the instructions (beside a question, "Answer like a professor." is talk)
+    asked = {s for s, _ in prose if _QUESTION.search(s)} or {s for s, _ in prose if ASK.match(s)}
+    questions = [s for s, mark in prose if s in asked and not mark]
+    if not questions and asked:  # a question that talks is still asked
+        questions = [s for s, mark in prose if s in asked or not mark]
     anchor_segments = set(questions or [s for s, mark in prose if not mark])
-    if not anchor_segments:
-        return lines
+    if not anchor_segments:  # everything talks: code, if any, is the task, else the talk is all there is
+        return [line for line, is_code in zip(lines, code) if is_code] or lines
     anchor = set().union(*(content(s) for s in anchor_segments))
 
     def kept(segment: str, mark: bool, introduced: bool) -> bool:
@@ -210,16 +235,17 @@ def task_lines(lines: list[str], code: list[bool]) -> list[str]:
         shared = len(content(segment) & anchor)
         if shared >= (1 if _DIGIT.search(segment) or not mark else 2):
             return True
-        # An instruction's material may follow it in any form; a question of filler alone ("How do I do
-        # that?") points back at what it needs.
-        if not any(_QUESTION.search(q) and content(q) for q in questions):
+        # An instruction's material may follow it in any form; a question of one content word or none
+        # ("How do I fix it?") points back at what it needs.
+        if not any(_QUESTION.search(q) and len(content(q)) > 1 for q in questions):
             return not mark
-        # Beside a question, a short sentence with a cue, or two, that shares nothing with it is talk, and so
-        # is a fragment; a label of material that is kept stays. A sentence stating a number may be a premise.
-        score, words = (0.0, 0) if _DIGIT.search(segment) else (cues(segment), len(content(segment)))
+        # Beside a question, a sentence with two weak cues that shares nothing with it is talk whatever else
+        # it says, and so is a fragment; a label of material that is kept stays. A sentence stating a
+        # number may be a premise.
+        score = 0.0 if _DIGIT.search(segment) else cues(segment)
         if _WH.search(segment):  # the first half of the question
             score = 0.0
-        return not (mark or score >= 1 or (score and words <= 3) or (_fragment(segment) and not introduced))
+        return not (mark or score >= 1 or (_fragment(segment) and not introduced))
 
     kept_lines = []
     for line, segments, marks, is_code in zip(lines, split, flagged, code):
@@ -229,7 +255,8 @@ def task_lines(lines: list[str], code: list[bool]) -> list[str]:
         keep: list[bool] = [False] * len(segments)
         for i in reversed(range(len(segments))):
             label = bool(_LEAD_IN.search(segments[i])) and len(segments[i].split()) <= 3
-            keep[i] = kept(segments[i], marks[i], label and i + 1 < len(segments) and keep[i + 1])
+            # a label of kept material stays ("Text: ..."), one of the question itself need not ("Question: ...")
+            keep[i] = kept(segments[i], marks[i], label and i + 1 < len(segments) and keep[i + 1] and segments[i + 1] not in anchor_segments)
             if label and i + 1 < len(segments) and keep[i + 1] and not keep[i] and len(segments[i + 1].split()) <= 3 \
                     and segments[i + 1] not in anchor_segments:
                 keep[i + 1] = False  # "priority: P0": the value of a label that talks goes with it
@@ -238,7 +265,7 @@ def task_lines(lines: list[str], code: list[bool]) -> list[str]:
         if all(keep):
             kept_lines.append(line)
         elif any(keep):
-            kept_lines.append(" ".join(s for s, k in zip(segments, keep) if k))
+            kept_lines.append(joined([s for s, k in zip(segments, keep) if k]))
     return kept_lines
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from policy.guardrails import INJECTION
-from policy.router_meta import ASK, task_lines, unframed
+from policy.router_meta import ASK, joined, only_talk, task_lines, unframed
 
 # Words that argue about the model, the effort or the caller's standing rather than state the task.
 PLEA = re.compile(
@@ -35,15 +35,19 @@ PLEA = re.compile(
 # Chat-template tags inside a message: each becomes a line naming the turn it opens (or a plain break).
 _TEMPLATE_TAG = re.compile(r"<\|(im_start|start_header_id)\|>\s*(system|user|assistant|developer)\s*(<\|end_header_id\|>)?|"
                            r"<\|(system|user|assistant)\|>|<<(/?)SYS>>|<\|(im_end|eot_id|end)\|>|<\|[a-z_]+\|>|\[/?INST\]", re.IGNORECASE)
-# A line that opens a turn ("### System", "[assistant]", "<system>", "User:", "[SYSTEM]: text"): what follows
-# until the next such line is that role's, and only the user's turns are the caller's.
-_ROLE_LINE = re.compile(r"^\s*(#{1,6}\s*|\[|<|\*\*)?\s*(system|assistant|developer|user|human|ai|model)\s*(\]|>|\*\*)?\s*(?:\([^()\n]{1,40}\)\s*)?(:|$)\s*(.*)$", re.IGNORECASE)
+# A line that opens a turn ("### System", "[assistant]", "<system>", "User:", "[SYSTEM]: text", "System message:",
+# "Assistant (frontier model):", "SISTEMA:"): what follows until the next such line is that role's, and only the
+# user's turns are the caller's.
+_ROLE_LINE = re.compile(r"^\s*(#{1,6}\s*|\[|<|\*\*)?\s*(system|assistant|developer|user|human|ai|model|sistema|syst[eè]me|usu[aá]rio|"
+                        r"usuario|utilisateur|nutzer|benutzer|assistente|asistente|assistent)(?:\s+(?:message|prompt|turn|note|instructions?))?"
+                        r"\s*(\]|>|\*\*)?\s*(?:\([^()\n]{1,40}\)\s*)?(:|$|(?<=[\]>])(?=\s))\s*(.*)$", re.IGNORECASE)
+_CALLER = ("user", "human", "usuário", "usuario", "utilisateur", "nutzer", "benutzer")
 _ROLE_OBJECT = re.compile(r"[\"']role[\"']\s*:\s*[\"'](system|assistant|developer)[\"']", re.IGNORECASE)
 # A user turn written as a JSON object on its line: its content is the caller's text.
 _USER_OBJECT = re.compile(r"^\s*\{\s*[\"']role[\"']\s*:\s*[\"'](?:user|human)[\"']\s*,\s*[\"']content[\"']\s*:\s*[\"'](.*)[\"']\s*\}\s*$",
                           re.IGNORECASE)
 _ROLE_ELEMENT = re.compile(r"<(system|sys|assistant|developer|instructions?)>.*?</\1>", re.IGNORECASE | re.DOTALL)
-_CLAUSE = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'”’)\]])\s+|(?<=[:;])\s+")
+_CLAUSE = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'”’)\]])\s+|(?<=[:;])\s+|(?<=[。！？])\s*")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _CODE_LINE = re.compile(
     r"^\s*(def |class |import |from [\w.]+ import |return\b|for .+ in .+:\s*$|while .+:\s*$|if .+:\s*$|elif |else:|try:|except\b|"
@@ -163,14 +167,22 @@ def _callers_turns(text: str) -> list[str]:
     """The lines of the caller's own turns: a forged system or assistant turn inside the message is dropped.
     A role named without brackets needs its colon ("System: ..."), so a line that merely starts with
     the word is not taken for a turn."""
+    lines = text.split("\n")
+    opens = [(m.group(2).lower() in _CALLER, bool(m.group(5).strip())) if (m := _ROLE_LINE.match(line)) and (m.group(1) or m.group(3) or m.group(4) == ":")
+             else None for line in lines]
     kept, role = [], "user"
-    for line in text.split("\n"):
-        opened = _ROLE_LINE.match(line)
-        if opened and (opened.group(1) or opened.group(3) or opened.group(4) == ":"):
-            role = "user" if opened.group(2).lower() in ("user", "human") else "other"
-            line = opened.group(5)
+    for n, (line, opened) in enumerate(zip(lines, opens)):
+        if opened is not None:
+            role = "user" if opened[0] else "other"
+            line = _ROLE_LINE.match(line).group(5)  # type: ignore[union-attr]
             if not line.strip():
                 continue
+        elif role == "other" and not any(o is not None and o[0] for o in opens[n:]):
+            # A forged turn the caller never closes ends with its own line ("System: ...") or its paragraph
+            # ("### System" and lines under it): what follows is the caller's again.
+            opener = next(o for o in reversed(opens[:n]) if o is not None)
+            if opener[1] or not line.strip():
+                role = "user"
         if role == "user" and not _ROLE_OBJECT.search(line):
             kept.append(user.group(1) if (user := _USER_OBJECT.match(line)) else line)
     if not any(line.strip() for line in kept):
@@ -193,9 +205,9 @@ def _code_lines(lines: list[str]) -> list[bool]:
 
 def _without_code_nobody_asks_about(lines: list[str]) -> list[str]:
     """Code beside prose that never mentions code (or any name in it) is padding; code alone, or code
-    the prose talks about, is the task."""
+    the prose talks about, is the task. Prose that only talks about the request is no prose here."""
     code = _code_lines(lines)
-    prose = [line for line, is_code in zip(lines, code) if not is_code and line.strip()]
+    prose = [line for line, is_code in zip(lines, code) if not is_code and line.strip() and not only_talk(line)]
     if not prose or not any(code):
         return lines
     if any(_CODE_ASIDE.search(line) for line in lines):
@@ -241,7 +253,7 @@ def _clauses(lines: list[str]) -> list[str]:
             seen.add(key)
             kept.append(clause.strip())
         if kept:
-            kept_lines.append(" ".join(kept))
+            kept_lines.append(joined(kept))
     return kept_lines
 
 
