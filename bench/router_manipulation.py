@@ -66,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(None, r, r["messages"]) for r in plain] + [(t, r, wrapped(r, t["template"])) for t in templates for r in plain]
     task = calibration.knn.settings.task if calibration.knn is not None else False
     texts = [embedded_text(m, task) for _, _, m in cases]
+    distinct = list(dict.fromkeys(texts))  # most copies read as their question: each text is embedded once
     embedder = bundled_minilm()
     try:
-        vectors = [v for i in range(0, len(texts), 64) for v in embedder.embed_now(texts[i:i + 64])]
+        embedded = {t: v for i in range(0, len(distinct), 64) for t, v in zip(distinct[i:i + 64], embedder.embed_now(distinct[i:i + 64]))}
     finally:
         embedder.close()
+    vectors = [embedded[t] for t in texts]
     decided: dict[tuple[str | None, str], tuple[str, tuple[str, str], int, int]] = {}
     for (template, record, messages), text, vector in zip(cases, texts, vectors):
         found = features(messages, bool(record.get("response_format")))
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             text, buckets(found), decide_calibrated(found, tiers, calibration, vector).tier, decide_calibrated(found, tiers, None).tier)
     print(f"{len(plain)} cheap questions of {'+'.join(splits)} x {len(templates)} templates ({args.templates}); "
           f"calibration {args.calibration.name}")
-    print(f"{'template':10} {'kind':14} {'reads differently':>18} {'dearer (learned)':>17} {'dearer (heuristics)':>20}")
+    print(f"{'template':10} {'kind':14} {'lang':5} {'reads differently':>18} {'dearer (learned)':>17} {'dearer (heuristics)':>20}")
     totals: Counter[str] = Counter()
     for t in templates:
         counts: Counter[str] = Counter()
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 shown += 1
                 print(f"    {r['id']}: tier {base[2]} -> {copy[2]}; reads {copy[0][:160]!r}")
         totals.update(counts)
-        print(f"{t['id']:10} {t['kind'][:14]:14} {counts['differs']:>18} {counts['learned']:>17} {counts['heuristics']:>20}")
+        print(f"{t['id']:10} {t['kind'][:14]:14} {t.get('lang', 'en'):5} {counts['differs']:>18} {counts['learned']:>17} {counts['heuristics']:>20}")
     n = len(plain) * len(templates)
     print(f"manipulation ({args.templates}): {totals['differs']}/{n} copies read differently, {totals['learned']}/{n} "
           f"({totals['learned'] / n:.1%}) bought a dearer tier from the learned router, {totals['heuristics']}/{n} from the heuristics")
