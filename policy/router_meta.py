@@ -18,7 +18,8 @@ import unicodedata
 # Markup tags (`<routing tier="x"/>`, `</body>`): a boundary between segments, their attributes nobody's task.
 _TAG = re.compile(r"</?[A-Za-z][\w:.-]*(?:\s+[\w:.-]+(?:\s*=\s*(?:\"[^\"]*\"|'[^']*'|[^\s\"'>/]+))?)*\s*/?>")
 # Where a segment ends: a sentence's end in any script, a label's colon, a semicolon before a new sentence.
-_SEGMENT_END = re.compile(r"(?<=[.!?。！？؟…])[\"'”’»)\]*_]*\s+|(?<=[:：])[*_]*\s+|(?<=[;；])\s+(?=[^\W\d_]*[A-ZÀ-Þ¿¡])|(?<=[。！？])")
+_SEGMENT_END = re.compile(r"(?<=[.!?。！？؟…])[\"'”’»)\]*_]*\s+|(?<=[:：])[*_]*\s+|(?<=[;；])\s+(?=[^\W\d_]*[A-ZÀ-Þ¿¡])|"
+                          r"(?<=[。！？])")
 # A sentence that asks for something (an instruction or a question without its mark, in English).
 ASK = re.compile(r"^\W*(please\W+)?(classify|translate|name|list|give|tell|spell|summari[sz]e|rewrite|extract|write|say|define|convert|"
                  r"explain|describe|identify|answer|compute|calculate|solve|prove|derive|show|find|determine|simplify|implement|fix|"
@@ -88,7 +89,8 @@ hard hardest harder difficult difficulty dificil dificiles difficile difficiles 
 complexity complejo compleja complexo complexa komplex complicad* tricky challenging
 extreme extremely extrema extremo extremadamente extremamente extrem extremement simple simpler
 important importante importance importancia wichtig* serious seriousness serio seria matters matter depend depends depende
-dependen lives vida vidas carriere carrera carreira karriere job emprego trabajo promotion mistake mistakes wrong errar perfect perfectly manager boss
+dependen lives vida vidas carriere carrera carreira karriere job emprego trabajo promotion mistake mistakes wrong errar
+perfect perfectly manager boss
 accuracy accurate precise precision precisao genau prazis*
 detailed detalhada detalhado detallada detallado detaillee detaille detail details complete completa completo
 vollstandig* deep profunda profundo approfondi* slowly lentement reason reasoning razonamiento raciocinio raisonnement
@@ -96,7 +98,8 @@ think thinking piensa pense pensez reflechissez reflechis denk denke nachdenken
 step steps paso pasos passo etape schritt consider considering revisa revise verifiez verifie check
 pay paid paying pago zahle cheap quality qualidade calidad qualite qualitat level nivel niveau stufe
 pretend imagine act actua aja you+are+a you+are+an you+are+now eres+un eres+una voce+e+um voce+e+uma vous+etes
-tu+es+un tu+es+une du+bist sie+sind+ein sei+un sei+una think+it+through take+your+time panel committee comite professors profesores professeurs professori professoren
+tu+es+un tu+es+une du+bist sie+sind+ein sei+un sei+una think+it+through take+your+time panel committee comite professors
+profesores professeurs professori professoren
 catedraticos chercheurs researchers
 exam exams examen exame prufung competition concours concurso
 warning attention achtung aviso atencion note nota hinweis budget unlimited ilimitado illimite unbegrenzt
@@ -129,10 +132,11 @@ _LEAD_IN = re.compile(r":[\s*_]*$|^\s*#{1,6}\s")
 
 # The same for scripts without spaces between words (and Cyrillic, whose words the pattern above
 # never starts): each a weak cue of its own.
-_CUE_CJK = re.compile(fold(r"非常|极其|極めて|模型|最好|最强|最先进|顶级|高级|困难|很难|复杂|专家|仔细|认真|一步一步|逐步|详细|管理员|授权|优先|紧急|重要|"
-                      r"モデル|最高|最強|難し|複雑|専門|慎重|丁寧|詳しく|管理者|承認|優先|緊急|重要|"
-                      r"модел|лучш|мощн|сложн|трудн|эксперт|тщательн|подробн|администратор|приоритет|срочн|важн|"
-                      r"шаг за шагом"))
+_CUE_CJK = re.compile(fold(r"非常|极其|極めて|模型|最好|最强|最先进|顶级|高级|困难|很难|复杂|专家|仔细|认真|"
+                           r"一步一步|逐步|详细|管理员|授权|优先|紧急|重要|"
+                           r"モデル|最高|最強|難し|複雑|専門|慎重|丁寧|詳しく|管理者|承認|優先|緊急|"
+                           r"модел|лучш|мощн|сложн|трудн|эксперт|тщательн|подробн|"
+                           r"администратор|приоритет|срочн|важн|шаг за шагом"))
 
 
 def split_segments(line: str) -> list[str]:

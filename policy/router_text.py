@@ -168,8 +168,9 @@ def _callers_turns(text: str) -> list[str]:
     A role named without brackets needs its colon ("System: ..."), so a line that merely starts with
     the word is not taken for a turn."""
     lines = text.split("\n")
-    opens = [(m.group(2).lower() in _CALLER, bool(m.group(5).strip())) if (m := _ROLE_LINE.match(line)) and (m.group(1) or m.group(3) or m.group(4) == ":")
-             else None for line in lines]
+    # per line: None, or the turn it opens (the caller's?, with text on the same line?)
+    opens = [(m.group(2).lower() in _CALLER, bool(m.group(5).strip()))
+             if (m := _ROLE_LINE.match(line)) and (m.group(1) or m.group(3) or m.group(4) == ":") else None for line in lines]
     kept, role = [], "user"
     for n, (line, opened) in enumerate(zip(lines, opens)):
         if opened is not None:
