@@ -9,10 +9,11 @@ named for the operator and takes effect at the next start.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from urllib.parse import urlsplit
 
 import msgspec
 
-from appliance.settings import AdapterSettings, LocalModel, ModelSettings, Settings
+from appliance.settings import AdapterSettings, LocalModel, ModelSettings, Settings, UpstreamModel
 
 # Sections that change while the server runs; `defaults` is already folded into each model.
 HOT_SECTIONS = frozenset({"file", "models", "routes", "defaults"})
@@ -98,3 +99,21 @@ def running_settings(old: Settings, new: Settings, change: FleetChange) -> Setti
     held = {m.alias: m for m in old.models if f"models.{m.alias} (the cache's embedder)" in change.restart_sections}
     models = tuple(held.get(m.alias, m) for m in new.models)
     return replace(old, models=models, routes=new.routes, defaults=new.defaults)
+
+
+def key_destinations(settings: Settings) -> set[tuple[str, str]]:
+    """(environment variable, origin) for every upstream server the settings send a key to."""
+    out = set()
+    for m in settings.models:
+        if isinstance(m, UpstreamModel):
+            for u in m.upstreams:
+                if u.api_key_env is not None:
+                    parts = urlsplit(u.base_url)
+                    out.add((u.api_key_env, f"{parts.scheme}://{parts.netloc}".lower()))
+    return out
+
+
+def new_key_destinations(old: Settings, new: Settings) -> list[str]:
+    """Keys `new` would send to a server `old` never sent them to. An admin edit may not make
+    one: a key the owner put in the environment goes only where the owner's file sends it."""
+    return sorted(f"{env} to {origin}" for env, origin in key_destinations(new) - key_destinations(old))

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from appliance.config_writer import restore
-from appliance.fleet_change import FleetChange, fleet_change, running_settings
+from appliance.fleet_change import FleetChange, fleet_change, new_key_destinations, running_settings
+from appliance.model_admin import ModelAdminError
 from appliance.services import Services
 from appliance.settings import load_settings
 
@@ -34,6 +35,9 @@ async def apply_config(services: Services, edit: Callable[[Path], object] | None
         written = await asyncio.to_thread(config.read_text)
         try:
             new = await asyncio.to_thread(load_settings, config)
+            if edit is not None and (sent := new_key_destinations(services.settings, new)):
+                raise ModelAdminError(f"an edit through the API cannot send a key where the file never sent it ({', '.join(sent)}); "
+                                      "edit models.toml on the box and reload")
             change = fleet_change(services.settings, new, services.read_at_start)
             if not change.empty:
                 running = running_settings(services.settings, new, change)

@@ -107,3 +107,21 @@ def test_a_memory_budget_past_a_petabyte_is_refused(value: str) -> None:
     with pytest.raises(ValueError, match="up to 1PiB"):
         MemoryBudget.from_toml(value)
     assert MemoryBudget.from_toml("1024TiB").size_bytes == 1 << 50
+
+
+def test_a_key_sent_to_a_new_server_is_a_new_destination(tmp_path: Path) -> None:
+    from appliance.fleet_change import new_key_destinations
+    from appliance.settings import load_settings
+
+    def settings(base_url: str, env: str | None) -> Any:
+        key = f'api_key_env = "{env}"\n' if env else ""
+        path = tmp_path / "models.toml"
+        path.write_text(f'[[models]]\nalias = "far"\nengine = "openai"\nbase_url = "{base_url}"\nupstream_model = "x"\n{key}')
+        return load_settings(path)
+
+    old = settings("https://api.example.com/v1", "K")
+    assert new_key_destinations(old, settings("https://API.example.com/v2", "K")) == []
+    assert new_key_destinations(old, settings("https://api.example.com/v1", None)) == []
+    assert new_key_destinations(old, settings("https://evil.example/v1", "K")) == ["K to https://evil.example"]
+    assert new_key_destinations(old, settings("https://api.example.com/v1", "L")) == ["L to https://api.example.com"]
+    assert new_key_destinations(old, settings("http://api.example.com/v1", "K")) == ["K to http://api.example.com"]

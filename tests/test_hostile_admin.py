@@ -229,3 +229,28 @@ def test_post_and_patch_confine_alike(fleet: dict[str, Any]) -> None:
     assert "Traceback" not in server.log.read_text()
     assert json.loads(httpx.get(f"{server.base_url}/health", timeout=10).text)["status"] == "ok"
     shutil.rmtree(fleet["outside"], ignore_errors=True)
+
+
+def test_an_admin_edit_cannot_send_a_key_where_the_file_never_sent_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key the owner put in the environment goes only to the server the owner's file sends it to:
+    pointing the model at another URL, or naming another variable (a secret of the machine), through
+    the API is a 400 and changes nothing; the owner can still do it in the file, on the box."""
+    monkeypatch.setenv("FRONTIER_KEY", "sk-owner")
+    monkeypatch.setenv("OTHER_SECRET", "sk-other")
+    upstream = 'engine = "openai"\nbase_url = "http://127.0.0.1:9/v1"\nupstream_model = "x"\napi_key_env = "FRONTIER_KEY"\nhealth_interval_s = 0\n'
+    server = start_server(tmp_path, hostile_config() + f'\n[[models]]\nalias = "far"\n{upstream}')
+    try:
+        admin = new_key(server, "ops", user="root", admin=True)
+        written = config_of(server).read_text()
+        for edit in ({"base_url": "http://attacker.example:8080/v1"}, {"api_key_env": "OTHER_SECRET"},
+                     {"base_url": "https://127.0.0.1:9/v1"}):
+            r = call(server, admin, "/admin/models/far", edit, method="PATCH")
+            assert r.status_code == 400 and "cannot send a key" in r.json()["error"]["message"], (edit, r.status_code, r.text)
+            assert config_of(server).read_text() == written
+        # Where the key already goes, edits stand: another path on the same server, and dropping the key.
+        r = call(server, admin, "/admin/models/far", {"base_url": "http://127.0.0.1:9/v2"}, method="PATCH")
+        assert r.status_code == 200, r.text
+        r = call(server, admin, "/admin/models/far", {"api_key_env": None, "base_url": "http://elsewhere.example/v1"}, method="PATCH")
+        assert r.status_code == 200, r.text
+    finally:
+        stop_server(server)
