@@ -12,6 +12,7 @@ such text can never buy a dearer tier. Pure.
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 
@@ -29,6 +30,7 @@ _QUESTION = re.compile(r"[?？؟][\s\"'”’»)\]*_]*$")
 _DIGIT = re.compile(r"\d")
 _LETTERS = re.compile(r"[^\W\d_]+")
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]")
+_EMOJI = re.compile("[\U0001F000-\U0010FFFF\u2600-\u27BF\u2B00-\u2BFF\uFE0F\u200D]+")
 
 # Words of any of the languages below that carry no content of their own: function words, greetings
 # and thanks, the names of chat turns, and the words every request uses about itself.
@@ -117,12 +119,14 @@ _CUE = re.compile(rf"(?<![^\W\d_])(?:(?P<strong>{_words(_STRONG)})|(?P<weak>{_wo
 
 def fold(text: str) -> str:
     """Lower case without accents ("difícil" reads as "dificil", "größte" as "grosste")."""
+    if text.isascii():
+        return text.lower()
     decomposed = unicodedata.normalize("NFKD", text.lower().replace("ß", "ss"))
     return "".join(c for c in decomposed if not unicodedata.combining(c))
 
 
 # A period that ends an abbreviation ("Dr.", "P.O.", "e.g."), not a sentence.
-_ABBREVIATION = re.compile(r"(?:^|[\s(])(?:(?:[^\W\d_]\.)+|(?:mr|mrs|ms|dr|st|prof|sr|jr|vs|etc|no|nr)\.)$", re.IGNORECASE)
+_ABBREVIATION = re.compile(r"[\s(](?:(?:[^\W\d_]\.)+|(?:mr|mrs|ms|dr|st|prof|sr|jr|vs|etc|no|nr)\.)$", re.IGNORECASE)
 # "budget = unlimited": a setting's name is a label, as "priority:" is.
 _ASSIGN = re.compile(r"^(\s*[^\W\d][\w.-]{2,30}\s*=)\s+")
 # A lead-in that is the first half of a question ("Financially, which comes out better: ...").
@@ -145,36 +149,36 @@ def split_segments(line: str) -> list[str]:
     # "budget = unlimited" is a setting, "tablespoon = how many teaspoons?" one question
     labelled = _ASSIGN.sub(lambda m: m.group(0) if line[m.end():m.end() + 1].islower() and _QUESTION.search(line)
                            else m.group(1) + "\n", line)
-    text = "".join("\n" if _emoji(c) else c for c in _TAG.sub("\n", labelled))
+    text = _EMOJI.sub("\n", _TAG.sub("\n", labelled))
     segments = []
     for piece in text.split("\n"):
         start = 0
         for end in _SEGMENT_END.finditer(piece):
-            if not _ABBREVIATION.search(piece[start:end.start()]):
+            lo = max(start, end.start() - 24)  # an abbreviation is short: only the tail is read, so this stays linear
+            if not _ABBREVIATION.search((" " if lo == start else "") + piece[lo:end.start()]):
                 segments.append(piece[start:end.start()])
                 start = end.end()
         segments.append(piece[start:])
     return [s.strip() for s in segments if s.strip()]
 
 
-def _emoji(c: str) -> bool:
-    code = ord(c)
-    return code >= 0x1F000 or 0x2600 <= code <= 0x27BF or 0x2B00 <= code <= 0x2BFF or code in (0xFE0F, 0x200D)
-
-
-def content(segment: str) -> set[str]:
+@functools.lru_cache(maxsize=256)
+def content(segment: str) -> frozenset[str]:
     """Content words cut to a six-letter stem, filler and talk about the request left out; in a
     script without spaces, its pairs of characters."""
     folded = fold(segment)
-    cues = [m.span() for pattern in (_CUE, _CUE_CJK) for m in pattern.finditer(folded)]
+    cue = bytearray(len(folded) + 1)  # which characters a cue covers
+    for pattern in (_CUE, _CUE_CJK):
+        for found in pattern.finditer(folded):
+            cue[found.start():found.end()] = b"\x01" * (found.end() - found.start())
     words = set()
     for m in _LETTERS.finditer(folded):
         word = m.group()
-        if _CJK.search(word):
+        if not word.isascii() and _CJK.search(word):
             words |= {word[i:i + 2] for i in range(max(1, len(word) - 1))}
-        elif len(word) >= 3 and word not in _FILLER and not any(a <= m.start() < b for a, b in cues):
+        elif len(word) >= 3 and not cue[m.start()] and word not in _FILLER:
             words.add(word[:6].rstrip("s"))
-    return words
+    return frozenset(words)
 
 
 TALK_SHARE = 0.25  # cues (strong 1, weak 1/2) per other content word from which a sentence is talk, not material
@@ -189,7 +193,7 @@ def cues(segment: str) -> float:
 def _word_count(segment: str) -> int:
     """Content words, the characters of a script without spaces counting one word per four."""
     found = content(segment)
-    return sum(1 for w in found if not _CJK.search(w)) + len("".join(_CJK.findall(segment))) // 4
+    return sum(1 for w in found if not _CJK.match(w)) + len(_CJK.findall(segment)) // 4
 
 
 def talk(segment: str) -> bool:
@@ -231,7 +235,10 @@ def task_lines(lines: list[str], code: list[bool]) -> list[str]:
     anchor_segments = set(questions or [s for s, mark in prose if not mark])
     if not anchor_segments:  # everything talks: code, if any, is the task, else the talk is all there is
         return [line for line, is_code in zip(lines, code) if is_code] or lines
-    anchor = set().union(*(content(s) for s in anchor_segments))
+    anchor = frozenset().union(*(content(s) for s in anchor_segments))
+    # An instruction's material may follow it in any form; a question of one content word or none
+    # ("How do I fix it?") points back at what it needs: beside those, only what talks goes.
+    lenient = not any(_QUESTION.search(q) and len(content(q)) > 1 for q in set(questions))
 
     def kept(segment: str, mark: bool, introduced: bool) -> bool:
         if segment in anchor_segments:
@@ -239,9 +246,7 @@ def task_lines(lines: list[str], code: list[bool]) -> list[str]:
         shared = len(content(segment) & anchor)
         if shared >= (1 if _DIGIT.search(segment) or not mark else 2):
             return True
-        # An instruction's material may follow it in any form; a question of one content word or none
-        # ("How do I fix it?") points back at what it needs.
-        if not any(_QUESTION.search(q) and len(content(q)) > 1 for q in questions):
+        if lenient:
             return not mark
         # Beside a question, a sentence with two weak cues that shares nothing with it is talk whatever else
         # it says, and so is a fragment; a label of material that is kept stays. A sentence stating a
@@ -277,7 +282,7 @@ def _fragment(segment: str) -> bool:
     return not _DIGIT.search(segment) and len(content(segment)) <= 1
 
 
-_RULE = re.compile(r"^\s*([=\-_*+])\1{2,}\s*|\s*([=\-_*+])\2{2,}\s*$")
+_RULE = re.compile(r"^\s*([=\-_*+])\1{2,}|([=\-_*+])\2{2,}\s*$")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 
 
@@ -289,6 +294,7 @@ def unframed(text: str) -> str:
         if _FENCE.match(line):
             fenced = not fenced
         elif not fenced:
-            line = _RULE.sub("", _TAG.sub("\n", line) if _TAG.match(line.lstrip()) else line)
+            pieces = _TAG.sub("\n", line).split("\n") if _TAG.match(line.lstrip()) else [line]
+            line = "\n".join(_RULE.sub("", piece).strip() if _RULE.search(piece) else piece for piece in pieces)
         out.append(line)
     return "\n".join(out)

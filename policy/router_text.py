@@ -140,9 +140,17 @@ def last_user_turn(messages: list[dict[str, str]]) -> str:
     return next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
 
 
+# What the router reads of a long turn: its beginning and its end. Every feature saturates well within
+# this (120 distinct words, a few steps or maths signals) and the learned router embeds 256 tokens; the
+# bound keeps the reading's cost, which runs on the event loop, independent of the body's size.
+READ_CHARS = 16_000
+
+
 def routing_text(messages: list[dict[str, str]]) -> str:
     """The task the last user turn states, each sentence once, and only the sentences it needs."""
     last = last_user_turn(messages)
+    if len(last) > READ_CHARS:
+        last = last[:READ_CHARS // 2] + "\n" + last[-(READ_CHARS // 2):]
     lines = _without_code_nobody_asks_about(_callers_turns(unframed(_ROLE_ELEMENT.sub("\n", _TEMPLATE_TAG.sub(_turn_line, last)))))
     kept = _after_dismissal(_clauses(lines))
     kept = _unreferenced_preamble_dropped(task_lines(kept, _code_lines(kept)))

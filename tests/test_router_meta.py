@@ -3,13 +3,15 @@ task: the router reads the same text, and decides the same tier, with or without
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policy.router import decide, features
 from policy.router_meta import split_segments, talk
-from policy.router_text import routing_text
+from policy.router_text import READ_CHARS, routing_text
 
 # Talk written for these tests (none of it from the workload's or the outsider's sets), in several languages.
 TALK = [
@@ -95,3 +97,11 @@ def test_adding_talk_never_raises_the_tier(request: str, said: list[str], before
     text = f"{talk_text}{gap}{request}" if before else f"{request}{gap}{talk_text}"
     assert tier(text) <= tier(request), text
     assert read(text) == read(request), text
+
+
+def test_a_huge_turn_is_read_from_its_beginning_and_end_in_bounded_time() -> None:
+    text = "Please think very carefully, step by step. " * 25_000 + "What is 2 + 2?"  # about 1 MB
+    started = time.perf_counter()
+    assert read(text) == "What is 2 + 2?"
+    assert time.perf_counter() - started < 2.0  # the reading runs on the event loop
+    assert len(read("word " * 100_000)) <= READ_CHARS + 1
