@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -160,6 +161,8 @@ class LocalEngine:
         self._stopping = False  # the thread was asked to stop (read on the thread)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        # Samplers with a grammar are built here, off the loop: llama.cpp compiles the grammar then.
+        self._grammars = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{thread_name}-grammar")
 
     def _start_thread(self) -> None:
         """Called by the engine once its model is loaded: from here on only the thread touches it."""
@@ -168,8 +171,15 @@ class LocalEngine:
     # ---- what an engine supplies ---------------------------------------------------------------
     # Called on the event loop:
 
-    def _new_job(self, request: GenerationRequest, emit: Callable[[EngineEvent], None]) -> Job:
-        """The engine's job for a request, with its sampler (a grammar that does not parse raises here)."""
+    def _new_job(self, request: GenerationRequest, sampler: Any, emit: Callable[[EngineEvent], None]) -> Job:
+        """The engine's job for a request; its sampler may be set later (see `_make_sampler`)."""
+        raise NotImplementedError
+
+    # Called on the event loop, or for a request with a grammar on a worker thread (compiling one
+    # takes up to a tenth of a second within appliance/schema_bounds.py's limits):
+
+    def _make_sampler(self, request: GenerationRequest) -> Any:
+        """The library's sampler chain for a request, or None (a grammar that does not parse raises here)."""
         raise NotImplementedError
 
     # Called on the model thread:
@@ -260,13 +270,29 @@ class LocalEngine:
         self._occupancy.take()
         try:
             stream = EventStream(asyncio.get_running_loop())
-            job = self._new_job(request, stream.push)
+            grammar = request.sampling.grammar is not None
+            job = self._new_job(request, None if grammar else self._make_sampler(request), stream.push)
+            if grammar:
+                self._grammars.submit(self._compile_then_queue, job)
         except BaseException:
             self._occupancy.settle(queued=True)
             raise
         stream.on_close = lambda: self._cancel(job)
-        self._inbox.put(job)
+        if not grammar:
+            self._inbox.put(job)
         return stream
+
+    def _compile_then_queue(self, job: Job) -> None:
+        """On a grammar worker: the job's sampler, then the job to the model thread (which ends it
+        there if it was cancelled meanwhile). A grammar llama.cpp refuses ends the request as a 400."""
+        try:
+            job.sampler = self._make_sampler(job.request)
+        except Exception as exc:
+            self._occupancy.settle(queued=True)
+            job.emit(FinishEvent("error", Usage(0, 0, 0), error=str(exc),  # nothing computed, nothing charged
+                                 error_status=400 if isinstance(exc, EngineError) else None))
+            return
+        self._inbox.put(job)
 
     async def embed(self, inputs: list[list[int]]) -> Any:
         """An embedding request counts as a request (queued, then running; the queue bounds them)
@@ -364,6 +390,7 @@ class LocalEngine:
         if self._thread.is_alive():
             log.error("model thread %s did not stop in 30 s; leaving its memory to the OS", self._thread.name)
             return
+        self._grammars.shutdown(wait=True)  # grammars still compiling queue their jobs: failed just below
         self._closed = True
         self._fail_all("the model is shutting down", status=503)  # what raced in after the thread's last look
         self._free_model()

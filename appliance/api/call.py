@@ -251,7 +251,8 @@ async def respond(request: Request[Any, Any, Any], services: Services, principal
     # The cache keeps one answer to a question: n > 1 bypasses it (policy/cache.py), so only one choice is remembered.
     remember = remember_for(call.prepared) if remember_for is not None and call.prepared.choices == 1 else None
     if stream:
-        if model.engine.takes_messages or cold:
+        # A grammar compiles off the loop after `generate` returns: one llama.cpp refuses is an HTTP error too.
+        if model.engine.takes_messages or cold or call.prepared.request.sampling.grammar is not None:
             await _first_event_or_error(request, call)
         return Stream(_sse(call, wire, remember), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     collected: list[Collected] = []

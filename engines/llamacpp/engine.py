@@ -85,7 +85,7 @@ def context_layout(batch_invariant: bool, kv_type: str, pooled: bool = False) ->
 class _SlotJob(Job):
     """A request in a slot: where its sequence stands, and its speculation."""
 
-    def __init__(self, request: GenerationRequest, sampler: Sampler, emit: Callable[[EngineEvent], None]) -> None:
+    def __init__(self, request: GenerationRequest, sampler: Sampler | None, emit: Callable[[EngineEvent], None]) -> None:
         super().__init__(request, sampler, emit)
         self.slot = -1
         self.admitted_seq = 0
@@ -186,9 +186,12 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
 
     # ---- the core's hooks -------------------------------------------------------------------------
 
-    def _new_job(self, request: GenerationRequest, emit: Callable[[EngineEvent], None]) -> Job:
+    def _new_job(self, request: GenerationRequest, sampler: Any, emit: Callable[[EngineEvent], None]) -> Job:
+        return _SlotJob(request, sampler, emit)
+
+    def _make_sampler(self, request: GenerationRequest) -> Sampler:
         s = request.sampling
-        return _SlotJob(request, Sampler(self.model, temperature=s.temperature, top_p=s.top_p, seed=s.seed, grammar=s.grammar), emit)
+        return Sampler(self.model, temperature=s.temperature, top_p=s.top_p, seed=s.seed, grammar=s.grammar)
 
     def _on_thread_start(self) -> None:
         # Signals go to the main thread only. A signal landing on this thread or on the OpenMP

@@ -116,9 +116,8 @@ class MlxEngine(SpeaksVocabulary, LocalEngine):
 
     # ---- the core's hooks -------------------------------------------------------------------------
 
-    def _new_job(self, request: GenerationRequest, emit: Callable[[EngineEvent], None]) -> Job:
-        # a grammar that does not parse is refused here, not mid-stream
-        return _BatchJob(request, self._llama_sampler(request), emit)
+    def _new_job(self, request: GenerationRequest, sampler: Any, emit: Callable[[EngineEvent], None]) -> Job:
+        return _BatchJob(request, sampler, emit)
 
     def _piece(self, token: int, special: bool) -> bytes:
         return self.vocabulary.piece(token)
@@ -328,7 +327,7 @@ class MlxEngine(SpeaksVocabulary, LocalEngine):
             return
         self._host.put(key, tuple(tokens[:length]), cache, sum(layer.nbytes for layer in cache))
 
-    def _llama_sampler(self, request: GenerationRequest):  # type: ignore[no-untyped-def]
+    def _make_sampler(self, request: GenerationRequest):  # type: ignore[no-untyped-def]
         """llama.cpp's chain for requests that need it: a grammar, or a draw (for its seed). Greedy
         requests without a grammar stay on MLX's own argmax, which keeps the step pipelined."""
         s = request.sampling
