@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import jsonschema
-from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+from appliance.schema_bounds import schema_grammar
 
 Format = Literal["hermes", "llama"]
 Mode = Literal["auto", "required", "none"]
@@ -311,7 +312,7 @@ def grammar(plan: ToolPlan) -> str:
     key = "parameters" if plan.format == "llama" else "arguments"
     schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
                          "required": ["name", key]} for t in plan.offered]}
-    rules = re.sub(r"^root ::=", "tool-call-json ::=", json_schema_to_gbnf(json.dumps(schema)), flags=re.M)
+    rules = re.sub(r"^root ::=", "tool-call-json ::=", schema_grammar(schema), flags=re.M)
     # The converter lets a string hold raw newlines and other control characters, which JSON forbids.
     rules = rules.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')
     if plan.format == "llama":

@@ -7,9 +7,8 @@ import json
 import re
 from typing import Any
 
-import jsonschema
-
 from appliance.api.errors import invalid
+from appliance.schema_bounds import TOOLS_LIMITS, bounds_problem, validity_problem
 from appliance.api.schemas import ChatCompletionRequest, ChatMessage, FunctionSpec, NamedToolChoice, ToolSpec
 from appliance.tool_calls import CLOSE, OPEN, Format, Mode, Tool, ToolPlan, call_text, system_prompt
 
@@ -39,10 +38,9 @@ def _tool(spec: ToolSpec, where: str) -> Tool:
     if not _NAME.match(fn.name):
         raise invalid(f"{fn.name!r} is not a valid function name: use 1 to 64 letters, digits, '_' or '-'.", f"{where}.function.name")
     parameters = _EMPTY_PARAMETERS if fn.parameters is None else fn.parameters
-    try:
-        jsonschema.validators.validator_for(parameters).check_schema(parameters)
-    except jsonschema.SchemaError as exc:
-        raise invalid(f"The parameters of {fn.name!r} are not a valid JSON Schema: {exc.message}", f"{where}.function.parameters") from None
+    problem = bounds_problem(parameters)  # validity once every tool and the lot are within bounds (tool_plan)
+    if problem is not None:
+        raise invalid(f"The parameters of {fn.name!r} cannot be taken: {problem}.", f"{where}.function.parameters")
     if parameters.get("type", "object") != "object":
         raise invalid(f"The parameters of {fn.name!r} must describe a JSON object.", f"{where}.function.parameters")
     return Tool(fn.name, fn.description or "", parameters)
@@ -62,6 +60,13 @@ def tool_plan(body: ChatCompletionRequest, fmt: Format) -> ToolPlan | None:
             raise invalid(f"'{param}' is only allowed when tools are given.", param)
         return None
     tools = tuple(_tool(spec, where.format(i)) for i, spec in enumerate(specs))
+    problem = bounds_problem({"anyOf": [t.parameters for t in tools]}, TOOLS_LIMITS)
+    if problem is not None:
+        raise invalid(f"Together, the tools' parameters go past a bound: {problem}.", field)
+    for i, tool in enumerate(tools):
+        problem = validity_problem(tool.parameters)
+        if problem is not None:
+            raise invalid(f"The parameters of {tool.name!r} cannot be taken: {problem}.", f"{where.format(i)}.function.parameters")
     names = [t.name for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:

@@ -3,13 +3,15 @@ the parameter at fault."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llama_cpp.llama_grammar import JSON_GBNF
 
 from appliance.api.errors import APIError, invalid
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, ResponseFormat
@@ -19,10 +21,12 @@ from appliance.chat_template import TemplateBoundError, TemplateError
 from appliance import tool_calls
 from appliance.tool_calls import ToolPlan
 from appliance.registry import LoadedModel
+from appliance.schema_bounds import schema_grammar, schema_problem
 from appliance.settings import Defaults
 from engines.base import GenerationRequest, SamplingParams, context_problem
 from engines.upstream.wire import estimate_tokens
 
+T = TypeVar("T")
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 # Choices per request: each is a full completion (a slot, its tokens in the budget), so a few only.
@@ -144,15 +148,27 @@ def check_token_ids(tokens: list[int], vocab: int, param: str) -> None:
         raise invalid(f"Token ids in '{param}' must be between 0 and {vocab - 1}.", param)
 
 
+def _format_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    """A json_schema format's schema, judged by the bounds and validity a tool's parameters are
+    judged by (schema_bounds), before any grammar is built or the format is sent upstream."""
+    if fmt is None or fmt.type != "json_schema":
+        return None
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise invalid("response_format json_schema needs a 'schema' object.", "response_format.json_schema.schema")
+    problem = schema_problem(fmt.json_schema.schema)
+    if problem is not None:
+        raise invalid(f"The JSON schema cannot be enforced: {problem}.", "response_format.json_schema.schema")
+    return fmt.json_schema.schema
+
+
 def _grammar(fmt: ResponseFormat | None) -> str | None:
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return JSON_GBNF
-    if fmt.json_schema is None or fmt.json_schema.schema is None:
-        raise invalid("response_format json_schema needs a 'schema' object.", "response_format.json_schema.schema")
+    schema = _format_schema(fmt)
     try:
-        return json_schema_to_gbnf(json.dumps(fmt.json_schema.schema))
+        return schema_grammar(schema or {})
     except Exception as exc:
         raise invalid(f"The JSON schema cannot be enforced: {exc}", "response_format.json_schema.schema") from None
 
@@ -207,7 +223,19 @@ def _tool_grammar(plan: ToolPlan | None, fmt: ResponseFormat | None) -> str | No
     try:
         return tool_calls.grammar(plan)
     except Exception as exc:
-        raise invalid(f"The tools' parameter schemas cannot be enforced: {exc}", "tools") from None
+        raise invalid(f"The tools' parameter schemas cannot be enforced: {exc}", _failing_tool(plan)) from None
+
+
+def _failing_tool(plan: ToolPlan) -> str:
+    """The param of the first offered tool whose parameters alone cannot become a grammar, else
+    the tools as a whole (together they are too large). Only on the way to a refusal."""
+    for i, tool in enumerate(plan.tools):
+        if tool in plan.offered:
+            try:
+                schema_grammar(tool.parameters)
+            except Exception:
+                return f"tools[{i}].function.parameters"
+    return "tools"
 
 
 def _template_chat(body: ChatCompletionRequest, model: LoadedModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, ToolPlan | None]:
@@ -231,6 +259,21 @@ def _template_chat(body: ChatCompletionRequest, model: LoadedModel) -> tuple[lis
     return messages, tools, plan
 
 
+def _planned_chat(body: ChatCompletionRequest, model: LoadedModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, ToolPlan | None, str | None]:
+    """The template's messages and tools, the tool plan, and the grammar the answer must follow."""
+    messages, tools, plan = _template_chat(body, model)
+    return messages, tools, plan, _tool_grammar(plan, body.response_format)
+
+
+async def _schemas_off_loop(body: ChatCompletionRequest, fn: Callable[..., T], *args: Any) -> T:
+    """Checking a request's schemas and writing their grammar costs up to about 0.2 s of CPU at
+    the bounds (docs/api.md): on a worker thread when the request carries any."""
+    fmt = body.response_format
+    if body.tools or body.functions or (fmt is not None and fmt.type == "json_schema"):
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
 def with_adapters(prepared: Prepared, adapters: tuple[tuple[str, float], ...]) -> Prepared:
     return replace(prepared, request=replace(prepared.request, adapters=adapters)) if adapters else prepared
 
@@ -247,10 +290,10 @@ async def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise invalid("Give max_tokens or max_completion_tokens, not both.", "max_tokens")
     if model.engine.takes_messages:
-        return _prepare_upstream_chat(body, model, defaults, request_id)
+        return await _schemas_off_loop(body, _prepare_upstream_chat, body, model, defaults, request_id)
     if model.template is None:
         raise invalid(f"The model '{model.settings.alias}' has no chat template; use /v1/completions.", "model")
-    messages, tools, plan = _template_chat(body, model)
+    messages, tools, plan, grammar = await _schemas_off_loop(body, _planned_chat, body, model)
     try:
         prompt_text, tokens = await model.chat_prompt_async(messages, tools)  # a template may take its time: off the loop
     except TemplateBoundError as exc:
@@ -261,7 +304,7 @@ async def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = _max_tokens(requested, param, len(tokens), model, defaults)
-    sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, _tool_grammar(plan, body.response_format))
+    sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, grammar)
     offered = plan if plan is not None and plan.mode != "none" else None
     controls = model.engine.control_tokens() if offered is not None else {}
     preserved = frozenset(controls[t] for t in tool_calls.marker_texts(offered.format) if t in controls) if offered else frozenset()
@@ -294,8 +337,7 @@ def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defa
     max_tokens = requested if requested is not None else max(1, min(defaults.max_tokens, model.engine.context_length - estimate))
     response_format = None
     if body.response_format is not None and body.response_format.type != "text":
-        if body.response_format.type == "json_schema" and (body.response_format.json_schema is None or body.response_format.json_schema.schema is None):
-            raise invalid("response_format json_schema needs a 'schema' object.", "response_format.json_schema.schema")
+        _format_schema(body.response_format)  # an upstream builds a grammar from it too
         wire: dict = {"type": body.response_format.type}
         if body.response_format.json_schema is not None:
             wire["json_schema"] = {k: v for k, v in msgspec.structs.asdict(body.response_format.json_schema).items() if v is not None}

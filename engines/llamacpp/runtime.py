@@ -16,6 +16,7 @@ import llama_cpp as L
 import numpy as np
 
 from engines.base import EngineError
+from engines.grammar_bounds import grammar_problem
 from engines.llamacpp.kernels import choose_matmul_kernels
 
 log = logging.getLogger("appliance.llamacpp")
@@ -317,6 +318,9 @@ class Sampler:
         self._candidates: np.ndarray | None = None  # `pick`'s token data, reused across steps
         try:
             if grammar is not None:
+                problem = grammar_problem(grammar)  # llama.cpp's parser recurses without a limit: not past this
+                if problem is not None:
+                    raise EngineError(f"the grammar was refused: {problem}")
                 g = L.llama_sampler_init_grammar(model.vocab, grammar.encode(), b"root")
                 if not g:
                     raise EngineError("the grammar could not be parsed")
