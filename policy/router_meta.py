@@ -7,7 +7,9 @@ before its colon, runs of emoji, markup tags), and a segment goes when it talks 
 and shares no content word with the ask (its question, or else the rest of the turn). A segment is
 judged on its own words and the ask's alone, so talk added around a question leaves the text the
 router reads, and with it every feature and the learned router's embedding, exactly as they were:
-such text can never buy a dearer tier. Pure.
+such text can never buy a dearer tier. Beside a question that stands alone (it points at nothing
+outside itself), the rule turns round: prose is read only where the question refers to it (a shared
+word, a number it lacks, a colon, a chain of pronouns back to a premise), whatever its words. Pure.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ _QUESTION = re.compile(r"[?？؟][\s\"'”’»)\]*_]*$")
 _DIGIT = re.compile(r"\d")
 _LETTERS = re.compile(r"[^\W\d_]+")
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]")
+# A run of symbols standing alone ("@@ metadata ... @@", "|| ... ||"): a frame, a boundary between segments.
+_SYMBOL_RUN = re.compile(r"(?<!\S)(?:@{2,}|#{2,}|~{2,}|\^{2,}|\|{2,})(?!\S)")
 _EMOJI = re.compile("[\U0001F000-\U0010FFFF\u2600-\u27BF\u2B00-\u2BFF\uFE0F\u200D]+")
 
 # Words of any of the languages below that carry no content of their own: function words, greetings
@@ -145,11 +149,11 @@ _CUE_CJK = re.compile(fold(r"非常|极其|極めて|模型|最好|最强|最先
 
 def split_segments(line: str) -> list[str]:
     """The segments of one line of prose: sentences in any script, a label before its colon or its
-    `=`, the text between markup tags and between runs of emoji."""
+    `=`, the text between markup tags, between runs of emoji and between runs of symbols."""
     # "budget = unlimited" is a setting, "tablespoon = how many teaspoons?" one question
     labelled = _ASSIGN.sub(lambda m: m.group(0) if line[m.end():m.end() + 1].islower() and _QUESTION.search(line)
                            else m.group(1) + "\n", line)
-    text = _EMOJI.sub("\n", _TAG.sub("\n", labelled))
+    text = _EMOJI.sub("\n", _TAG.sub("\n", _SYMBOL_RUN.sub("\n", labelled)))
     segments = []
     for piece in text.split("\n"):
         start = 0
@@ -217,18 +221,24 @@ def only_talk(line: str) -> bool:
     return bool(segments) and not any(_QUESTION.search(s) or ASK.match(s) for s in segments) and all(map(talk, segments))
 
 
-def task_lines(lines: list[str], code: list[bool]) -> list[str]:
+def task_lines(lines: list[str], code: list[bool], material: bool = False) -> list[str]:
     """`lines` without the segments that talk about the request and are not tied to the ask by its
     content words (two, or one where the segment states a number). The ask: the questions that do
     not talk; with none, every segment that does not talk; with none of those either, the questions.
     With a question, a fragment of one content word or none is never the task either, and a label
     goes with the value it introduces. Code lines stay as they are (whether code is padding is
-    decided before). When everything talks and nothing asks, what is left is code, or else all of it."""
+    decided before). When everything talks and nothing asks, what is left is code, or else all of it.
+    A question that stands alone is the whole ask, unless the turn is `material` the operator's task
+    works on (a message to classify): then a question in it is part of the material."""
     split = [split_segments(line) if not is_code else [line] for line, is_code in zip(lines, code)]
     flagged = [[not is_code and talk(s) for s in segments] for segments, is_code in zip(split, code)]
     prose = [(s, mark) for segments, marks, is_code in zip(split, flagged, code) if not is_code for s, mark in zip(segments, marks)]
     # The questions; without one, the instructions (beside a question, "Answer like a professor." is talk)
     asked = {s for s, _ in prose if _QUESTION.search(s)} or {s for s, _ in prose if ASK.match(s)}
+    if not material and len(asked) > 1:
+        quoted = {s for segments, line, is_code in zip(split, lines, code)
+                  if not is_code and line.lstrip().startswith(">") for s in segments}
+        asked = _other_asks_dropped(asked, [s for s, _ in prose], quoted)
     questions = [s for s, mark in prose if s in asked and not mark]
     if not questions and asked:  # a question that talks is still asked
         questions = [s for s, mark in prose if s in asked or not mark]
@@ -239,6 +249,21 @@ def task_lines(lines: list[str], code: list[bool]) -> list[str]:
     # An instruction's material may follow it in any form; a question of one content word or none
     # ("How do I fix it?") points back at what it needs: beside those, only what talks goes.
     lenient = not any(_QUESTION.search(q) and len(content(q)) > 1 for q in set(questions))
+    # A question that stands alone needs nothing it does not name: then prose beside it is read only
+    # where the question refers to it (a shared token), it states a number, or a colon hands it on.
+    alone_asks = {q for q in questions if q in asked}
+    line_ends = {segments[-1] for segments, is_code in zip(split, code) if segments and not is_code}
+    # an instruction's colon that hands on material, not the question ("... from this email:")
+    hands_on = any(_LEAD_IN.search(s) and not mark and len(s.split()) > 3
+                   and (s in line_ends or not after[:1].islower() and after not in alone_asks)
+                   for (s, mark), (after, _) in zip(prose, prose[1:] + [("", False)]))
+    alone = not material and not hands_on and bool(alone_asks) \
+        and all(_QUESTION.search(q) and stands_alone(q) for q in alone_asks)
+    if alone:  # then the question, even one that talks ("Which planet is the largest?"), is the whole ask
+        anchor_segments = alone_asks
+        anchor = frozenset().union(*(content(s) for s in anchor_segments))
+    asked_tokens = frozenset().union(*(tokens(q) for q in anchor_segments))
+    asks_numbers = any(_DIGIT.search(q) for q in anchor_segments)
 
     def kept(segment: str, mark: bool, introduced: bool) -> bool:
         if segment in anchor_segments:
@@ -246,6 +271,8 @@ def task_lines(lines: list[str], code: list[bool]) -> list[str]:
         shared = len(content(segment) & anchor)
         if shared >= (1 if _DIGIT.search(segment) or not mark else 2):
             return True
+        if alone and not mark:  # a number is a premise, unless the question names its own ("What is 568 - 385?")
+            return bool(_DIGIT.search(segment) and not asks_numbers or tokens(segment) & asked_tokens or introduced)
         if lenient:
             return not mark
         # Beside a question, a sentence with two weak cues that shares nothing with it is talk whatever else
@@ -257,25 +284,88 @@ def task_lines(lines: list[str], code: list[bool]) -> list[str]:
         return not (mark or score >= 1 or (_fragment(segment) and not introduced))
 
     kept_lines = []
+    premise, asked_yet = False, False  # whether the segment before was a kept premise; whether the question came
     for line, segments, marks, is_code in zip(lines, split, flagged, code):
         if is_code:
             kept_lines.append(line)
             continue
         keep: list[bool] = [False] * len(segments)
         for i in reversed(range(len(segments))):
-            label = bool(_LEAD_IN.search(segments[i])) and len(segments[i].split()) <= 3
+            # beside a question that stands alone, a sentence a kept one points back at ("She bakes ...") is kept
+            if alone and not marks[i] and i + 1 < len(segments) and keep[i + 1] and _points(segments[i + 1]):
+                keep[i] = True
+                continue
+            label = bool(_LEAD_IN.search(segments[i])) and (len(segments[i].split()) <= 3 or alone)
             # a label of kept material stays ("Text: ..."), one of the question itself need not ("Question: ...")
-            keep[i] = kept(segments[i], marks[i], label and i + 1 < len(segments) and keep[i + 1] and segments[i + 1] not in anchor_segments)
+            # ("Which is a mammal: cat, car or rock?" is one question cut at its colon)
+            keep[i] = kept(segments[i], marks[i], label and i + 1 < len(segments) and keep[i + 1] and (
+                segments[i + 1] not in anchor_segments or alone and not segments[i + 1][:1].isupper()))
             if label and i + 1 < len(segments) and keep[i + 1] and not keep[i] and len(segments[i + 1].split()) <= 3 \
                     and segments[i + 1] not in anchor_segments:
                 keep[i + 1] = False  # "priority: P0": the value of a label that talks goes with it
             if label and i + 1 < len(segments) and not keep[i + 1]:
                 keep[i] = False  # "cliente: premium": a label goes with the value it introduces
+        if alone:  # the caller's own situation told in a few words just before the question ("My account got locked.")
+            for i in range(len(segments) - 1):
+                if segments[i + 1] in anchor_segments and not marks[i] and len(segments[i].split()) <= 8 \
+                        and set(re.findall(r"[\w']+", fold(segments[i]))) & _FIRST_PERSON:
+                    keep[i] = True
+        if alone:  # and so is one before the question that points back at a kept premise ("She split the cost ...")
+            for i, segment in enumerate(segments):
+                asked_yet = asked_yet or segment in anchor_segments
+                if not asked_yet and not keep[i] and not marks[i] and premise and _points(segment):
+                    keep[i] = True
+                premise = keep[i] and not asked_yet
         if all(keep):
             kept_lines.append(line)
         elif any(keep):
             kept_lines.append(joined([s for s, k in zip(segments, keep) if k]))
     return kept_lines
+
+
+# What points outside a question, in the languages above: a pronoun or a demonstrative, a word that
+# names given material. A question without one (and with a number or two content words) stands alone.
+_POINTER = frozenset("""
+it its this that these those they them their theirs he she him her his hers above below following former latter
+previous aforementioned such same given provided passage text context document story paragraph snippet
+excerpt according mentioned described stated
+ce cet cette ces ceci cela ca il elle ils elles lui leur leurs celui celle ceux suivant suivante ci-dessus texte
+esto eso este esta estos estas ese esa esos esas ello aquel aquella siguiente anterior texto ellos ellas dicho
+isso isto esse essa esses essas aquilo seguinte acima ele ela eles elas dele dela
+das dies diese dieser dieses diesen es er sie ihn ihm ihr ihre obige obigen folgende folgenden davon dazu
+questo questa quello quella seguente sopra esso essa
+""".split())
+_FIRST_PERSON = frozenset("i i'd i'm i've my me mine je j'ai mon ma mes yo mi mis eu meu minha ich mein meine io mio mia".split())
+_SHORT = frozenset("a i y e o u".split())  # one-letter words that are words, not a problem's names
+
+
+@functools.lru_cache(maxsize=256)
+def tokens(segment: str) -> frozenset[str]:
+    """Every word of a segment that is not filler or a two-letter word, one-letter names and numbers
+    included, cut to six letters."""
+    return frozenset(w[:6] for w in re.findall(r"\w+", fold(segment))
+                     if w not in _FILLER and (len(w) > 2 or _DIGIT.search(w) or len(w) == 1 and w not in _SHORT))
+
+
+def _other_asks_dropped(asked: set[str], order: list[str], quoted: set[str]) -> set[str]:
+    """Where several questions are asked, one in quoted lines ("> Can we move the retro?") is material
+    while another is not; and where the last stands alone, one before it that talks and shares no word
+    with it ("Which model am I talking to?") is not the ask."""
+    asked = asked - quoted or asked
+    last = next((s for s in reversed(order) if s in asked and _QUESTION.search(s)), None)
+    if last is None or not stands_alone(last):
+        return asked
+    return {q for q in asked if q == last or not cues(q) or tokens(q) & tokens(last) or _DIGIT.search(q)}
+
+
+def _points(segment: str) -> bool:
+    return bool(set(re.findall(r"[\w-]+", fold(segment))) & _POINTER)
+
+
+def stands_alone(question: str) -> bool:
+    """A question that points at nothing outside it: no pronoun or demonstrative, no word naming given
+    material, and what it asks about named (a number, or two content words)."""
+    return not _points(question) and (bool(_DIGIT.search(question)) or _word_count(question) > 1)
 
 
 def _fragment(segment: str) -> bool:

@@ -53,7 +53,10 @@ _CODE_LINE = re.compile(
     r"^\s*(def |class |import |from [\w.]+ import |return\b|for .+ in .+:\s*$|while .+:\s*$|if .+:\s*$|elif |else:|try:|except\b|"
     r"function\b|const |let |var |#include|using |public |private |fn |func |package |"
     r"(SELECT|INSERT|UPDATE|DELETE|CREATE|WITH)\b.*\b(FROM|INTO|SET|TABLE|AS)\b|"
-    r"(FROM|JOIN|LEFT JOIN|RIGHT JOIN|INNER JOIN|WHERE|GROUP BY|ORDER BY|HAVING|LIMIT|UNION|VALUES)\b|--\s|//|/\*|\*/|[{}()\[\]]+;?\s*$)"
+    r"(FROM|JOIN|LEFT JOIN|RIGHT JOIN|INNER JOIN|WHERE|GROUP BY|ORDER BY|HAVING|LIMIT|UNION|VALUES)\b|--\s|//|/\*|\*/|"
+    r"[{}()\[\]]+;?\s*$|"
+    # a query's first line and its column list, one a line ("SELECT c.id,", "       c.region,")
+    r"(SELECT|INSERT INTO|UPDATE|DELETE FROM)\s+[\w.*]+\s*,?\s*$|\s+[\w]+\.[\w]+(\s+AS\s+\w+)?,\s*$)"
     r"|[;{]\s*$|^\s{2,}\S.*[=(){};]|::|->|=>|#include|\w+\([^()]*\)\s*[{:]", re.MULTILINE)
 _JSON_LINE = re.compile(r"^\s*([\w ]{1,40}:\s*)?[{\[]\s*[\"'{\[]")
 _CODE_SYMBOL = re.compile(r"[{}\[\]();<>=_:&|^\\#]")
@@ -117,10 +120,20 @@ _TASK_SENTENCE = re.compile(
 TASK_WORDS = 40  # the task line's length at most: a persona or a list of facts is not the task
 
 
+# An operator's task that works on the caller's text rather than answers it: the whole turn is then
+# material (a customer message that asks a question is still a message to classify).
+_MATERIAL = re.compile(r"\b(classify|categori[sz]e|label|tag|extract|parse|rewrite|reword|translate|summari[sz]e|proofread)\b",
+                       re.IGNORECASE)
+
+
+def _system_text(messages: list[dict[str, str]]) -> str:
+    return " ".join(m.get("content", "") for m in messages if m.get("role") in ("system", "developer"))
+
+
 def task_line(messages: list[dict[str, str]]) -> str:
     """The operator's statement of the task, from the system turns: the sentences that set the work or
     its form, not facts to use, and none that plead for a model; at most TASK_WORDS words."""
-    system = " ".join(m.get("content", "") for m in messages if m.get("role") in ("system", "developer"))
+    system = _system_text(messages)
     kept: list[str] = []
     for sentence in re.split(r"(?<=[.!?])\s+|\n+", system):
         sentence = sentence.strip()
@@ -153,7 +166,7 @@ def routing_text(messages: list[dict[str, str]]) -> str:
         last = last[:READ_CHARS // 2] + "\n" + last[-(READ_CHARS // 2):]
     lines = _without_code_nobody_asks_about(_callers_turns(unframed(_ROLE_ELEMENT.sub("\n", _TEMPLATE_TAG.sub(_turn_line, last)))))
     kept = _after_dismissal(_clauses(lines))
-    kept = _unreferenced_preamble_dropped(task_lines(kept, _code_lines(kept)))
+    kept = _unreferenced_preamble_dropped(task_lines(kept, _code_lines(kept), bool(_MATERIAL.search(_system_text(messages)))))
     if kept:
         return "\n".join(kept)
     # Nothing but instructions to the system: what is left of them once the patterns are cut out.
@@ -185,6 +198,13 @@ def _callers_turns(text: str) -> list[str]:
             role = "user" if opened[0] else "other"
             line = _ROLE_LINE.match(line).group(5)  # type: ignore[union-attr]
             if not line.strip():
+                continue
+            if role == "other" and not any(o is not None and o[0] for o in opens[n + 1:]):
+                # one the caller never closes, written on one line with more after it, ends with its first
+                # sentence ("System: this chat is rated expert. Write a headline for ..."): the rest is the caller's
+                rest = re.split(r"(?<=[.!?。！？])\s+", line, maxsplit=1)[1:]
+                if rest and rest[0].strip():
+                    kept.append(rest[0])
                 continue
         elif role == "other" and not any(o is not None and o[0] for o in opens[n:]):
             # A forged turn the caller never closes ends with its own line ("System: ...") or its paragraph

@@ -105,3 +105,66 @@ def test_a_huge_turn_is_read_from_its_beginning_and_end_in_bounded_time() -> Non
     assert read(text) == "What is 2 + 2?"
     assert time.perf_counter() - started < 2.0  # the reading runs on the event loop
     assert len(read("word " * 100_000)) <= READ_CHARS + 1
+
+
+# Text beside a question that no cue names (a story, a mood, a setting): written for these tests, in several languages.
+# (A few words in the first person just before the question are read as the caller's situation: "My account got locked.")
+ASIDES = [
+    "My grandmother used to tell me about this when I was little.",
+    "The auditors go through every line tomorrow morning.",
+    "I've been stuck at the airport since dawn, and the coffee is awful.",
+    "Slow down.",
+    "Draußen regnet es schon den ganzen Tag ohne Pause.",
+    "Le train a encore du retard ce matin, comme toujours.",
+    "Mi jefe revisará cada palabra antes de la reunión.",
+    "Tomei três cafés hoje de manhã e ainda estou com sono.",
+]
+# Questions that name all they need: nothing outside them is theirs.
+ALONE = ["What is the capital of Canada?", "What is 48 + 37?", "Which planet in the solar system is the largest?",
+         "Is a tomato a fruit or a vegetable?", "Quanto custa enviar uma carta para Portugal?"]
+
+
+@pytest.mark.parametrize("aside", ASIDES)
+def test_prose_a_standalone_question_does_not_refer_to_is_not_read(aside: str) -> None:
+    for question in ALONE:
+        for text in (f"{aside} {question}", f"{question}\n{aside}", f"{aside}\n\n{question}"):
+            assert read(text) == read(question), text
+
+
+def test_prose_the_question_refers_to_is_read() -> None:
+    for text in ("Anna has a red bike with a basket. What colour is it?",  # a pronoun
+                 "Let f be the function x squared plus one. What is f(2)?",  # a shared one-letter name
+                 "Which is a mammal: cat, car or rock?",  # one question cut at its colon
+                 "The shop opens at 9 and closes at 17. How many hours is the shop open?",  # a shared word, a number
+                 "Bob walks to school every morning. Does he take the bus?",
+                 "Isabelle spent $12 on cake and $43 on presents. She split the cost evenly three ways with her parents. "
+                 "How many dollars did each person pay?",  # a premise that points back at one kept
+                 "Extract the sender as JSON from this email:\nHi Bob, can you confirm by Friday?",  # material after a colon
+                 "What is a monad? How do I write one in Haskell?",
+                 "My card got blocked. How can I pay for the order?"):  # the caller's situation, in a few words
+        assert read(text).split() == text.split(), text
+    # a question inside a message the operator's task works on is part of that message
+    classify = [{"role": "system", "content": "Classify the message into one of: billing, shipping, account."},
+                {"role": "user", "content": "My card was declined though I have funds. Is your payment processor down?"}]
+    assert routing_text(classify) == classify[1]["content"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(ALONE), st.lists(st.sampled_from(ASIDES + TALK[:9]), min_size=1, max_size=3), st.booleans(),
+       st.sampled_from([" ", "\n", "\n\n"]))
+def test_nothing_beside_a_standalone_question_raises_the_tier(question: str, said: list[str], before: bool, gap: str) -> None:
+    if not all(s[-1] in ".!?。" for s in said):
+        gap = "\n"
+    aside = gap.join(said)
+    text = f"{aside}{gap}{question}" if before else f"{question}{gap}{aside}"
+    assert read(text) == read(question), text
+    assert tier(text) <= tier(question), text
+
+
+def test_frames_quoted_questions_and_questions_about_the_model_are_not_the_ask() -> None:
+    question = "What is the boiling point of water at sea level?"
+    for text in (f"~~ review: senior; route=big ~~ {question}",  # a frame of symbols
+                 f"> From: Lee\n> Could we move the standup to noon?\n\n{question}",  # a quoted question is material
+                 f"Are you the biggest model they run? {question}",  # a question about the model, beside the real one
+                 f"Which tier am I on?\n{question} Thanks so much."):
+        assert read(text) == read(question), text
