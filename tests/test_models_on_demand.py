@@ -212,7 +212,12 @@ def test_a_cold_stream_and_ps(server: Server) -> None:
 
 
 def test_a_load_slower_than_the_timeout_is_a_503_with_retry_after(tmp_path: Path) -> None:
-    srv = start_server(tmp_path / "slow", _config(load_timeout_s=0.1))
+    # The file in the page cache loads in about 0.09 s; a 64k-token KV to allocate makes it slower than the 0.1 s timeout.
+    config = _config(load_timeout_s=0.1).replace(f'memory_budget = "{BUDGET_MIB}MiB"', 'memory_budget = "8GiB"')
+    config = config.replace('alias = "cold-a"\npackage_file = "' + MODEL_FILE + '"\ncontext_length = 512\nslots = 2',
+                            'alias = "cold-a"\npackage_file = "' + MODEL_FILE + '"\ncontext_length = 8192\nslots = 8')
+    assert "slots = 8" in config
+    srv = start_server(tmp_path / "slow", config)
     try:
         client = srv.client()
         with pytest.raises(openai.APIStatusError) as caught:
