@@ -3,11 +3,12 @@
 A template comes from a model file a user may have downloaded, or from an admin: it renders in a
 sandbox with a bound on its time and on what it makes (appliance/template_sandbox.py), and it is
 tried on sample conversations when it is loaded, so one that goes past the bound is refused then.
-Serving renders it off the event loop (`render_threads`)."""
+Serving renders it off the event loop (`render_threads`), on threads the registry shuts down."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,7 @@ from appliance.tool_calls import strings
 if TYPE_CHECKING:
     from engines.vocabulary import Vocabulary
 
-__all__ = ["CHATML", "ChatTemplate", "TemplateBoundError", "TemplateError", "render_threads", "template_of"]
+__all__ = ["CHATML", "ChatTemplate", "TemplateBoundError", "TemplateError", "close_render_threads", "render_threads", "template_of"]
 
 # Used when a model ships no template of its own.
 CHATML = (
@@ -42,7 +43,27 @@ CHATML = (
 )
 
 # Renders run here, off the event loop; a few at once, so a template at its time bound holds only these.
-render_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="chat-template")
+# Made on first use and closed with the registry that serves the templates (a later app makes new ones).
+_render_pool: ThreadPoolExecutor | None = None
+_render_lock = threading.Lock()
+
+
+def render_threads() -> ThreadPoolExecutor:
+    """The threads templates render on."""
+    global _render_pool
+    with _render_lock:
+        if _render_pool is None:
+            _render_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="chat-template")
+        return _render_pool
+
+
+def close_render_threads() -> None:
+    """Waits for the renders under way (each ends within its time bound) and ends the threads."""
+    global _render_pool
+    with _render_lock:
+        pool, _render_pool = _render_pool, None
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 MAX_TOJSON_INDENT = 16
 

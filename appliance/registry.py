@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.chat_prompt import render_prompt, vocabulary_prompt, vocabulary_tokens
-from appliance.chat_template import ChatTemplate, TemplateError, render_threads, template_of
+from appliance.chat_template import ChatTemplate, TemplateError, close_render_threads, render_threads, template_of
 from appliance.model_files import package_file, resolve, sha256
 from appliance.fleet_change import FleetChange, adapter_swap
 from appliance.model_manager import ModelManager, total_ram
@@ -46,7 +46,7 @@ class LoadedModel:
         if self.template is None:
             raise TemplateError(f"the model '{self.settings.alias}' has no chat template")
         text, spans = await asyncio.get_running_loop().run_in_executor(
-            render_threads, functools.partial(render_prompt, self.template, messages, self.engine.control_tokens(), tools))
+            render_threads(), functools.partial(render_prompt, self.template, messages, self.engine.control_tokens(), tools))
         return text, tuple(vocabulary_tokens(self.engine, text, spans))
 
     def prefix_scope(self, tenant: str | None) -> str:
@@ -492,5 +492,6 @@ class Registry:
         for task in list(self._preloads):
             task.cancel()
         self.manager.close()  # the engines loaded on demand, and those retired
+        close_render_threads()  # no request renders a prompt any more
         for model in self._models.values():
             model.engine.close()  # those loaded at start; an on-demand model's vocabulary

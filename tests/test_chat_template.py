@@ -34,3 +34,18 @@ def test_broken_template_is_reported_at_load():
 def test_special_tokens_are_available():
     t = ChatTemplate("{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}", {"bos_token": "<s>", "eos_token": "</s>"})
     assert t.render([{"role": "user", "content": "x"}], add_generation_prompt=False) == "<s>x</s>"
+
+
+def test_render_threads_end_when_closed():
+    # The registry closes them at shutdown; a later app (tests make many in one process) gets new ones.
+    import threading
+
+    from appliance.chat_template import close_render_threads, render_threads
+
+    template = ChatTemplate(CHATML, {})
+    assert "Hello." in render_threads().submit(template.render, [{"role": "user", "content": "Hello."}]).result()
+    assert any(t.name.startswith("chat-template") for t in threading.enumerate())
+    close_render_threads()
+    assert not any(t.name.startswith("chat-template") for t in threading.enumerate())
+    assert render_threads().submit(lambda: 1).result() == 1
+    close_render_threads()
