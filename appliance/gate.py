@@ -20,13 +20,13 @@ from typing import Any
 import apsw
 
 from appliance.api.errors import APIError
-from appliance.metrics import Metrics
-from appliance.settings import Settings
+from appliance.server.metrics import Metrics
+from appliance.config.settings import Settings
 from appliance.store.worker import StoreWorker
 from policy.budgets import Price, Refuse, Reserve, ReservationPolicy, seconds_until_reset, usd
 from policy.identity import AuthFailure, KeyRecord, Principal, bearer_token, check_key, fingerprint, secret_hash
-from policy.keystore import FailureTally, KeyStore
-from policy.ledger import Ledger, Payer, Settlement
+from appliance.store.keys import FailureTally, KeyStore
+from appliance.store.ledger import Ledger, Payer, Settlement
 from policy.limits import RateLimiter
 
 log = logging.getLogger("appliance.gate")

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.base import (
+from engines.interface import (
     SHUTDOWN_RETRY_AFTER_S,
     SHUTTING_DOWN,
     AdapterInfo,
@@ -176,7 +176,7 @@ class LocalEngine:
         raise NotImplementedError
 
     # Called on the event loop, or for a request with a grammar on a worker thread (compiling one
-    # takes up to a tenth of a second within appliance/schema_bounds.py's limits):
+    # takes up to a tenth of a second within appliance/prompt/schema_bounds.py's limits):
 
     def _make_sampler(self, request: GenerationRequest) -> Any:
         """The library's sampler chain for a request, or None (a grammar that does not parse raises here)."""

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from engines.base import ContextLengthExceeded, EngineError
+from engines.interface import ContextLengthExceeded, EngineError
 
 POOLINGS = ("mean", "cls", "last")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    # The deepest a converted schema within appliance/schema_bounds.py's limits goes is about 1,000
+    # The deepest a converted schema within appliance/prompt/schema_bounds.py's limits goes is about 1,000
     # (a maxLength of 1,000), and llama.cpp refuses a deeper chain of optional items on its own.
     depth: int = 1_100
     # A grammar's compile time and memory grow with its text; 128 KiB compiles in a few milliseconds.

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engines.base import TokenLogprob, TopLogprob
+from engines.interface import TokenLogprob, TopLogprob
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

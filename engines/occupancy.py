@@ -8,7 +8,7 @@ import asyncio
 import threading
 import time
 
-from engines.base import EngineClosed, EngineOverloaded
+from engines.interface import EngineClosed, EngineOverloaded
 
 
 class Occupancy:

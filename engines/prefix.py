@@ -2,7 +2,7 @@
 
 A holder is anything that can hand a new request the KV of a prefix: a slot's sequence in the
 KV cache, or a sequence saved in host RAM. Every holder is inserted under a key (the request's
-adapter set and prefix scope, engines.base.PrefixKey), so a request never reuses KV computed under
+adapter set and prefix scope, engines.interface.PrefixKey), so a request never reuses KV computed under
 another key: not another adapter's, and not another scope's (another tenant's prompt, whose reuse
 would show in the caller's cached-token count and its time to first token). Pure bookkeeping: the
 engine does the copying. `HostCache` is the host-RAM tier every local engine shares.
@@ -16,7 +16,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from engines.base import PrefixStats
+from engines.interface import PrefixStats
 
 Holder = Hashable
 State = TypeVar("State")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from engines.base import SamplingParams
+from engines.interface import SamplingParams
 
 
 def adjust_logits(logits: np.ndarray, sampling: SamplingParams, counts: Mapping[int, int]) -> np.ndarray:

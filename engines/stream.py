@@ -6,7 +6,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from engines.base import EngineEvent, FinishEvent, TokenEvent
+from engines.interface import EngineEvent, FinishEvent, TokenEvent
 
 
 class EventStream:

@@ -3,7 +3,7 @@
 One implementation per engine family (engines/llamacpp/vocabulary.py over a runtime Model,
 engines/mlx/vocabulary.py over the transformers tokenizer, engines/onnx/vocabulary.py over a
 `tokenizers` tokenizer). An engine answers the Engine protocol's vocabulary calls from its own
-(`SpeaksVocabulary`), and a model loaded on demand (appliance/on_demand.py) from one loaded alone.
+(`SpeaksVocabulary`), and a model loaded on demand (appliance/fleet/on_demand.py) from one loaded alone.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Money is integer nano-dollars end to end so that sums are exact; prices are integer pico-dollars
 per token (a price per million tokens with up to six decimals converts without rounding).
-The SQLite ledger (policy/ledger.py) reads levels in one transaction and asks `plan_reservation`.
+The SQLite ledger (appliance/store/ledger.py) reads levels in one transaction and asks `plan_reservation`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Distillation's collect step as decisions: which kept answers become training examples, and on
-which side of the split. Pure: rows in, examples and counts out (the IO is appliance/distill_export.py).
+which side of the split. Pure: rows in, examples and counts out (the IO is appliance/distill/export.py).
 
 An example must be verified (feedback said good, a validator passed it, or the route's frontier
 tier produced it and nobody rejected it), of a tenant that opted in, free of personal data, the

@@ -1,6 +1,6 @@
 """How much memory a llama.cpp model takes, and how many of its layers a GPU can hold.
 
-Pure arithmetic over a model's shape (read from its GGUF file elsewhere, appliance/model_memory.py),
+Pure arithmetic over a model's shape (read from its GGUF file elsewhere, appliance/fleet/memory.py),
 checked against what llama.cpp allocates (tests/test_memory_plan.py, docs/gpu.md):
 
 - weights: every tensor's bytes as stored; a layer's are its `blk.N.*` tensors; with extra

@@ -121,7 +121,7 @@ def start_server(workdir: Path, config: str) -> Server:
     log = workdir / "server.log"
     env = {**os.environ, "APPLIANCE_HOME": str(home)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli", "serve", "--config", str(cfg), "--port", str(port)],
+        [sys.executable, "-m", "appliance.cli.main", "serve", "--config", str(cfg), "--port", str(port)],
         cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"

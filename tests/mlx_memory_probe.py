@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402, F401  (the libraries' own pages are not the model's)
 import mlx_lm  # noqa: E402, F401
 
-from appliance.model_memory import mlx_estimate  # noqa: E402
-from engines.base import GenerationRequest, SamplingParams  # noqa: E402
+from appliance.fleet.memory import mlx_estimate  # noqa: E402
+from engines.interface import GenerationRequest, SamplingParams  # noqa: E402
 from engines.mlx.engine import MlxConfig, MlxEngine  # noqa: E402
 from engines.mlx.vocabulary import MlxVocabulary  # noqa: E402
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance.model_files import package_file
-from appliance.settings import load_settings
+from appliance.fleet.files import package_file
+from appliance.config.settings import load_settings
 from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
 from tests.test_lora import write_lora
 

@@ -153,8 +153,8 @@ def test_full_queue_is_503_with_retry_after(tiny_server: Server) -> None:
 def kquant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The bundled model requantized to Q4_K_M by the suite: its K-quant tensors take llama.cpp's tiled
     matmul from 8 rows up and a vector kernel below, which round differently."""
-    from appliance.model_admin import quantize
-    from appliance.model_files import package_file
+    from appliance.fleet.admin import quantize
+    from appliance.fleet.files import package_file
 
     work = tmp_path_factory.mktemp("kquant")
     source = package_file(MODEL_FILE)

@@ -12,7 +12,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from appliance.store.db import connect, migrate
 from policy.budgets import Account, Price, Refuse, Reserve, ReservationPolicy, Windows, plan_reservation, seconds_until_reset
-from policy.ledger import Ledger, LedgerError, Payer
+from appliance.store.ledger import Ledger, LedgerError, Payer
 
 prices = st.builds(Price, st.integers(0, 10**7), st.integers(0, 10**7))
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policy.cache import (
+from policy.answer_cache import (
     AskJudge,
     Cacheable,
     CachePolicy,
@@ -23,7 +23,7 @@ from policy.cache import (
     normalise,
     threshold_for,
 )
-from policy.cache_guards import NO_LEXICON, Comparison, Lexicon, compare, lexicon_from_vocab, spelled
+from policy.answer_guards import NO_LEXICON, Comparison, Lexicon, compare, lexicon_from_vocab, spelled
 
 VOCAB = Path(__file__).resolve().parent.parent / "appliance" / "data" / "all-minilm-l6-v2" / "vocab.txt"
 LEXICON = lexicon_from_vocab(VOCAB.read_text(encoding="utf-8").splitlines())
@@ -234,7 +234,7 @@ def test_the_labelled_set_at_the_default_threshold() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import cache_quality
 
-    from appliance.settings import CacheSettings
+    from appliance.config.settings import CacheSettings
 
     pairs = cache_quality.load_pairs()
     assert len(pairs) >= 400 and sum(p.hit for p in pairs) >= 200

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.chat_template import CHATML, ChatTemplate, TemplateError
+from appliance.prompt.template import CHATML, ChatTemplate, TemplateError
 
 
 def test_chatml_renders_with_generation_prompt():
@@ -40,7 +40,7 @@ def test_render_threads_end_when_closed():
     # The registry closes them at shutdown; a later app (tests make many in one process) gets new ones.
     import threading
 
-    from appliance.chat_template import close_render_threads, render_threads
+    from appliance.prompt.template import close_render_threads, render_threads
 
     template = ChatTemplate(CHATML, {})
     assert "Hello." in render_threads().submit(template.render, [{"role": "user", "content": "Hello."}]).result()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from appliance.api.choices import choice_request, total_finish
-from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
+from engines.interface import FinishEvent, GenerationRequest, SamplingParams, Usage
 
 
 def test_choice_i_is_the_request_with_its_own_id_and_seed_plus_i() -> None:

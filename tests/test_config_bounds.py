@@ -9,10 +9,10 @@ from typing import Any, get_args, get_origin
 import msgspec
 import pytest
 
-from appliance.config_schema import _metas, keys_of, strip
-from appliance.config_values import KeepAlive, MemoryBudget
-from appliance.config_writer import update_table
-from appliance.settings import SECTIONS, ConfigError, parse_settings
+from appliance.config.schema import _metas, keys_of, strip
+from appliance.config.values import KeepAlive, MemoryBudget
+from appliance.config.writer import update_table
+from appliance.config.settings import SECTIONS, ConfigError, parse_settings
 from tests.conftest import MODEL_FILE
 
 MODEL = f'[[models]]\nalias = "m"\npackage_file = "{MODEL_FILE}"\n'
@@ -110,8 +110,8 @@ def test_a_memory_budget_past_a_petabyte_is_refused(value: str) -> None:
 
 
 def test_a_key_sent_to_a_new_server_is_a_new_destination(tmp_path: Path) -> None:
-    from appliance.fleet_change import new_key_destinations
-    from appliance.settings import load_settings
+    from appliance.fleet.change import new_key_destinations
+    from appliance.config.settings import load_settings
 
     def settings(base_url: str, env: str | None) -> Any:
         key = f'api_key_env = "{env}"\n' if env else ""

@@ -1,4 +1,4 @@
-"""Each setting is declared once (appliance/settings.py); the reader, the writer and the reference
+"""Each setting is declared once (appliance/config/settings.py); the reader, the writer and the reference
 (docs/config.md) all follow that declaration, and every error names the file and the dotted key."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from appliance.config_doc import render
-from appliance.config_schema import Where, decode, keys_of, strip, table_keys, to_toml
-from appliance.config_values import KeepAlive, MemoryBudget
-from appliance.config_writer import append_table
-from appliance.settings import SECTIONS, ConfigError, LocalModel, Settings, UpstreamModel, load_settings, parse_settings
+from appliance.config.doc import render
+from appliance.config.schema import Where, decode, keys_of, strip, table_keys, to_toml
+from appliance.config.values import KeepAlive, MemoryBudget
+from appliance.config.writer import append_table
+from appliance.config.settings import SECTIONS, ConfigError, LocalModel, Settings, UpstreamModel, load_settings, parse_settings
 from tests.conftest import MODEL_FILE, ROOT
 
 MODEL = f'[[models]]\nalias = "m"\npackage_file = "{MODEL_FILE}"\n'
@@ -31,7 +31,7 @@ def _error(text: str) -> ConfigError:
 
 def test_the_reference_is_generated_from_the_declarations() -> None:
     assert (ROOT / "docs" / "config.md").read_text() == render(), "run: appliance config docs > docs/config.md"
-    cli = subprocess.run([sys.executable, "-m", "appliance.cli", "config", "docs"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    cli = subprocess.run([sys.executable, "-m", "appliance.cli.main", "config", "docs"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          check=False)
     assert cli.returncode == 0 and cli.stdout == render()
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from appliance.model_admin import ModelAdminError, alias_for, register
-from appliance.settings import _MODEL_KEYS, ConfigError, load_settings, parse_settings
+from appliance.fleet.admin import ModelAdminError, alias_for, register
+from appliance.config.settings import _MODEL_KEYS, ConfigError, load_settings, parse_settings
 from tests.conftest import MODEL_FILE, ROOT
 
 # Each tries to close the string and add keys after it.
@@ -136,7 +136,7 @@ def test_a_derived_alias_is_one_the_reader_accepts(name: str, alias: str) -> Non
 
 def test_the_cli_refuses_an_unsafe_alias_before_doing_anything(config: Path) -> None:
     before = config.read_text()
-    run = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "add", "/no/such.gguf", "--alias", f"copy{INJECTED}",
+    run = subprocess.run([sys.executable, "-m", "appliance.cli.main", "models", "add", "/no/such.gguf", "--alias", f"copy{INJECTED}",
                           "--config", str(config)], cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "alias 'copy" in run.stderr and "expected letters" in run.stderr and "no such file" not in run.stderr
@@ -144,7 +144,7 @@ def test_the_cli_refuses_an_unsafe_alias_before_doing_anything(config: Path) -> 
 
 
 def test_update_and_remove_keep_comments_and_refuse_what_would_not_parse(config: Path) -> None:
-    from appliance.config_writer import remove_table, update_table
+    from appliance.config.writer import remove_table, update_table
 
     register(config, "copy", Path("/models/copy.gguf"), SHA, like="small")
     update_table(config, "models", "small", {"slots": 4, "keep_alive": "10m", "tier": None})
@@ -168,7 +168,7 @@ def test_update_and_remove_keep_comments_and_refuse_what_would_not_parse(config:
 
 
 def test_fleet_change_names_what_changed_and_what_waits_for_a_restart() -> None:
-    from appliance.fleet_change import fleet_change, running_settings
+    from appliance.fleet.change import fleet_change, running_settings
 
     def parsed(extra: str = "", port: int = 8099, slots: int = 2) -> Any:
         return parse_settings(CONFIG.replace("port = 8099", f"port = {port}").replace("slots = 2", f"slots = {slots}") + extra)
@@ -187,7 +187,7 @@ def test_fleet_change_names_what_changed_and_what_waits_for_a_restart() -> None:
 
 
 def test_a_change_of_adapters_alone_is_a_swap_in_the_running_model() -> None:
-    from appliance.fleet_change import adapter_swap, fleet_change
+    from appliance.fleet.change import adapter_swap, fleet_change
 
     def parsed(adapters: str = "", slots: int = 2) -> Any:
         return parse_settings(CONFIG.replace("slots = 2", f"slots = {slots}").replace(
@@ -208,7 +208,7 @@ def test_a_change_of_adapters_alone_is_a_swap_in_the_running_model() -> None:
 
 
 def test_the_caches_embedder_model_changes_only_at_a_restart() -> None:
-    from appliance.fleet_change import fleet_change, running_settings
+    from appliance.fleet.change import fleet_change, running_settings
 
     def parsed(slots: int) -> Any:
         return parse_settings(CONFIG + f'\n[[models]]\nalias = "emb"\npath = "/m/e.gguf"\nkind = "embedding"\nslots = {slots}\n'

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.model_files import package_file
-from engines.base import EngineClosed, EngineOverloaded, FinishEvent, GenerationRequest, PrefixStats, SamplingParams, TokenEvent
+from appliance.fleet.files import package_file
+from engines.interface import EngineClosed, EngineOverloaded, FinishEvent, GenerationRequest, PrefixStats, SamplingParams, TokenEvent
 from engines.llamacpp.engine import LlamaCppConfig, LlamaCppEngine
 from engines.logprobs import log_softmax, token_logprob, top_tokens
 from engines.occupancy import Occupancy

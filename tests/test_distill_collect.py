@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from appliance.store import kept_answers
 from appliance.store.db import connect, migrate
-from policy.cache_store import CacheStore
-from policy.cache import Bucket
+from appliance.store.answer_entries import CacheStore
+from policy.answer_cache import Bucket
 from policy.distill import Kept, Wanted, is_held_out, personal_data, prompt_key, select, verdict
 
 TIERS = ("small", "big")

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from appliance.cli import build_parser
+from appliance.cli.main import build_parser
 from policy.programs import PROMPT, program_of, straight_line
 from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
 from tests.test_gate_api import cli, new_key

@@ -25,15 +25,15 @@ import httpx
 import numpy as np
 import pytest
 
-from appliance.chat_prompt import vocabulary_prompt
-from appliance.chat_template import template_of
-from appliance.cli import build_parser
-from appliance.config_writer import append_nested, update_table
-from appliance.jobs import JobCancelled, JobRunner
-from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf, write_mlx
-from appliance.model_files import package_file
-from appliance.settings import ConfigError, load_settings
-from appliance.distill_export import HELD_OUT, TRAIN
+from appliance.prompt.chat import vocabulary_prompt
+from appliance.prompt.template import template_of
+from appliance.cli.main import build_parser
+from appliance.config.writer import append_nested, update_table
+from appliance.server.jobs import JobCancelled, JobRunner
+from appliance.fleet.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf, write_mlx
+from appliance.fleet.files import package_file
+from appliance.config.settings import ConfigError, load_settings
+from appliance.distill.export import HELD_OUT, TRAIN
 from appliance.train.data import IGNORED, DataError, Example, Message, encode, parse_examples, read_examples
 from appliance.train.plan import Options, OptionError, Refused, resume_or_start, total_steps, wait_until
 from policy.distill import Score, agrees, promoted_tiers, promotion
@@ -480,7 +480,7 @@ def test_train_request_errors_name_the_parameter(served: Server) -> None:
 
 def test_nothing_the_server_imports_pulls_in_the_trainer() -> None:
     """Serving stays light: the training stack is imported by the worker process alone."""
-    code = ("import sys, appliance.app, appliance.cli, appliance.api.distill_routes, appliance.train.job; "
+    code = ("import sys, appliance.server.app, appliance.cli.main, appliance.api.distill_routes, appliance.train.job; "
             "print(sorted(m for m in ('torch', 'peft', 'transformers', 'accelerate', 'gguf') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent)
     assert out.stdout.strip() == "[]"

@@ -17,8 +17,8 @@ from gguf import PoolingType
 
 from appliance.api.embeddings import MAX_INPUTS, inputs_of
 from appliance.api.errors import APIError
-from appliance.settings import ConfigError, parse_settings
-from engines.base import ContextLengthExceeded, EngineError
+from appliance.config.settings import ConfigError, parse_settings
+from engines.interface import ContextLengthExceeded, EngineError
 from engines.embedding import check_lengths, finish, pack, pool, resolve_pooling
 from tests.conftest import MODEL_FILE, Server, start_server, stop_server
 from tests.minilm_gguf import reference_vectors, shipped_files, write_minilm_gguf

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import eval_file, evaluate
+from appliance.evaluation import eval_file, runner as evaluate
 from appliance.store.db import connect, migrate
 from tests.conftest import config_text
 
@@ -85,7 +85,7 @@ def test_the_commands_name_what_is_wrong(tmp_path: Path) -> None:
     config.write_text(config_text())
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "appliance.cli", "eval", *args, "--config", str(config)], cwd=ROOT,
+        return subprocess.run([sys.executable, "-m", "appliance.cli.main", "eval", *args, "--config", str(config)], cwd=ROOT,
                               env={**os.environ, "APPLIANCE_HOME": str(tmp_path / "home")}, capture_output=True, text=True, timeout=120)
 
     missing = cli("export", "--run", "7", "--out", str(tmp_path / "x.jsonl"))

@@ -1,4 +1,4 @@
-"""The memory estimates of MLX folders and ONNX files (appliance/model_memory.py): the arithmetic
+"""The memory estimates of MLX folders and ONNX files (appliance/fleet/memory.py): the arithmetic
 without IO, then the MLX estimate against the resident memory the engine gains on the bundled
 model converted to MLX (tests/mlx_memory_probe.py, in its own process)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.model_memory import (
+from appliance.fleet.memory import (
     MLX_KV_STEP,
     MLX_VOCAB_BYTES_PER_TOKEN,
     ONNX_WIDENING,
@@ -88,7 +88,7 @@ def test_mlx_estimate_against_resident_memory(tmp_path: Path) -> None:
     prefill runs at about 8 tokens a second here, so docs/performance.md lists the fuller runs):
     the process's peak resident memory gained lies within a fifth of the estimate."""
     pytest.importorskip("mlx_lm", reason="the installer installs mlx[cpu] and mlx-lm on Linux")
-    from appliance.model_files import package_file
+    from appliance.fleet.files import package_file
     from engines.mlx.convert import gguf_to_mlx
 
     folder = tmp_path / "smol"

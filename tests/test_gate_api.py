@@ -52,7 +52,7 @@ def gate_config(lease_s: float = 300.0) -> str:
 def cli(server: Server, *args: str) -> str:
     env = {**os.environ, "APPLIANCE_HOME": str(server.home)}
     result = subprocess.run(
-        [sys.executable, "-m", "appliance.cli", *args, "--config", str(server.home.parent / "models.toml")],
+        [sys.executable, "-m", "appliance.cli.main", *args, "--config", str(server.home.parent / "models.toml")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr

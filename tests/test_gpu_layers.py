@@ -12,9 +12,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from appliance.model_files import package_file
-from appliance.model_memory import gpu_layers_for, gpu_plan, model_estimate
-from appliance.settings import ConfigError, parse_settings
+from appliance.fleet.files import package_file
+from appliance.fleet.memory import gpu_layers_for, gpu_plan, model_estimate
+from appliance.config.settings import ConfigError, parse_settings
 from engines.llamacpp.devices import Device, backends, ggml_devices, gpu_devices, parse_nvidia_smi, supports_offload
 from tests.conftest import ROOT, config_text
 
@@ -74,7 +74,7 @@ def test_plan_for_the_bundled_model() -> None:
 
 
 def test_engine_built_with_the_plan() -> None:
-    from appliance.registry import build_engine
+    from appliance.fleet.registry import build_engine
 
     settings = parse_settings(config_text(embeddings=False, slots=2, context_length=512))
     model = settings.models[0]
@@ -92,7 +92,7 @@ def test_engine_built_with_the_plan() -> None:
 def test_doctor_reports_devices_and_memory(tmp_path: Path) -> None:
     cfg = tmp_path / "models.toml"
     cfg.write_text(config_text(model_extra="gpu_layers = 0"))
-    done = subprocess.run([sys.executable, "-m", "appliance.cli", "doctor", "--config", str(cfg)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "appliance.cli.main", "doctor", "--config", str(cfg)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     out = done.stdout
     assert "llama.cpp backends" in out and "CPU" in out, out

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from appliance.model_files import package_file
+from appliance.fleet.files import package_file
 from tests.conftest import CHAT_MODEL, MODEL_FILE, ROOT, Server, start_server, stop_server
 from tests.test_gate_api import admin_call, new_key
 from tests.test_hostile import assert_refused, call, chat, hostile_config
@@ -136,7 +136,7 @@ def test_a_number_past_its_bound_is_refused_by_config_check_and_at_start(fleet: 
     config.write_text(config_of(fleet["server"]).read_text().replace("batch_tokens = 512", f"batch_tokens = {2**31}"))
     assert f"batch_tokens = {2**31}" in config.read_text()
     for args in (["config", "check", str(config)], ["serve", "--config", str(config), "--port", "0"]):
-        done = subprocess.run([sys.executable, "-m", "appliance.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        done = subprocess.run([sys.executable, "-m", "appliance.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "APPLIANCE_HOME": str(tmp_path / "home")})
         assert done.returncode == 2, (args, done.returncode, done.stderr[-500:])
         lines = done.stderr.strip().splitlines()
@@ -148,7 +148,7 @@ def test_a_template_past_its_bound_in_the_file_is_refused_by_config_check_and_at
     config.write_text(config_of(fleet["server"]).read_text().replace(
         "batch_tokens = 512", 'batch_tokens = 512\nchat_template = "{{ 7**(4000000*(messages|length)) }}"'))
     for args in (["config", "check", str(config)], ["serve", "--config", str(config), "--port", "0"]):
-        done = subprocess.run([sys.executable, "-m", "appliance.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        done = subprocess.run([sys.executable, "-m", "appliance.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "APPLIANCE_HOME": str(tmp_path / "home")})
         assert done.returncode == 1, (args, done.returncode, done.stderr[-500:])
         lines = [line for line in done.stderr.strip().splitlines() if "chat_template" in line]

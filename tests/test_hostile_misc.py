@@ -16,7 +16,7 @@ import apsw
 import httpx
 import pytest
 
-from policy.keystore import OTHER_CLIENTS, FailureTally, KeyStore, count_failures, create_tables
+from appliance.store.keys import OTHER_CLIENTS, FailureTally, KeyStore, count_failures, create_tables
 from policy.programs import PROMPT as PROGRAM_PROMPT
 from tests.conftest import CHAT_MODEL, EMBED_MODEL, Server, config_text, start_server, stop_server
 from tests.test_gate_api import admin_call, new_key

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from appliance.registry import LoadedModel
-from appliance.settings import LocalModel
+from appliance.fleet.registry import LoadedModel
+from appliance.config.settings import LocalModel
 from tests.conftest import CHAT_MODEL, MODEL_FILE, config_text, start_server, stop_server
 from tests.test_gate_api import new_key
 from tests.test_hostile import call

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from appliance.schema_bounds import SCHEMA_LIMITS, TOOLS_LIMITS, pattern_problem, schema_grammar, schema_problem
+from appliance.prompt.schema_bounds import SCHEMA_LIMITS, TOOLS_LIMITS, pattern_problem, schema_grammar, schema_problem
 from engines.grammar_bounds import GRAMMAR_LIMITS, grammar_depth, grammar_problem
 from tests.conftest import CHAT_MODEL, Server, start_server, stop_server
 from tests.test_gate_api import new_key

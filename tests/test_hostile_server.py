@@ -19,7 +19,7 @@ import h11
 import httpx
 import pytest
 
-from appliance.http_protocol import Clock, ConnectionLimits, next_clock
+from appliance.server.http_protocol import Clock, ConnectionLimits, next_clock
 from policy.identity import KeyRecord, leaves_no_admin
 from tests.conftest import CHAT_MODEL, ROOT, Server, start_server, stop_server
 from tests.test_gate_api import admin_call, new_key
@@ -200,7 +200,7 @@ def test_the_last_active_admin_key_is_refused_by_the_api_and_the_cli_may_revoke_
     assert admin_call(server, second, "DELETE", f"/admin/keys/{member_id}").status_code == 200  # other keys go as before
 
     # On the machine, the CLI revokes it, and says what that leaves.
-    done = subprocess.run([sys.executable, "-m", "appliance.cli", "keys", "revoke", second_id, "--config", str(server.home.parent / "models.toml")],
+    done = subprocess.run([sys.executable, "-m", "appliance.cli.main", "keys", "revoke", second_id, "--config", str(server.home.parent / "models.toml")],
                           cwd=ROOT, env={**os.environ, "APPLIANCE_HOME": str(server.home)}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "last active admin key" in done.stderr

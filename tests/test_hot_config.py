@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from appliance.model_files import package_file
-from appliance.settings import load_settings
+from appliance.fleet.files import package_file
+from appliance.config.settings import load_settings
 from tests.conftest import MODEL_FILE, ROOT, Server, start_server, stop_server
 
 COMMENT = "# the operator's note: keep me"
@@ -87,7 +87,7 @@ def row(server: Server, alias: str) -> dict[str, Any]:
 
 
 def cli(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "appliance.cli", *args, "--config", str(config_file(server)), "--url", server.base_url],
+    return subprocess.run([sys.executable, "-m", "appliance.cli.main", *args, "--config", str(config_file(server)), "--url", server.base_url],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance.settings import ConfigError, parse_settings
+from appliance.config.settings import ConfigError, parse_settings
 from tests.conftest import CHAT_MODEL, config_text, start_server, stop_server
 
 
@@ -66,8 +66,8 @@ def test_kv_tokens_is_checked_against_the_layout(tmp_path: Path) -> None:
 
 
 def test_the_memory_estimate_counts_the_shared_pool() -> None:
-    from appliance.model_files import package_file
-    from appliance.model_memory import estimate
+    from appliance.fleet.files import package_file
+    from appliance.fleet.memory import estimate
     from tests.conftest import MODEL_FILE
 
     path = package_file(MODEL_FILE)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance.model_files import package_file
-from appliance.settings import ConfigError, parse_settings
-from engines.base import GenerationRequest, SamplingParams, TokenEvent
+from appliance.fleet.files import package_file
+from appliance.config.settings import ConfigError, parse_settings
+from engines.interface import GenerationRequest, SamplingParams, TokenEvent
 from engines.llamacpp.engine import LlamaCppConfig, LlamaCppEngine
 from tests.conftest import MODEL_FILE, config_text
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from engines.base import SamplingParams
+from engines.interface import SamplingParams
 from engines.sampling import LogitAdjuster, adjust_logits
 
 VOCAB = 32

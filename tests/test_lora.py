@@ -1,5 +1,5 @@
 """LoRA adapters on the bundled model, over real HTTP. The adapters are real GGUF LoRA files the
-test writes with appliance/lora_files.py (random low-rank updates to every layer's Q and V)."""
+test writes with appliance/fleet/lora_files.py (random low-rank updates to every layer's Q and V)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 import openai
 import pytest
 
-from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf
-from appliance.settings import ConfigError, parse_settings
+from appliance.fleet.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf
+from appliance.config.settings import ConfigError, parse_settings
 from engines.llama_layout import rope_unpermute
 from tests.conftest import CHAT_MODEL, INVARIANT, Server, config_text, start_server, stop_server
 
@@ -149,7 +149,7 @@ def test_adapters_load_and_unload_at_runtime(server: Server, adapters: dict[str,
 def test_an_adapter_registered_in_the_file_is_served_without_loading_the_base_again(server: Server, adapters: dict[str, Path]) -> None:
     """What `appliance distill train` does when it finishes: models.toml gains an adapter under the
     student and the server is asked to apply it; the running base takes the adapter in place."""
-    from appliance.config_writer import append_nested
+    from appliance.config.writer import append_nested
 
     admin = httpx.Client(base_url=server.base_url, timeout=120)
     config = server.home.parent / "models.toml"
@@ -175,7 +175,7 @@ def test_an_adapter_registered_in_the_file_is_served_without_loading_the_base_ag
 
 
 def test_an_adapter_file_the_engine_cannot_read_leaves_the_running_model_as_it_was(server: Server) -> None:
-    from appliance.config_writer import append_nested
+    from appliance.config.writer import append_nested
 
     admin = httpx.Client(base_url=server.base_url, timeout=120)
     config = server.home.parent / "models.toml"

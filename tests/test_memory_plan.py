@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.model_files import package_file
-from appliance.model_memory import REPACKED_TYPES, ModelShapeError, estimate, read_shape, shape_from_gguf
+from appliance.fleet.files import package_file
+from appliance.fleet.memory import REPACKED_TYPES, ModelShapeError, estimate, read_shape, shape_from_gguf
 from engines.llamacpp.gguf_header import GgufHeader
 from policy.memory_plan import (
     DEFAULT_DEVICE_RESERVE,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.settings import ConfigError, parse_settings
+from appliance.config.settings import ConfigError, parse_settings
 from tests.conftest import CHAT_MODEL, Server, config_text, start_server, stop_server
 from tests.test_gate_api import new_key
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.model_files import package_file
+from appliance.fleet.files import package_file
 from tests.conftest import MODEL_FILE, ROOT
 
 mlx_lm = pytest.importorskip("mlx_lm", reason="the installer installs mlx[cpu] and mlx-lm on Linux")
@@ -29,7 +29,7 @@ SAMPLES = [
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mlx") / "smollm2-mlx"
-    run = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "convert", str(package_file(MODEL_FILE)), "--to", "mlx",
+    run = subprocess.run([sys.executable, "-m", "appliance.cli.main", "models", "convert", str(package_file(MODEL_FILE)), "--to", "mlx",
                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "4-bit, group 32" in run.stdout and "8-bit, group 32" in run.stdout  # Q4_1 layers and the Q8_0 embedding stay packed
@@ -122,10 +122,10 @@ def test_both_engines_compute_the_same_logits_and_mostly_the_same_greedy_text(co
 def test_what_cannot_convert_says_so(tmp_path: Path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUF" + b"\0" * 100)
-    run = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "convert", str(junk), "--to", "mlx", "--out", str(tmp_path / "o")],
+    run = subprocess.run([sys.executable, "-m", "appliance.cli.main", "models", "convert", str(junk), "--to", "mlx", "--out", str(tmp_path / "o")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "not a GGUF model file" in run.stderr and "\n" not in run.stderr.strip()
-    run = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "convert", str(tmp_path / "missing.gguf"), "--to", "mlx"],
+    run = subprocess.run([sys.executable, "-m", "appliance.cli.main", "models", "convert", str(tmp_path / "missing.gguf"), "--to", "mlx"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "MLX cannot read this GGUF" in run.stderr
 
@@ -139,7 +139,7 @@ def test_quantize_for_mlx_with_bits_and_group_size(tmp_path: Path) -> None:
     shutil.copy(package_file(MODEL_FILE), gguf)
     config = tmp_path / "models.toml"
     config.write_text('[[models]]\nalias = "small"\npath = "small.gguf"\nslots = 2\ntier = "small"\n')
-    run = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "quantize", "small", "--engine", "mlx", "--bits", "8",
+    run = subprocess.run([sys.executable, "-m", "appliance.cli.main", "models", "quantize", "small", "--engine", "mlx", "--bits", "8",
                           "--group-size", "64", "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     folder = tmp_path / "small-mlx-8bit-g64"
@@ -147,13 +147,13 @@ def test_quantize_for_mlx_with_bits_and_group_size(tmp_path: Path) -> None:
     quantization = json.loads((folder / "config.json").read_text())["quantization"]
     assert (quantization["bits"], quantization["group_size"]) == (8, 64)
     assert json.loads((folder / "appliance-source.json").read_text())["gguf"] == str(gguf)  # grammars use its vocabulary
-    from appliance.settings import load_settings
+    from appliance.config.settings import load_settings
 
     registered = load_settings(config).model("small-mlx-8bit")
     assert registered is not None and registered.engine == "mlx" and registered.path == folder and registered.tier == "small"
     model, tokenizer = mlx_lm.load(str(folder))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False)
     assert "Paris" in mlx_lm.generate(model, tokenizer, prompt, max_tokens=12, verbose=False)
-    again = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "quantize", "small", "--engine", "mlx", "--bits", "7",
+    again = subprocess.run([sys.executable, "-m", "appliance.cli.main", "models", "quantize", "small", "--engine", "mlx", "--bits", "7",
                             "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "invalid choice: 7" in again.stderr

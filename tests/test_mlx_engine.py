@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_mlx
+from appliance.fleet.lora_files import BaseShape, LoraAdapter, LoraPair, write_mlx
 from tests.conftest import CHAT_MODEL, MODEL_FILE, Server, config_text, start_server, stop_server
 
 pytest.importorskip("mlx_lm", reason="the installer installs mlx[cpu] and mlx-lm on Linux")
@@ -20,7 +20,7 @@ pytest.importorskip("mlx_lm", reason="the installer installs mlx[cpu] and mlx-lm
 
 def write_mlx_adapter(folder: Path, seed: int, modules: tuple[str, ...] = ("q_proj", "v_proj"), rank: int = 8) -> Path:
     """A real mlx-lm LoRA adapter (random low-rank pairs) for the bundled model's attention."""
-    from appliance.model_files import package_file
+    from appliance.fleet.files import package_file
     from engines.llamacpp.runtime import Model
 
     meta = Model(package_file(MODEL_FILE), vocab_only=True)
@@ -207,8 +207,8 @@ def test_a_draft_that_cannot_pay_is_measured_and_not_used(tmp_path: Path) -> Non
     """Without a fixed draft length the engine measures what verifying and drafting cost and
     drafts only where that pays. The model as its own draft never pays: a draft token costs a
     target step. So the request decodes in the batch, and nothing is drafted."""
-    from appliance.model_files import package_file
-    from engines.base import GenerationRequest, SamplingParams, TokenEvent
+    from appliance.fleet.files import package_file
+    from engines.interface import GenerationRequest, SamplingParams, TokenEvent
     from engines.mlx.convert import gguf_to_mlx
     from engines.mlx.engine import MlxConfig, MlxEngine
 
@@ -231,7 +231,7 @@ def test_a_draft_that_cannot_pay_is_measured_and_not_used(tmp_path: Path) -> Non
 def test_logit_bias_penalties_and_n_as_on_llamacpp(mlx_server: Server) -> None:
     """engines/sampling.py's adjustments over MLX's log-probabilities, on both of its samplers (its
     own argmax for greedy, llama.cpp's chain for a seeded draw), and n choices on seed + i."""
-    from appliance.model_files import package_file
+    from appliance.fleet.files import package_file
     from engines.llamacpp.runtime import Model
 
     vocab = Model(package_file(MODEL_FILE), vocab_only=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.model_files import package_file
-from appliance.settings import load_settings
+from appliance.fleet.files import package_file
+from appliance.config.settings import load_settings
 from appliance.train import job as training
 from appliance.train.mlx_trainer import lora_keys, prompt_length
 from appliance.train.plan import Options, trainer_for

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.model_files import ModelFileError, package_file, resolve, sha256
-from appliance.settings import parse_settings
+from appliance.fleet.files import ModelFileError, package_file, resolve, sha256
+from appliance.config.settings import parse_settings
 from tests.conftest import MODEL_FILE, ROOT
 from tests.fake_hub import FakeHub
 
@@ -37,7 +37,7 @@ def test_pull_downloads_through_huggingface_hub_and_verifies(tmp_path: Path, dat
         resolve(settings.models[0], data_dir)
     with FakeHub({"acme/tiny-GGUF/tiny.gguf": small}) as hub:
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
-        run = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "pull", "--config", str(cfg)],
+        run = subprocess.run([sys.executable, "-m", "appliance.cli.main", "models", "pull", "--config", str(cfg)],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr
         assert any(method == "GET" for method, _ in hub.requests)
@@ -53,7 +53,7 @@ def test_pull_rejects_a_wrong_checksum(tmp_path: Path):
     cfg.write_text(f'[[models]]\nalias = "tiny"\nhf_repo = "acme/tiny-GGUF"\nhf_file = "tiny.gguf"\nsha256 = "{"0" * 64}"\n')
     with FakeHub({"acme/tiny-GGUF/tiny.gguf": small}) as hub:
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"}
-        run = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "pull", "--config", str(cfg)],
+        run = subprocess.run([sys.executable, "-m", "appliance.cli.main", "models", "pull", "--config", str(cfg)],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "sha256" in run.stderr and "does not match" in run.stderr
@@ -64,14 +64,14 @@ def test_pull_of_a_missing_file_fails_clearly(tmp_path: Path):
     cfg.write_text('[[models]]\nalias = "tiny"\nhf_repo = "acme/none"\nhf_file = "x.gguf"\n')
     with FakeHub({}) as hub:
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"}
-        run = subprocess.run([sys.executable, "-m", "appliance.cli", "models", "pull", "--config", str(cfg)],
+        run = subprocess.run([sys.executable, "-m", "appliance.cli.main", "models", "pull", "--config", str(cfg)],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "could not download x.gguf from acme/none" in run.stderr
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "appliance.cli", *args], cwd=ROOT, env=env or dict(os.environ),
+    return subprocess.run([sys.executable, "-m", "appliance.cli.main", *args], cwd=ROOT, env=env or dict(os.environ),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -182,7 +182,7 @@ def test_quantize_writes_beside_the_source_and_registers_a_working_model(tmp_pat
     settings = parse_settings(cfg.read_text(), str(cfg))
     model = settings.model("small-q8")
     assert model is not None and model.path == out and model.sha256 == sha256(out)
-    from appliance.model_admin import file_type
+    from appliance.fleet.admin import file_type
 
     assert file_type(out) == "Q8_0"
     # it loads and generates

@@ -201,7 +201,7 @@ def test_a_cold_stream_and_ps(server: Server) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model="cold-a", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0.0, stream=True) if c.choices)
     assert text
-    out = subprocess.run([sys.executable, "-m", "appliance.cli", "ps", "--url", server.base_url], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "appliance.cli.main", "ps", "--url", server.base_url], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = {line.split("\t")[0]: line.split("\t") for line in out.stdout.splitlines()}

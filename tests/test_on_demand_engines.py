@@ -27,7 +27,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "require
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from appliance.model_files import package_file
+    from appliance.fleet.files import package_file
     from engines.mlx.convert import SOURCE_FILE, gguf_to_mlx
 
     work = tmp_path_factory.mktemp("on-demand-engines")

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance.settings import ConfigError, parse_settings
+from appliance.config.settings import ConfigError, parse_settings
 from tests.conftest import CHAT_MODEL, INVARIANT, Server, config_text, start_server, stop_server
 
 SYSTEM = "You are the help desk of a bicycle shop. Answer briefly and politely, and never invent prices. " * 30

@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from engines.base import GenerationRequest, PrefixKey, PrefixStats
+from engines.interface import GenerationRequest, PrefixKey, PrefixStats
 from engines.prefix import HostCache, PrefixIndex
 from engines.scheduler import common_prefix
 

@@ -136,7 +136,7 @@ def test_chat_parameter_names_read_as_the_responses_fields() -> None:
 def _wire(saved: list) -> Any:
     from appliance.api.responses_render import Echo, ResponsesWire
     from appliance.api.translate import Prepared
-    from engines.base import GenerationRequest
+    from engines.interface import GenerationRequest
 
     echo = Echo.of(request(instructions="Be brief."), 0.0, 1.0)
     return ResponsesWire(Prepared(GenerationRequest("resp_1", (1, 2), 8), "p"), "m", 100, echo,
@@ -154,7 +154,7 @@ def _events(frames: list[bytes]) -> list[dict]:
 
 
 def test_the_wire_streams_numbered_events_and_stores_the_finished_response() -> None:
-    from engines.base import FinishEvent, Usage
+    from engines.interface import FinishEvent, Usage
 
     saved: list = []
     wire = _wire(saved)
@@ -170,7 +170,7 @@ def test_the_wire_streams_numbered_events_and_stores_the_finished_response() -> 
 
 
 def test_an_error_mid_stream_ends_with_error_and_failed_events_and_is_not_stored() -> None:
-    from engines.base import FinishEvent, Usage
+    from engines.interface import FinishEvent, Usage
 
     saved: list = []
     wire = _wire(saved)
@@ -187,8 +187,8 @@ def test_an_error_mid_stream_ends_with_error_and_failed_events_and_is_not_stored
 
 
 def test_the_wire_streams_calls_as_function_call_items_in_their_order() -> None:
-    from appliance.tool_calls import ToolCall
-    from engines.base import FinishEvent, Usage
+    from appliance.prompt.tool_calls import ToolCall
+    from engines.interface import FinishEvent, Usage
 
     saved: list = []
     wire = _wire(saved)
@@ -221,7 +221,7 @@ def test_a_tool_parameter_reads_as_the_flat_responses_tool() -> None:
 def test_penalties_reach_the_chat_request_and_are_echoed() -> None:
     from appliance.api.responses_render import Echo, ResponsesWire
     from appliance.api.translate import Prepared
-    from engines.base import GenerationRequest
+    from engines.interface import GenerationRequest
 
     body = request(frequency_penalty=0.5, presence_penalty=-0.25)
     chat, _ = to_chat(body, [])

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance import calibration_file
-from appliance.settings import ConfigError, parse_settings
+from appliance.evaluation import calibration_file
+from appliance.config.settings import ConfigError, parse_settings
 from policy.router import (
     KINDS,
     BucketChoice,
@@ -230,7 +230,7 @@ def test_a_family_tier_must_name_a_model_of_its_route_or_its_adapter(tmp_path: P
 
 
 def test_a_command_naming_no_route_says_which_file_has_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from appliance.cli_support import route_named
+    from appliance.cli.support import route_named
 
     models = "".join(f'[[models]]\nalias = "{a}"\npath = "m.gguf"\n\n' for a in TIERS)
     settings = parse_settings(models + '[[routes]]\nalias = "auto"\ntiers = ["small", "big"]\n', str(tmp_path / "models.toml"), tmp_path)
@@ -334,7 +334,7 @@ GREETINGS = ["Hello!", "Good morning to you.", "Hi there, how are you?", "Thanks
 
 
 def learned_calibration() -> Calibration:
-    from appliance.semantic_cache import bundled_minilm
+    from appliance.answer_cache import bundled_minilm
 
     texts = CAPITALS + GREETINGS
     embedder = bundled_minilm()

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance import calibration_file
-from appliance.offline_routing import (
+from appliance.evaluation import calibration_file
+from appliance.evaluation.offline_routing import (
     FeatureValue,
     Row,
     feature_values,
@@ -279,7 +279,7 @@ def test_a_higher_threshold_never_picks_a_cheaper_tier(rows: list[tuple[int, tup
 
 @pytest.fixture(scope="module")
 def minilm() -> Iterator[object]:
-    from appliance.semantic_cache import bundled_minilm
+    from appliance.answer_cache import bundled_minilm
 
     embedder = bundled_minilm()
     yield embedder
@@ -435,7 +435,7 @@ def test_without_calibration_the_heuristics_stay_above_random_routing_on_measure
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from mixed_set import EASY
 
-    from appliance.evaluate import SYSTEM, gsm8k
+    from appliance.evaluation.runner import SYSTEM, gsm8k
 
     measured = calibration_file.read(Path(__file__).resolve().parent.parent / "bench" / "fleet-calibration.toml")
 

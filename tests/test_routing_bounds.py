@@ -14,7 +14,7 @@ from routing_bounds import cut, oracle, per_family, pinned, with_programs  # noq
 
 sys.path[:] = [*_PATH, str(Path(__file__).resolve().parent.parent / "bench")]  # the script puts bench/ first: not for the suite
 
-from appliance.offline_routing import Row, point  # noqa: E402
+from appliance.evaluation.offline_routing import Row, point  # noqa: E402
 from policy.router import Features  # noqa: E402
 from policy.router_knn import train  # noqa: E402
 

@@ -31,7 +31,7 @@ def client(srv: Server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def vocab() -> Iterator[object]:
-    from appliance.model_files import package_file
+    from appliance.fleet.files import package_file
     from engines.llamacpp.runtime import Model
 
     model = Model(package_file(MODEL_FILE), vocab_only=True)

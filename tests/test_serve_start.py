@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance.server import open_beyond_loopback, serve
-from appliance.settings import parse_settings
+from appliance.server.run import open_beyond_loopback, serve
+from appliance.config.settings import parse_settings
 from policy.identity import SECRET_PREFIX
 from tests import conftest
 from tests.conftest import MODEL_FILE, ROOT, config_text, start_server, stop_server
@@ -66,7 +66,7 @@ def test_serve_warns_at_start_and_still_refuses_a_port_a_server_listens_on(tmp_p
 
 
 def _keys_create(config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "appliance.cli", "keys", "create", "--tenant", "t", "--app", "a", "--user", "u",
+    return subprocess.run([sys.executable, "-m", "appliance.cli.main", "keys", "create", "--tenant", "t", "--app", "a", "--user", "u",
                            "--role", "r", "--config", str(config)], cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=120)
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.model_files import package_file
+from appliance.fleet.files import package_file
 from engines.speculation import Acceptance, NgramLookup, StepCost, draft_length, expected_tokens
 from tests.conftest import CHAT_MODEL, INVARIANT, MODEL_FILE, Server, config_text, start_server, stop_server
 from tests.gguf_files import rewrite_gguf

@@ -65,7 +65,7 @@ def test_request_log_writer_persists_everything_on_close(tmp_path: Path):
 
 
 def test_a_failed_eval_request_is_not_a_wrong_answer():
-    from appliance.evaluate import Answer, observations, store
+    from appliance.evaluation.runner import Answer, observations, store
 
     db = connect(":memory:")
     migrate(db)
@@ -79,7 +79,7 @@ def test_a_failed_eval_request_is_not_a_wrong_answer():
 
 
 def test_the_route_is_placed_against_the_random_routing_line():
-    from appliance.evaluate import compare
+    from appliance.evaluation.runner import compare
 
     def summary(route_accuracy: float, route_cost: float) -> dict:
         return {"small": {"accuracy": 0.25, "cost_usd": 0.0002}, "big": {"accuracy": 0.75, "cost_usd": 0.0022},

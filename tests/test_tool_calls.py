@@ -8,7 +8,7 @@ import json
 import pytest
 from llama_cpp import LlamaGrammar
 
-from appliance.tool_calls import (
+from appliance.prompt.tool_calls import (
     StreamParser,
     Tool,
     ToolCall,
@@ -175,8 +175,8 @@ def test_a_bare_json_call_counts_in_the_hermes_form_too() -> None:
 
 
 def test_tools_reach_a_template_that_renders_them_and_control_text_in_them_is_refused() -> None:
-    from appliance.chat_prompt import chat_prompt
-    from appliance.chat_template import ChatTemplate, TemplateError
+    from appliance.prompt.chat import chat_prompt
+    from appliance.prompt.template import ChatTemplate, TemplateError
 
     template = ChatTemplate("{% for t in tools %}{{ t | tojson }}{% endfor %}"
                             "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}", {})

@@ -14,7 +14,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
-from appliance.tracing import attribute_name, request_attributes
+from appliance.server.tracing import attribute_name, request_attributes
 from tests.conftest import CHAT_MODEL, config_text, free_port, start_server, stop_server
 
 SERVER = 2  # OTLP's SPAN_KIND_SERVER: a request's span
@@ -160,9 +160,9 @@ def test_the_request_attributes_are_what_the_caller_sent() -> None:
 @pytest.mark.parametrize("join", [True, False])
 def test_a_callers_trace_is_joined_only_where_callers_are_one_tenant(tmp_path: Path, join: bool) -> None:
     """Open mode joins the caller's trace; with keys the server's trace is its own, linked to the caller's span."""
-    from appliance.settings import TracingSettings
+    from appliance.config.settings import TracingSettings
     from appliance.store.db import connect, migrate
-    from appliance.tracing import Tracing
+    from appliance.server.tracing import Tracing
 
     migrate(connect(tmp_path / "t.db"))
     tracing = Tracing(TracingSettings(), tmp_path / "t.db", join_callers=join)

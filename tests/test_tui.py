@@ -212,7 +212,7 @@ def test_the_tui_in_tmux_as_a_person_would(served: Server) -> None:
     from tests.conftest import ROOT
 
     session = f"appliance-tui-{os.getpid()}"
-    command = f"cd {ROOT} && {sys.executable} -m appliance.cli tui --url {served.base_url}"
+    command = f"cd {ROOT} && {sys.executable} -m appliance.cli.main tui --url {served.base_url}"
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", command], check=True)
 
     def screen() -> str:
@@ -242,8 +242,8 @@ def test_the_tui_in_tmux_as_a_person_would(served: Server) -> None:
 
 
 async def test_models_screen_loads_and_unloads_adapters_and_quantizes(served: Server) -> None:
-    from appliance.model_files import package_file
-    from appliance.settings import load_settings
+    from appliance.fleet.files import package_file
+    from appliance.config.settings import load_settings
     from tests.conftest import MODEL_FILE
     from tests.test_lora import write_lora
 
@@ -307,8 +307,8 @@ def test_train_prompt_words() -> None:
 async def test_models_screen_pulls_a_model_from_the_hub(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`p` asks the server to download a GGUF through huggingface-hub (a local hub here) and
     register it; the job's progress bar ends at 100% and models.toml names the file."""
-    from appliance.model_files import package_file
-    from appliance.settings import load_settings
+    from appliance.fleet.files import package_file
+    from appliance.config.settings import load_settings
     from tests.conftest import MODEL_FILE
     from tests.fake_hub import FakeHub
 
@@ -339,7 +339,7 @@ async def test_models_screen_pulls_a_model_from_the_hub(tmp_path, monkeypatch) -
 def _on_demand_config() -> str:
     """One model loaded on its first request and unloaded 10 minutes after its last, and the
     bundled model's folder, from which the operator may add model files."""
-    from appliance.model_files import package_file
+    from appliance.fleet.files import package_file
     from tests.conftest import MODEL_FILE
 
     return f"""
@@ -374,11 +374,11 @@ async def test_models_screen_loads_unloads_adds_and_removes_models(tmp_path) -> 
     """`l` and `o` load and unload the selected model and its row says so; `n` adds a model file
     on the server, which answers at once; `x` removes one once its alias is typed, and the API
     stops serving it. No restart anywhere: each change is checked through the API."""
-    from appliance.model_files import package_file
+    from appliance.fleet.files import package_file
     from tests.conftest import MODEL_FILE
 
-    from appliance.model_memory import model_estimate
-    from appliance.settings import parse_settings
+    from appliance.fleet.memory import model_estimate
+    from appliance.config.settings import parse_settings
 
     settings = parse_settings(_on_demand_config(), "m.toml", tmp_path)
     mib = f"{model_estimate(settings.model('lazy'), package_file(MODEL_FILE)).total / 2**20:.0f}"  # what the row shows

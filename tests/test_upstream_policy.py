@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.settings import ConfigError, parse_settings
-from engines.base import GenerationRequest, SamplingParams
+from appliance.config.settings import ConfigError, parse_settings
+from engines.interface import GenerationRequest, SamplingParams
 from engines.upstream import policy
 from engines.upstream.policy import Breaker, BreakerPolicy, Candidate, RetryPolicy
 from engines.upstream.wire import ChunkError, error_message, estimate_tokens, parse_chunk, request_body

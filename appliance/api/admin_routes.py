@@ -12,11 +12,11 @@ from litestar import Request, delete, get, post, put
 
 from appliance.api.errors import APIError, invalid
 from appliance.api.common import authenticate, decode_body
-from appliance.services import Services
+from appliance.server.services import Services
 from policy.budgets import GLOBAL_NAME, LEVELS, PERIODS, nanos_from_usd, usd
 from policy.identity import KeyRecord
-from policy.keystore import KeyStore, LastAdminKey
-from policy.ledger import Ledger, LedgerError
+from appliance.store.keys import KeyStore, LastAdminKey
+from appliance.store.ledger import Ledger, LedgerError
 
 
 class BudgetBody(msgspec.Struct, forbid_unknown_fields=True):

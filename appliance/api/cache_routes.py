@@ -10,7 +10,7 @@ from litestar import Request, get, post
 
 from appliance.api.common import authenticate, decode_body
 from appliance.api.errors import APIError, invalid
-from appliance.services import Services
+from appliance.server.services import Services
 from appliance.store import kept_answers
 from policy.budgets import usd
 

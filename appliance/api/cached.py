@@ -17,12 +17,12 @@ from appliance.api.call import WireFor, known_answer
 from appliance.api.schemas import ChatCompletionRequest
 from appliance.api.tool_request import has_tools
 from appliance.api.translate import Prepared, chat_messages
-from appliance.registry import LoadedModel
-from appliance.semantic_cache import Lookup, model_version
-from appliance.services import Services, price_of
-from appliance.settings import RouteSettings, split_tier
-from engines.base import FinishEvent, Usage
-from policy.cache import Cacheable, NotCacheable, classify
+from appliance.fleet.registry import LoadedModel
+from appliance.answer_cache import Lookup, model_version
+from appliance.server.services import Services, price_of
+from appliance.config.settings import RouteSettings, split_tier
+from engines.interface import FinishEvent, Usage
+from policy.answer_cache import Cacheable, NotCacheable, classify
 from policy.identity import Principal
 from policy.programs import wants_program
 

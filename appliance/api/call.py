@@ -25,12 +25,12 @@ from appliance.api.choices import ChoiceStreams, Collected, choice_request, tota
 from appliance.api.errors import APIError, invalid
 from appliance.api.translate import Prepared
 from appliance.gate import Admission
-from appliance.model_manager import ModelUnavailable
-from appliance.registry import LoadedModel
-from appliance.services import Services, price_of
-from appliance.tool_calls import StreamParser, ToolCall, ToolPlan
-from appliance.tracing import RequestTrace, annotate
-from engines.base import (
+from appliance.fleet.manager import ModelUnavailable
+from appliance.fleet.registry import LoadedModel
+from appliance.server.services import Services, price_of
+from appliance.prompt.tool_calls import StreamParser, ToolCall, ToolPlan
+from appliance.server.tracing import RequestTrace, annotate
+from engines.interface import (
     ContextLengthExceeded,
     EngineClosed,
     EngineError,
@@ -248,7 +248,7 @@ async def respond(request: Request[Any, Any, Any], services: Services, principal
         # The budget could not cover the asked max_tokens; the response says what it allowed.
         headers["x-budget-max-tokens"] = str(call.admission.max_tokens)
     wire = wire_for(call.prepared, model.settings.alias, created)
-    # The cache keeps one answer to a question: n > 1 bypasses it (policy/cache.py), so only one choice is remembered.
+    # The cache keeps one answer to a question: n > 1 bypasses it (policy/answer_cache.py), so only one choice is remembered.
     remember = remember_for(call.prepared) if remember_for is not None and call.prepared.choices == 1 else None
     if stream:
         # A grammar compiles off the loop after `generate` returns: one llama.cpp refuses is an HTTP error too.

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
-from engines.base import EngineEvent, FinishEvent, GenerationRequest, TokenEvent, TokenLogprob, Usage
+from engines.interface import EngineEvent, FinishEvent, GenerationRequest, TokenEvent, TokenLogprob, Usage
 from engines.stream import EventStream
 
 _INT64 = 2**64

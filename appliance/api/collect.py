@@ -12,9 +12,9 @@ from appliance.api.call import Remember
 from appliance.api.schemas import ChatCompletionRequest
 from appliance.api.tool_request import has_tools
 from appliance.api.translate import Prepared, chat_messages
-from appliance.services import Services
+from appliance.server.services import Services
 from appliance.store import kept_answers
-from engines.base import FinishEvent
+from engines.interface import FinishEvent
 from policy.identity import Principal
 from policy.router import validate
 

@@ -9,7 +9,7 @@ from litestar import Request
 
 from appliance.api.errors import from_validation, invalid
 from appliance.api.headers import remember_principal
-from appliance.services import Services
+from appliance.server.services import Services
 from policy.identity import Principal
 
 T = TypeVar("T")

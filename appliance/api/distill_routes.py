@@ -17,11 +17,11 @@ from appliance.api.admin_routes import _admin, server_path
 from appliance.api.common import decode_body
 from appliance.api.errors import APIError, invalid
 from appliance.api.fleet_routes import apply_from_thread, config_file
-from appliance.distill_export import TRAIN
-from appliance.jobs import Job, JobBusy, JobCancelled
-from appliance.model_admin import alias_for
-from appliance.services import Services
-from appliance.settings import LocalModel
+from appliance.distill.export import TRAIN
+from appliance.server.jobs import Job, JobBusy, JobCancelled
+from appliance.fleet.admin import alias_for
+from appliance.server.services import Services
+from appliance.config.settings import LocalModel
 from appliance.train.plan import OptionError, Options, wait_until
 
 

@@ -18,11 +18,11 @@ from appliance.api.flow import annotate_principal, resolve_model
 from appliance.api.headers import new_request_id, request_id_of
 from appliance.api.schemas import EmbeddingRequest
 from appliance.api.translate import check_token_ids
-from appliance.registry import LoadedModel
-from appliance.services import Services, price_of
-from appliance.settings import ModelSettings
-from appliance.tracing import RequestTrace
-from engines.base import EngineError
+from appliance.fleet.registry import LoadedModel
+from appliance.server.services import Services, price_of
+from appliance.config.settings import ModelSettings
+from appliance.server.tracing import RequestTrace
+from engines.interface import EngineError
 from engines.embedding import finish
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request

@@ -11,7 +11,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from engines.base import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN
+from engines.interface import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN
 
 log = logging.getLogger("appliance.api")
 

@@ -1,6 +1,6 @@
 """The admin API that changes the fleet while the server runs: add, edit and remove models in
-models.toml (through appliance.config_writer, which keeps the operator's comments), apply a file
-edited by hand, and load or unload a model now. Each change is applied by appliance/reconfigure.py;
+models.toml (through appliance.config.writer, which keeps the operator's comments), apply a file
+edited by hand, and load or unload a model now. Each change is applied by appliance/fleet/reconfigure.py;
 one the fleet cannot take leaves the file and the fleet as they were and answers 400."""
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from litestar import Request, delete, patch, post
 from appliance.api.admin_routes import _admin, confined, path_not_allowed, server_path
 from appliance.api.common import decode_body
 from appliance.api.errors import APIError, invalid
-from appliance.chat_template import TemplateError
-from appliance.config_schema import keys_of, strip
-from appliance.config_writer import remove_table, update_table
-from appliance.fleet_change import FleetChange
-from appliance.model_admin import ModelAdminError, alias_for, check_alias, register
-from appliance.model_files import hub_file_problem, package_file_unimported, sha256
-from appliance.model_manager import ModelUnavailable
-from appliance.reconfigure import apply_config
-from appliance.services import Services
-from appliance.settings import ConfigError, LocalModel, names_template_file
+from appliance.prompt.template import TemplateError
+from appliance.config.schema import keys_of, strip
+from appliance.config.writer import remove_table, update_table
+from appliance.fleet.change import FleetChange
+from appliance.fleet.admin import ModelAdminError, alias_for, check_alias, register
+from appliance.fleet.files import hub_file_problem, package_file_unimported, sha256
+from appliance.fleet.manager import ModelUnavailable
+from appliance.fleet.reconfigure import apply_config
+from appliance.server.services import Services
+from appliance.config.settings import ConfigError, LocalModel, names_template_file
 
 log = logging.getLogger("appliance.api")
 

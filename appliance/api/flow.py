@@ -17,10 +17,10 @@ from appliance.api.errors import APIError, invalid
 from appliance.api.routed import routed_chat
 from appliance.api.schemas import ChatCompletionRequest
 from appliance.api.translate import Prepared, chat_messages, check_metadata, prepare_chat, unsupported_chat, with_adapters
-from appliance.judge import yes_probability
-from appliance.registry import LoadedModel
-from appliance.services import Services, price_of
-from appliance.tracing import RequestTrace, annotate
+from appliance.evaluation.judge import yes_probability
+from appliance.fleet.registry import LoadedModel
+from appliance.server.services import Services, price_of
+from appliance.server.tracing import RequestTrace, annotate
 from policy.guardrails import check_input
 from policy.identity import Principal
 from policy.pipeline import Refusal, RequestFacts, decide

@@ -16,13 +16,13 @@ from appliance.api.admin_routes import _admin, confined, server_path
 from appliance.api.common import decode_body
 from appliance.api.errors import APIError, invalid
 from appliance.api.fleet_routes import apply_from_thread
-from appliance.jobs import Job, JobBusy
-from appliance.model_admin import QUANT_TYPES, alias_for, estimated_size, file_type, quantize, quantized_name, register
-from appliance.model_files import ModelFileError, download, hub_file_problem, resolve, sha256
-from appliance.registry import LoadedModel
-from appliance.services import Services
-from appliance.settings import NAME, NAME_RULE
-from engines.base import AdapterInUse, EngineError, UnknownAdapter
+from appliance.server.jobs import Job, JobBusy
+from appliance.fleet.admin import QUANT_TYPES, alias_for, estimated_size, file_type, quantize, quantized_name, register
+from appliance.fleet.files import ModelFileError, download, hub_file_problem, resolve, sha256
+from appliance.fleet.registry import LoadedModel
+from appliance.server.services import Services
+from appliance.config.settings import NAME, NAME_RULE
+from engines.interface import AdapterInUse, EngineError, UnknownAdapter
 
 
 class QuantizeBody(msgspec.Struct, forbid_unknown_fields=True):

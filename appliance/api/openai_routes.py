@@ -15,8 +15,8 @@ from appliance.api.flow import annotate_principal, guard, model_with_adapters, s
 from appliance.api.routed import route_meta
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.api.translate import prepare_completion, with_adapters
-from appliance.services import Services
-from appliance.tracing import RequestTrace
+from appliance.server.services import Services
+from appliance.server.tracing import RequestTrace
 
 
 @get("/v1/models")

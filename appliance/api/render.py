@@ -12,9 +12,9 @@ import numpy as np
 from appliance.api.choices import Collected
 from appliance.api.errors import APIError
 from appliance.api.translate import Prepared
-from appliance.registry import LoadedModel
-from appliance.tool_calls import ToolCall, argument_pieces, parse
-from engines.base import FinishEvent, TokenLogprob
+from appliance.fleet.registry import LoadedModel
+from appliance.prompt.tool_calls import ToolCall, argument_pieces, parse
+from engines.interface import FinishEvent, TokenLogprob
 
 FINGERPRINT = "appliance-0.1"
 _encoder = msgspec.json.Encoder()

@@ -24,8 +24,8 @@ from appliance.api.responses_translate import (
 )
 from appliance.api.schemas import ResponsesRequest
 from appliance.api.translate import Prepared
-from appliance.tool_calls import ToolCall, argument_pieces, parse
-from engines.base import FinishEvent, TokenLogprob
+from appliance.prompt.tool_calls import ToolCall, argument_pieces, parse
+from engines.interface import FinishEvent, TokenLogprob
 
 _encoder = msgspec.json.Encoder()
 

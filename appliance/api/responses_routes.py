@@ -19,9 +19,9 @@ from appliance.api.responses_render import Echo, ResponsesWire, Save
 from appliance.api.responses_translate import Message, renamed, to_chat
 from appliance.api.schemas import ResponsesRequest
 from appliance.api.translate import Prepared
-from appliance.services import Services
+from appliance.server.services import Services
 from appliance.store import responses as store
-from appliance.tracing import RequestTrace
+from appliance.server.tracing import RequestTrace
 
 log = logging.getLogger("appliance.api")
 

@@ -26,14 +26,14 @@ from appliance.api.collect import keeper
 from appliance.api.errors import APIError
 from appliance.api.schemas import ChatCompletionRequest, ChatMessage
 from appliance.api.translate import Prepared, chat_messages, prepare_chat, with_adapters
-from appliance.embedders import Embedder
-from appliance.registry import LoadedModel
-from appliance.services import Services, price_of
-from appliance.settings import RouteSettings, split_tier
-from appliance.tool_calls import answer_problem
-from appliance.tracing import RequestTrace, annotate
-from engines.base import FinishEvent, GenerationRequest, SamplingParams, Usage
-from policy.cache_guards import spelled
+from appliance.fleet.embedders import Embedder
+from appliance.fleet.registry import LoadedModel
+from appliance.server.services import Services, price_of
+from appliance.config.settings import RouteSettings, split_tier
+from appliance.prompt.tool_calls import answer_problem
+from appliance.server.tracing import RequestTrace, annotate
+from engines.interface import FinishEvent, GenerationRequest, SamplingParams, Usage
+from policy.answer_guards import spelled
 from policy.identity import Principal
 from policy.programs import FORM_ROLES, NotStraightLine, program_of, straight_line
 from policy.programs import PROMPT as PROGRAM_PROMPT, reply as program_reply

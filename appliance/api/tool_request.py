@@ -8,9 +8,9 @@ import re
 from typing import Any
 
 from appliance.api.errors import invalid
-from appliance.schema_bounds import TOOLS_LIMITS, bounds_problem, validity_problem
+from appliance.prompt.schema_bounds import TOOLS_LIMITS, bounds_problem, validity_problem
 from appliance.api.schemas import ChatCompletionRequest, ChatMessage, FunctionSpec, NamedToolChoice, ToolSpec
-from appliance.tool_calls import CLOSE, OPEN, Format, Mode, Tool, ToolPlan, call_text, system_prompt
+from appliance.prompt.tool_calls import CLOSE, OPEN, Format, Mode, Tool, ToolPlan, call_text, system_prompt
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

@@ -16,14 +16,14 @@ from llama_cpp.llama_grammar import JSON_GBNF
 from appliance.api.errors import APIError, invalid
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, ResponseFormat
 from appliance.api.tool_request import generic_messages, tool_plan, tool_turns
-from appliance.chat_prompt import control_text
-from appliance.chat_template import TemplateBoundError, TemplateError
-from appliance import tool_calls
-from appliance.tool_calls import ToolPlan
-from appliance.registry import LoadedModel
-from appliance.schema_bounds import schema_grammar, schema_problem
-from appliance.settings import Defaults
-from engines.base import GenerationRequest, SamplingParams, context_problem
+from appliance.prompt.chat import control_text
+from appliance.prompt.template import TemplateBoundError, TemplateError
+from appliance.prompt import tool_calls
+from appliance.prompt.tool_calls import ToolPlan
+from appliance.fleet.registry import LoadedModel
+from appliance.prompt.schema_bounds import schema_grammar, schema_problem
+from appliance.config.settings import Defaults
+from engines.interface import GenerationRequest, SamplingParams, context_problem
 from engines.upstream.wire import estimate_tokens
 
 T = TypeVar("T")

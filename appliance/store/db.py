@@ -14,7 +14,7 @@ import apsw.ext
 
 import sqlite_vec
 
-from policy import cache_store, keystore, ledger
+from appliance.store import answer_entries as cache_store, keys as keystore, ledger
 
 Migration = tuple[str, Callable[[apsw.Connection], None]]
 
@@ -95,13 +95,13 @@ def _spans_remote_parent(db: apsw.Connection) -> None:
 
 
 def _create_eval_runs(db: apsw.Connection) -> None:
-    from appliance.evaluate import create_tables
+    from appliance.evaluation.runner import create_tables
 
     create_tables(db)
 
 
 def _create_eval_answers(db: apsw.Connection) -> None:
-    from appliance.evaluate import create_answer_table
+    from appliance.evaluation.runner import create_answer_table
 
     create_answer_table(db)
 
@@ -113,7 +113,7 @@ def _create_responses(db: apsw.Connection) -> None:
 
 
 def _create_eval_questions(db: apsw.Connection) -> None:
-    from appliance.evaluate import create_question_table
+    from appliance.evaluation.runner import create_question_table
 
     create_question_table(db)
 

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from appliance.store.db import connect
-from policy.sqlite import immediate
+from appliance.store.transactions import immediate
 
 log = logging.getLogger("appliance.traces")
 

@@ -3,7 +3,7 @@ as `appliance distill export` writes them), read and checked with the line of ev
 turned into the tokens the model is served and the tokens it should answer.
 
 The last message of an example is the answer taught; the messages before it are its prompt, built
-exactly as serving builds it (appliance/chat_prompt.py: the model's template and vocabulary). The
+exactly as serving builds it (appliance/prompt/chat.py: the model's template and vocabulary). The
 answer is its text as plain text followed by the control token the template closes a turn with,
 so the model learns to stop where serving stops it.
 """
@@ -18,9 +18,9 @@ from typing import Literal
 
 import msgspec
 
-from appliance.chat_prompt import pieces, render_marked, vocabulary_prompt
-from appliance.chat_template import ChatTemplate, TemplateError
-from appliance.distill_export import TRAIN
+from appliance.prompt.chat import pieces, render_marked, vocabulary_prompt
+from appliance.prompt.template import ChatTemplate, TemplateError
+from appliance.distill.export import TRAIN
 from engines.vocabulary import Vocabulary
 
 MIN_EXAMPLES = 8

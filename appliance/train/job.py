@@ -29,10 +29,10 @@ from pathlib import Path
 
 import msgspec
 
-from appliance.chat_template import template_of
-from appliance.config_writer import append_nested
-from appliance.model_files import ModelFileError, resolve
-from appliance.settings import NAME, NAME_RULE, LocalModel, Settings
+from appliance.prompt.template import template_of
+from appliance.config.writer import append_nested
+from appliance.fleet.files import ModelFileError, resolve
+from appliance.config.settings import NAME, NAME_RULE, LocalModel, Settings
 from appliance.train.data import MIN_EXAMPLES, DataError, check_count, encode_all, read_examples, write_encoded
 from appliance.train.plan import (TRAINABLE_ARCHS, TRAINERS, OptionError, Options, Refused, RunPaths, Spec, adapter_file,
                                   default_threads, identity, not_installed, resume_or_start, total_steps, trainer_for, wait_until)
@@ -78,7 +78,7 @@ def trainer_missing(trainer: str = "torch") -> str | None:
 
 def student_file(settings: Settings, alias: str) -> tuple[LocalModel, Path, str]:
     """The student's settings, its GGUF, and the engine that serves it."""
-    from appliance.registry import engine_for
+    from appliance.fleet.registry import engine_for
 
     model = settings.model(alias)
     if model is None:
@@ -164,7 +164,7 @@ def prepare(settings: Settings, student: str, data: Path, name: str, options: Op
 def _mlx_student(settings: Settings, model: LocalModel) -> Path:
     """The folder the MLX engine serves the student from (converted from its GGUF once, into the
     data directory): mlx-lm trains over the same weights."""
-    from appliance.registry import mlx_folder
+    from appliance.fleet.registry import mlx_folder
 
     try:
         return mlx_folder(model, settings)[0]

@@ -5,7 +5,7 @@ chosen projections in its LoRA layers and runs its training loop. This module ad
 needs around it, as the PyTorch trainer does: the run's examples with their prompts masked, a
 linear schedule, checkpoints in `checkpoint-<step>/` (the adapter's weights and Adam's state, then
 trainer_state.json, written last), a stop at the end of the step under way, and the trained pairs
-in Hugging Face's layout for appliance/lora_files.py to write in both formats.
+in Hugging Face's layout for appliance/fleet/lora_files.py to write in both formats.
 
 A resumed run is the run that was stopped, as Hugging Face's Trainer makes it for PyTorch: the
 weights, Adam's moments and step (so the schedule) come back, and the batches go on in the seeded
@@ -23,7 +23,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from appliance.lora_files import LoraPair
+from appliance.fleet.lora_files import LoraPair
 from appliance.train.plan import Spec, not_installed, total_steps
 from appliance.train.worker import CANCELLED_EXIT, latest_checkpoint
 ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})

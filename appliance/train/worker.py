@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf, write_mlx
+from appliance.fleet.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf, write_mlx
 from appliance.train.plan import Spec, not_installed
 
 CANCELLED_EXIT = 3

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engines.base import EngineError
+from engines.interface import EngineError
 from engines.llamacpp.runtime import Context, ContextShape, Model
 from engines.scheduler import common_prefix
 from engines.speculation import NgramLookup, StepCost

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.base import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest
+from engines.interface import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest
 from engines.core import AdapterKey, Job, LocalEngine
 from engines.embedding import check_lengths, pack, resolve_pooling
 from engines.llamacpp.drafting import Drafter, DraftModelDrafter, DraftState, PromptLookupDrafter, measure_step_cost
@@ -66,7 +66,7 @@ class LlamaCppConfig:
     speculation_fixed_tokens: int = 0
     # LoRA adapters loaded at start: (name, GGUF path, default scale)
     adapters: tuple[tuple[str, Path, float], ...] = ()
-    gpu_layers: int = 0  # llama.cpp's n_gpu_layers (appliance/model_memory.py plans it)
+    gpu_layers: int = 0  # llama.cpp's n_gpu_layers (appliance/fleet/memory.py plans it)
 
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
-from engines.base import EngineError
+from engines.interface import EngineError
 from engines.grammar_bounds import grammar_problem
 from engines.llamacpp.kernels import choose_matmul_kernels
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.base import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest, PrefixKey
+from engines.interface import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest, PrefixKey
 from engines.core import AdapterKey, Job, LocalEngine
 from engines.mlx.lora import AdapterSet, LoraWeights, read_adapter
 from engines.mlx.vocabulary import MlxVocabulary

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from engines.base import EngineError
+from engines.interface import EngineError
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import httpx
 
-from engines.base import (
+from engines.interface import (
     SHUTDOWN_RETRY_AFTER_S,
     SHUTTING_DOWN,
     AdapterInfo,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from engines.base import FinishReason, GenerationRequest, TokenLogprob, TopLogprob
+from engines.interface import FinishReason, GenerationRequest, TokenLogprob, TopLogprob
 
 
 def request_body(request: GenerationRequest, upstream_model: str) -> dict:
@@ -124,7 +124,7 @@ class ToolCallDelta:
 
 class CallText:
     """An upstream's streamed tool calls written as `<tool_call>{"id", "name", "arguments"}</tool_call>`
-    text (appliance/tool_calls.py's "hermes" form), so the API reads local and upstream calls, whole
+    text (appliance/prompt/tool_calls.py's "hermes" form), so the API reads local and upstream calls, whole
     and streamed, with one parser. The arguments go in as the upstream wrote them (JSON text)."""
 
     def __init__(self) -> None:

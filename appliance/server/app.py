@@ -1,0 +1,122 @@
+"""The Litestar app factory: routes, error envelopes, and the lifecycle of what it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from litestar import Litestar, Request, Response, get
+from litestar.di import Provide
+from litestar.exceptions import HTTPException
+from litestar.openapi import OpenAPIConfig
+from litestar.types import Message, Scope
+
+from appliance import __version__
+from appliance.api import admin_routes, cache_routes, distill_routes, embeddings, fleet_routes, model_routes, openai_routes, responses_routes
+from appliance.api.common import authenticate
+from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
+from appliance.api.headers import response_headers
+from appliance.server.metrics import Metrics
+from appliance.fleet.registry import Registry
+from appliance.gate import Gate
+from appliance.answer_cache import SemanticCache
+from appliance.server.services import Services
+from appliance.config.settings import Settings
+from appliance.store.db import connect, database_path, migrate
+from appliance.store.request_log import RequestLogWriter
+from appliance.store.worker import StoreWorker
+from appliance.server.tracing import Tracing
+
+log = logging.getLogger("appliance")
+
+
+@get("/health", sync_to_thread=False)
+def health(services: Services) -> dict[str, Any]:
+    models = {}
+    for m in services.registry.all():
+        stats = m.engine.stats()
+        models[m.settings.alias] = {"slots_total": stats.slots_total, "slots_busy": stats.slots_busy, "queue_depth": stats.queue_depth}
+        if stats.upstreams:
+            models[m.settings.alias]["upstreams"] = {u.name: {"breaker": u.breaker, "healthy": u.healthy} for u in stats.upstreams}
+    return {"status": "ok", "version": __version__, "uptime_s": round(time.time() - services.started_at, 3), "models": models}
+
+
+@get("/metrics")
+async def metrics(request: Request[Any, Any, Any], services: Services) -> Response[bytes]:
+    if services.settings.server.metrics_auth == "admin":
+        services.gate.require_admin(await authenticate(request, services))
+    return Response(services.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+_ERROR_STATUS = "appliance.error_status"  # in the scope's state, between an error's start and its body
+
+
+def count_responses(metrics_: Metrics) -> Callable[[Message, Scope], Awaitable[None]]:
+    """Counts every response as it leaves, refusals raised before any model was known and paths no
+    route took included; an error is counted with its body, whose envelope names the code. Async:
+    Litestar would run a sync hook on a worker thread, once for every chunk of every stream."""
+
+    async def hook(message: Message, scope: Scope) -> None:
+        if message["type"] == "http.response.start":
+            if message["status"] < 400:
+                metrics_.count_response(scope.get("path_template"), message["status"])
+            else:
+                scope["state"][_ERROR_STATUS] = message["status"]
+        elif message["type"] == "http.response.body" and _ERROR_STATUS in scope["state"]:
+            metrics_.count_response(scope.get("path_template"), scope["state"].pop(_ERROR_STATUS), message.get("body", b""))
+
+    return hook
+
+
+def build_services(settings: Settings, registry: Registry, read_at_start: Settings | None = None) -> Services:
+    db_path = database_path(settings.server.data_dir)
+    db = connect(db_path)
+    try:
+        migrate(db)
+    finally:
+        db.close()
+    metrics_ = Metrics(lambda: {m.settings.alias: m.engine.stats() for m in registry.all()})
+    store = StoreWorker(db_path, synchronous=settings.server.sqlite_synchronous)
+    gate = Gate(settings, store, metrics_)
+    tracing = Tracing(settings.tracing, db_path, settings.server.sqlite_synchronous, join_callers=settings.auth.mode == "open")
+    cache = SemanticCache(settings.cache, db_path, registry, metrics_, settings.server.sqlite_synchronous, tracing)
+    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate, cache, tracing,
+                    read_at_start=read_at_start)
+
+
+def create_app(services: Services) -> Litestar:
+    async def startup() -> None:
+        await services.registry.start()  # upstream engines open their connections and health checks
+        await services.gate.start()  # releases leases a crashed predecessor left behind
+        await services.cache.start()
+
+    async def shutdown() -> None:
+        # Joining model threads blocks; keep the loop free to finish what is still streaming.
+        await services.cache.close()  # its sweeps use the engines: stop them first
+        await asyncio.to_thread(services.jobs.close)
+        await asyncio.to_thread(services.router_embedder.close)
+        await asyncio.to_thread(services.registry.close)
+        await services.gate.close()
+        await asyncio.to_thread(services.store.close)  # writes the settlements still queued
+        await asyncio.to_thread(services.request_log.close)
+        await asyncio.to_thread(services.tracing.close)  # exports the spans still buffered
+
+    return Litestar(
+        route_handlers=[
+            health, metrics,
+            openai_routes.list_models, openai_routes.retrieve_model, openai_routes.chat_completions,
+            openai_routes.completions, embeddings.embeddings, *responses_routes.ROUTES, *admin_routes.ROUTES, *cache_routes.ROUTES, *model_routes.ROUTES,
+            *fleet_routes.ROUTES, *distill_routes.ROUTES,
+        ],
+        dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
+        exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},
+        request_max_body_size=services.settings.server.max_body_bytes,
+        before_send=[response_headers(services.gate), count_responses(services.metrics)],
+        on_startup=[startup],
+        on_shutdown=[shutdown],
+        openapi_config=OpenAPIConfig(title="appliance", version=__version__),
+        logging_config=None,
+    )

@@ -1,0 +1,170 @@
+"""Semantic cache decisions, pure: what may be cached, which bucket a request belongs to, when a
+stored question answers a new one, and when a near-miss must not.
+
+A wrong cached answer is worse than a model call, so every rule here errs towards a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import unicodedata
+from dataclasses import dataclass
+
+from policy.answer_guards import NO_LEXICON, Comparison, Lexicon, compare
+
+STATES = ("unverified", "verified", "rejected", "stale")
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    enabled: bool = True
+    # At or above: a hit, if the guards agree. In [judge_band, threshold): ask the judge.
+    similarity_threshold: float = 0.70
+    # A pair whose content words all match (after spelling, inflection and stop words) needs this much
+    # less: tuned on the labelled pairs' tune half (bench/cache_quality.py).
+    same_words_relief: float = 0.06
+    judge_band: float = 0.70
+    judge_min_probability: float = 0.85
+    freshness_s: float = 7 * 86400
+    serve_unverified: bool = True
+    # Requests sampled hotter than this are not cached: their answers are meant to vary.
+    max_temperature: float = 0.3
+    max_entries_per_tenant: int = 10_000
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Entries are only ever compared within one bucket: never across tenants, roles, models
+    (a new model file is a new version) or prompt versions."""
+
+    tenant: str
+    role: str
+    model: str
+    model_version: str
+    prompt_version: str
+
+    @property
+    def key(self) -> str:
+        raw = "\x1f".join((self.tenant, self.role, self.model, self.model_version, self.prompt_version))
+        return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Cacheable:
+    bucket: Bucket
+    question: str
+    question_hash: str
+
+
+@dataclass(frozen=True)
+class NotCacheable:
+    reason: str
+
+
+def normalise(text: str) -> str:
+    """Case, Unicode width, whitespace and trailing punctuation do not change a question."""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    text = re.sub(r"\s+", " ", text).strip()
+    return text.rstrip(" ?!.。？！")
+
+
+def question_hash(text: str) -> str:
+    return hashlib.sha256(normalise(text).encode()).hexdigest()
+
+
+def prompt_version(context: object) -> str:
+    """A digest of everything besides the last user turn that changes the answer."""
+    return hashlib.sha256(json.dumps(context, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()[:32]
+
+
+def classify(
+    *, tenant: str, role: str, model: str, model_version: str, messages: list[dict[str, object]], settings: dict[str, object],
+    temperature: float, n: int, wants_logprobs: bool, has_tools: bool, policy: CachePolicy,
+) -> Cacheable | NotCacheable:
+    """Whether a chat request may use the cache, and its bucket. `messages` are plain dicts
+    (role, content as text); `settings` are the answer-changing request settings."""
+    if not policy.enabled:
+        return NotCacheable("disabled")
+    if n != 1:
+        return NotCacheable("n")
+    if temperature > policy.max_temperature:
+        return NotCacheable("temperature")
+    if wants_logprobs:
+        return NotCacheable("logprobs")
+    if has_tools:
+        return NotCacheable("tools")
+    if not messages or messages[-1].get("role") != "user" or not isinstance(messages[-1].get("content"), str):
+        return NotCacheable("last turn is not a text user message")
+    question = str(messages[-1]["content"])
+    if not normalise(question):
+        return NotCacheable("empty question")
+    context = {"messages": messages[:-1], "settings": settings}
+    bucket = Bucket(tenant, role, model, model_version, prompt_version(context))
+    return Cacheable(bucket, question, question_hash(question))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    entry_id: int
+    question: str
+    similarity: float
+    state: str
+    created_at: float
+
+
+@dataclass(frozen=True)
+class Hit:
+    entry_id: int
+    similarity: float
+    judged: bool
+
+
+@dataclass(frozen=True)
+class AskJudge:
+    candidate: Candidate
+
+
+@dataclass(frozen=True)
+class Miss:
+    reason: str
+
+
+def servable(state: str, created_at: float, now: float, policy: CachePolicy) -> bool:
+    if state == "verified" or (state == "unverified" and policy.serve_unverified):
+        return now - created_at <= policy.freshness_s
+    return False
+
+
+def threshold_for(comparison: Comparison, policy: CachePolicy) -> float:
+    return policy.similarity_threshold - (0.0 if comparison.differs else policy.same_words_relief)
+
+
+def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy: CachePolicy,
+                     lexicon: Lexicon = NO_LEXICON) -> Hit | AskJudge | Miss:
+    """Nearest first: the first servable candidate at or above its threshold that no guard flags is
+    a hit; failing that, the first one in the judge band goes to the judge."""
+    reason = "no candidate"
+    band: Candidate | None = None
+    floor = min(policy.judge_band, policy.similarity_threshold - policy.same_words_relief)
+    for c in sorted(candidates, key=lambda c: -c.similarity):
+        if c.similarity < floor:
+            reason = reason if reason != "no candidate" else "similarity"
+            break
+        if not servable(c.state, c.created_at, now, policy):
+            reason = "stale" if c.state in ("unverified", "verified") else c.state
+            continue
+        comparison = compare(c.question, asked, lexicon)
+        if comparison.guard is not None:
+            reason = f"guard:{comparison.guard}"
+            continue
+        if c.similarity >= threshold_for(comparison, policy):
+            return Hit(c.entry_id, c.similarity, judged=False)
+        if band is None and c.similarity >= policy.judge_band:
+            band = c
+        if reason == "no candidate":
+            reason = "similarity"
+    if band is not None:
+        return AskJudge(band)
+    return Miss(reason)
