@@ -22,14 +22,15 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from engines.embedding import embed_in_passes
 from engines.interface import (
     SHUTDOWN_RETRY_AFTER_S,
     SHUTTING_DOWN,
@@ -50,7 +51,6 @@ from engines.interface import (
     check_context,
     refuse_unsupported,
 )
-from engines.embedding import embed_in_passes
 from engines.logprobs import token_logprob
 from engines.occupancy import Occupancy
 from engines.prefix import HostCache, PrefixIndex

@@ -207,10 +207,10 @@ def cmd_distill_evaluate(args: argparse.Namespace) -> int:
     import httpx
     from rich.progress import Progress
 
-    from appliance.distill import evaluation as distill_eval
     from appliance.cli.fleet import write_and_apply
     from appliance.cli.support import print_rows, route_named
     from appliance.config.writer import update_table
+    from appliance.distill import evaluation as distill_eval
     from policy.budgets import Price
     from policy.distill import promoted_tiers
 

@@ -107,7 +107,8 @@ def _extended(args: argparse.Namespace, measured: list[str], every: list) -> tup
     """--extend: the run's questions labelled with the route's other tiers from an earlier calibration's
     table; the tiers, the labelled rows, what the note says of it and the earlier calibration, or an
     exit status."""
-    from appliance.evaluation import calibration_file, runner as evaluate
+    from appliance.evaluation import calibration_file
+    from appliance.evaluation import runner as evaluate
 
     try:
         earlier = calibration_file.read(args.extend)
@@ -143,7 +144,8 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
     the labelled questions themselves for the learned router (kNN), and a tier per bucket."""
     import dataclasses
 
-    from appliance.evaluation import calibration_file, offline_routing, runner as evaluate
+    from appliance.evaluation import calibration_file, offline_routing
+    from appliance.evaluation import runner as evaluate
     from policy.router import calibrate, extend_buckets
     from policy.router_knn import KnnSettings
 
@@ -231,7 +233,8 @@ def cmd_eval_simulate(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from appliance.evaluation import calibration_file, offline_routing, runner as evaluate
+    from appliance.evaluation import calibration_file, offline_routing
+    from appliance.evaluation import runner as evaluate
     from policy.router import ALL_FEATURES, HEURISTIC_FEATURES, features
 
     with closing(ledger_db(args.config)) as db:

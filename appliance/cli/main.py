@@ -12,7 +12,9 @@ import time
 from contextlib import closing
 from pathlib import Path
 
-from appliance.cli import distill as cli_distill, evals as cli_eval, fleet as cli_fleet
+from appliance.cli import distill as cli_distill
+from appliance.cli import evals as cli_eval
+from appliance.cli import fleet as cli_fleet
 from appliance.cli.fleet import add_server_options, server_url, tell_server, write_and_apply
 from appliance.cli.support import config_in_use, data_dir, ledger_db, ledger_of, moment, print_rows, settings_of, when
 from appliance.config.settings import ConfigError, find_config, load_settings
@@ -42,8 +44,8 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    from appliance.prompt.template import ChatTemplate, TemplateError
     from appliance.fleet.files import ModelFileError, resolve
+    from appliance.prompt.template import ChatTemplate, TemplateError
 
     settings = settings_of(args.path)
     problems = 0
@@ -326,8 +328,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_budgets_set(args: argparse.Namespace) -> int:
-    from policy.budgets import nanos_from_usd
     from appliance.store.ledger import Ledger, LedgerError
+    from policy.budgets import nanos_from_usd
 
     if args.level != "global" and not args.name:
         print(f"error: a {args.level} budget needs the {args.level}'s name", file=sys.stderr)
@@ -358,8 +360,8 @@ def cmd_budgets_unset(args: argparse.Namespace) -> int:
 
 
 def cmd_budgets_reset(args: argparse.Namespace) -> int:
-    from policy.budgets import usd
     from appliance.store.ledger import Ledger
+    from policy.budgets import usd
 
     with closing(ledger_db(args.config)) as db:
         written_off = Ledger(db).reset_spend(args.level, args.name or "*", args.period, time.time())
@@ -370,8 +372,8 @@ def cmd_budgets_reset(args: argparse.Namespace) -> int:
 def cmd_budgets_show(args: argparse.Namespace) -> int:
     import json
 
-    from policy.budgets import usd
     from appliance.store.ledger import Ledger
+    from policy.budgets import usd
 
     now = time.time()
     with closing(ledger_db(args.config)) as db:

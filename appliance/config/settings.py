@@ -19,10 +19,10 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 import msgspec
 from msgspec import Meta
 
-from appliance.evaluation import calibration_file
+from appliance.config.paths import default_data_dir
 from appliance.config.schema import ConfigError, Where, check_known, decode, table_keys
 from appliance.config.values import KeepAlive, MemoryBudget
-from appliance.config.paths import default_data_dir
+from appliance.evaluation import calibration_file
 from policy.limits import LIMIT_LEVELS, LimitRule
 from policy.router import Calibration, family_rank, split_tier
 

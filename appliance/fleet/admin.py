@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import ctypes
 import re
-import tomllib
 import threading
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from appliance.config.writer import append_table
 from appliance.config.settings import NAME, NAME_RULE, ConfigError, load_settings
+from appliance.config.writer import append_table
 
 # llama.cpp's file types we offer (llama_ftype); the names are what `--type` takes.
 QUANT_TYPES = {

@@ -19,9 +19,9 @@ from typing import Any
 
 import msgspec
 
+from appliance.config.settings import AdapterSettings, LocalModel
 from appliance.fleet.change import AdapterSwap
 from appliance.fleet.manager import Entry, ModelManager, ModelUnavailable
-from appliance.config.settings import AdapterSettings, LocalModel
 from engines.interface import (
     AdapterInfo,
     Capabilities,

@@ -13,11 +13,11 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from appliance.config.writer import restore
-from appliance.fleet.change import FleetChange, fleet_change, new_key_destinations, running_settings
-from appliance.fleet.admin import ModelAdminError
-from appliance.server.services import Services
 from appliance.config.settings import load_settings
+from appliance.config.writer import restore
+from appliance.fleet.admin import ModelAdminError
+from appliance.fleet.change import FleetChange, fleet_change, new_key_destinations, running_settings
+from appliance.server.services import Services
 
 log = logging.getLogger("appliance.fleet.reconfigure")
 

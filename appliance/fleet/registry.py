@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from appliance.config.settings import LocalModel, ModelSettings, Settings
+from appliance.fleet.change import FleetChange, adapter_swap
+from appliance.fleet.files import package_file, resolve, sha256
+from appliance.fleet.manager import ModelManager, total_ram
 from appliance.prompt.chat import render_prompt, vocabulary_prompt, vocabulary_tokens
 from appliance.prompt.template import ChatTemplate, TemplateError, close_render_threads, render_threads, template_of
-from appliance.fleet.files import package_file, resolve, sha256
-from appliance.fleet.change import FleetChange, adapter_swap
-from appliance.fleet.manager import ModelManager, total_ram
-from appliance.config.settings import LocalModel, ModelSettings, Settings
 from engines.interface import AdapterInUse, Capabilities, Engine, EngineError
 from engines.vocabulary import Vocabulary
 

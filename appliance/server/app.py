@@ -15,20 +15,29 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from appliance import __version__
-from appliance.api import admin_routes, cache_routes, distill_routes, embeddings, fleet_routes, model_routes, openai_routes, responses_routes
+from appliance.answer_cache import SemanticCache
+from appliance.api import (
+    admin_routes,
+    cache_routes,
+    distill_routes,
+    embeddings,
+    fleet_routes,
+    model_routes,
+    openai_routes,
+    responses_routes,
+)
 from appliance.api.common import authenticate
 from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from appliance.api.headers import response_headers
-from appliance.server.metrics import Metrics
+from appliance.config.settings import Settings
 from appliance.fleet.registry import Registry
 from appliance.gate import Gate
-from appliance.answer_cache import SemanticCache
+from appliance.server.metrics import Metrics
 from appliance.server.services import Services
-from appliance.config.settings import Settings
+from appliance.server.tracing import Tracing
 from appliance.store.db import connect, database_path, migrate
 from appliance.store.request_log import RequestLogWriter
 from appliance.store.worker import StoreWorker
-from appliance.server.tracing import Tracing
 
 log = logging.getLogger("appliance")
 

@@ -13,12 +13,12 @@ from collections.abc import Callable
 import uvicorn
 
 from appliance.api.errors import envelope_when_cut
-from appliance.server.app import build_services, create_app
-from appliance.prompt.template import TemplateError
-from appliance.server.http_protocol import ConnectionLimits, guarded_protocol
+from appliance.config.settings import ServerSettings, Settings
 from appliance.fleet.files import ModelFileError
 from appliance.fleet.registry import Registry
-from appliance.config.settings import ServerSettings, Settings
+from appliance.prompt.template import TemplateError
+from appliance.server.app import build_services, create_app
+from appliance.server.http_protocol import ConnectionLimits, guarded_protocol
 from engines.interface import EngineError
 
 log = logging.getLogger("appliance")

@@ -7,15 +7,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from appliance.api.translate import Prepared
-from appliance.gate import Gate
-from appliance.fleet.embedders import OnDemand
 from appliance.answer_cache import SemanticCache, bundled_minilm
-from appliance.server.tracing import Tracing
-from appliance.server.metrics import Metrics
-from appliance.fleet.registry import LoadedModel, Registry
+from appliance.api.translate import Prepared
 from appliance.config.settings import Settings
+from appliance.fleet.embedders import OnDemand
+from appliance.fleet.registry import LoadedModel, Registry
+from appliance.gate import Gate
 from appliance.server.jobs import JobRunner
+from appliance.server.metrics import Metrics
+from appliance.server.tracing import Tracing
 from appliance.store.request_log import RequestLogWriter, RequestRecord
 from appliance.store.worker import StoreWorker
 from engines.interface import FinishEvent

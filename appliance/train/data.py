@@ -18,9 +18,9 @@ from typing import Literal
 
 import msgspec
 
+from appliance.distill.export import TRAIN
 from appliance.prompt.chat import pieces, render_marked, vocabulary_prompt
 from appliance.prompt.template import ChatTemplate, TemplateError
-from appliance.distill.export import TRAIN
 from engines.vocabulary import Vocabulary
 
 MIN_EXAMPLES = 8

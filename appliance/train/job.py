@@ -22,23 +22,38 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import msgspec
 
-from appliance.prompt.template import template_of
+from appliance.config.settings import NAME, NAME_RULE, LocalModel, Settings
 from appliance.config.writer import append_nested
 from appliance.fleet.files import ModelFileError, resolve
-from appliance.config.settings import NAME, NAME_RULE, LocalModel, Settings
+from appliance.prompt.template import template_of
+from appliance.train.checkpoints import CANCELLED_EXIT
 from appliance.train.data import MIN_EXAMPLES, DataError, check_count, encode_all, read_examples, write_encoded
-from appliance.train.plan import (TRAINABLE_ARCHS, TRAINERS, OptionError, Options, Refused, RunPaths, Spec, adapter_file,
-                                  default_threads, identity, not_installed, resume_or_start, total_steps, trainer_for, wait_until)
+from appliance.train.plan import (
+    TRAINABLE_ARCHS,
+    TRAINERS,
+    OptionError,
+    Options,
+    Refused,
+    RunPaths,
+    Spec,
+    adapter_file,
+    default_threads,
+    identity,
+    not_installed,
+    resume_or_start,
+    total_steps,
+    trainer_for,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the worker runs this checkout's code
-CANCELLED_EXIT = 3  # appliance/train/worker.py's
 
 
 class TrainError(Exception):

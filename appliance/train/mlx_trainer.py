@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance.fleet.lora_files import LoraPair
+from appliance.train.checkpoints import CANCELLED_EXIT, latest_checkpoint
 from appliance.train.plan import Spec, not_installed, total_steps
-from appliance.train.worker import CANCELLED_EXIT, latest_checkpoint
+
 ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 
 

@@ -32,9 +32,8 @@ from typing import Any
 import msgspec
 
 from appliance.fleet.lora_files import BaseShape, LoraAdapter, LoraPair, write_gguf, write_mlx
+from appliance.train.checkpoints import CANCELLED_EXIT, latest_checkpoint
 from appliance.train.plan import Spec, not_installed
-
-CANCELLED_EXIT = 3
 
 
 class _Events:
@@ -45,19 +44,6 @@ class _Events:
 
     def __call__(self, event: str, **fields: Any) -> None:
         self._out.write(json.dumps({"event": event, **fields}) + "\n")
-
-
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest checkpoint the trainer finished writing (it writes trainer_state.json last);
-    half-written ones, from a process killed while saving, are removed."""
-    complete = []
-    for path in folder.glob("checkpoint-*") if folder.is_dir() else ():
-        try:
-            json.loads((path / "trainer_state.json").read_text())
-            complete.append((int(path.name.rpartition("-")[2]), path))
-        except (OSError, ValueError):
-            shutil.rmtree(path, ignore_errors=True)
-    return max(complete)[1] if complete else None
 
 
 def main(argv: list[str]) -> int:
@@ -82,7 +68,7 @@ def _train(spec: Spec, emit: _Events) -> int:
         return stop.is_set() or os.getppid() != parent
 
     if spec.trainer == "mlx":
-        from appliance.train.mlx_trainer import train_mlx as trainer
+        from appliance.train.mlx_trainer import train_mlx as trainer  # mlx-lm only where asked for
     else:
         trainer = _train_torch
     outcome = trainer(spec, emit, stopping)

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from engines.interface import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest
 from engines.core import AdapterKey, Job, LocalEngine
 from engines.embedding import check_lengths, pack, resolve_pooling
+from engines.interface import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest
 from engines.llamacpp.drafting import Drafter, DraftModelDrafter, DraftState, PromptLookupDrafter, measure_step_cost
 from engines.llamacpp.runtime import Adapter, Context, ContextShape, KvFull, Model, Sampler
 from engines.llamacpp.vocabulary import LlamaVocabulary

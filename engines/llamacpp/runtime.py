@@ -15,8 +15,8 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
-from engines.interface import EngineError
 from engines.grammar_bounds import grammar_problem
+from engines.interface import EngineError
 from engines.llamacpp.kernels import choose_matmul_kernels
 
 log = logging.getLogger("appliance.llamacpp")

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.interface import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest, PrefixKey
 from engines.core import AdapterKey, Job, LocalEngine
+from engines.interface import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest, PrefixKey
 from engines.mlx.lora import AdapterSet, LoraWeights, read_adapter
 from engines.mlx.vocabulary import MlxVocabulary
 from engines.speculation import Acceptance, StepCost, draft_length

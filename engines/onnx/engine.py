@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.interface import AdapterInfo, Capabilities, EngineError, EngineStats, GenerationRequest
 from engines.embedding import check_lengths, embed_in_passes, pack, place, pool, resolve_pooling
+from engines.interface import AdapterInfo, Capabilities, EngineError, EngineStats, GenerationRequest
 from engines.occupancy import Occupancy
 from engines.onnx.vocabulary import OnnxVocabulary
 from engines.stream import EventStream
