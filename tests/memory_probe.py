@@ -21,7 +21,7 @@ import llama_cpp as L  # noqa: E402
 
 from engines.llamacpp.devices import gpu_devices  # noqa: E402
 from engines.llamacpp.engine import context_layout  # noqa: E402
-from engines.llamacpp.runtime import Context, ContextShape, Model, init_backend  # noqa: E402
+from engines.llamacpp.runtime import Context, ContextParams, Model, init_backend  # noqa: E402
 
 _BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
 lines: list[str] = []
@@ -49,7 +49,7 @@ def main() -> None:
     before = rss()
     model = Model(Path(path), use_extra_buffers=not invariant_b, gpu_layers=gpu_layers)
     kv_unified, flash_attn = context_layout(invariant_b, kv_type)
-    ctx = Context(model, ContextShape(slots_n, ctx_n, batch_n, 2, kv_unified, flash_attn, kv_type))
+    ctx = Context(model, ContextParams(slots_n, ctx_n, batch_n, 2, kv_unified, flash_attn, kv_type))
     # One full batch of prompt tokens in slot 0, logits for the last only (as a prefill step asks).
     ctx.decode([(100 + i % 1000, i, 0, i == batch_n - 1) for i in range(batch_n)])
     after = rss()

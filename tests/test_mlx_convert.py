@@ -81,7 +81,7 @@ def test_both_engines_compute_the_same_logits_and_mostly_the_same_greedy_text(co
     import numpy as np
     from mlx_lm.generate import generate_step
 
-    from engines.llamacpp.runtime import Context, ContextShape, Model
+    from engines.llamacpp.runtime import Context, ContextParams, Model
 
     model, tokenizer = mlx_lm.load(str(converted))
     llama = Model(package_file(MODEL_FILE))
@@ -92,7 +92,7 @@ def test_both_engines_compute_the_same_logits_and_mostly_the_same_greedy_text(co
                 if kind == "chat" else text
             tokens = llama.tokenize(prompt, add_special=False, parse_special=True)
             assert tokens == tokenizer.encode(prompt, add_special_tokens=False)
-            ctx = Context(llama, ContextShape(1, 256, 64, 2, False, True, "q8_0"))
+            ctx = Context(llama, ContextParams(1, 256, 64, 2, False, True, "q8_0"))
             try:
                 ctx.decode([(t, i, 0, i == len(tokens) - 1) for i, t in enumerate(tokens)])
                 ours = ctx.logits(len(tokens) - 1).astype(np.float64).copy()

@@ -186,11 +186,11 @@ def test_quantize_writes_beside_the_source_and_registers_a_working_model(tmp_pat
 
     assert file_type(out) == "Q8_0"
     # it loads and generates
-    from engines.llamacpp.runtime import Context, ContextShape, Model
+    from engines.llamacpp.runtime import Context, ContextParams, Model
 
     loaded = Model(out)
     try:
-        ctx = Context(loaded, ContextShape(1, 256, 64, 2, False, True, "q8_0"))
+        ctx = Context(loaded, ContextParams(1, 256, 64, 2, False, True, "q8_0"))
         tokens = loaded.tokenize("The capital of France is", add_special=True, parse_special=False)
         ctx.decode([(t, i, 0, i == len(tokens) - 1) for i, t in enumerate(tokens)])
         assert loaded.piece(int(ctx.logits(len(tokens) - 1).argmax())).strip() == b"Paris"

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from engines.interface import EngineError
-from engines.llamacpp.runtime import Context, ContextShape, Model
+from engines.llamacpp.runtime import Context, ContextParams, Model
 from engines.scheduler import common_prefix
 from engines.speculation import NgramLookup, StepCost
 
@@ -122,7 +122,7 @@ class DraftModelDrafter:
         self.model = Model(path)
         try:
             check_same_vocabulary(target, self.model)
-            self.ctx = Context(self.model, ContextShape(slots, context_length, batch_tokens, threads, kv_unified=True, flash_attn=True, kv_type="f16"))
+            self.ctx = Context(self.model, ContextParams(slots, context_length, batch_tokens, threads, kv_unified=True, flash_attn=True, kv_type="f16"))
         except Exception:
             self.model.close()
             raise

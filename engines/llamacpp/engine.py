@@ -24,7 +24,7 @@ from engines.core import AdapterKey, Job, LocalEngine
 from engines.embedding import check_lengths, pack, resolve_pooling
 from engines.interface import Capabilities, EngineError, EngineEvent, FinishReason, GenerationRequest
 from engines.llamacpp.drafting import Drafter, DraftModelDrafter, DraftState, PromptLookupDrafter, measure_step_cost
-from engines.llamacpp.runtime import Adapter, Context, ContextShape, KvFull, Model, Sampler
+from engines.llamacpp.runtime import Adapter, Context, ContextParams, KvFull, Model, Sampler
 from engines.llamacpp.vocabulary import LlamaVocabulary
 from engines.logprobs import log_softmax
 from engines.scheduler import Admission, BatchItem, SlotView, Source, plan_admission, plan_batch
@@ -125,7 +125,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
             # With a KV stream per sequence llama.cpp splits a pass into equal shares of each
             # sequence, and pools a sequence over its last share only: one stream keeps a pass whole.
             kv_unified = kv_unified or config.embeddings
-            shape = ContextShape(
+            shape = ContextParams(
                 n_seq=config.slots,
                 n_ctx_per_seq=config.context_length,
                 n_batch=config.batch_tokens,

@@ -177,7 +177,10 @@ KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_
 
 
 @dataclass(frozen=True)
-class ContextShape:
+class ContextParams:
+    """llama.cpp's context parameters as this engine sets them (policy/memory_plan.py's ContextShape is
+    what the memory planner knows of a context)."""
+
     n_seq: int
     n_ctx_per_seq: int
     n_batch: int
@@ -198,7 +201,7 @@ class KvFull(EngineError):
 class Context:
     """A llama.cpp context holding `n_seq` independent sequences, one per slot."""
 
-    def __init__(self, model: Model, shape: ContextShape) -> None:
+    def __init__(self, model: Model, shape: ContextParams) -> None:
         params = L.llama_context_default_params()
         # A unified cache may hold fewer cells than every sequence at full length (the engine makes room).
         params.n_ctx = shape.kv_tokens if shape.kv_unified and shape.kv_tokens else shape.n_ctx_per_seq * shape.n_seq
