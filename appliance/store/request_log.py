@@ -9,9 +9,37 @@ import threading
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from appliance.store.db import connect
+import apsw
+
+from appliance.store.connection import connect
 
 log = logging.getLogger("appliance.store")
+
+
+def create_tables(db: apsw.Connection) -> None:
+    db.execute(
+        """
+        CREATE TABLE request_log (
+            id TEXT PRIMARY KEY,
+            created_at REAL NOT NULL,
+            endpoint TEXT NOT NULL,
+            model TEXT NOT NULL,
+            status TEXT NOT NULL,
+            finish_reason TEXT,
+            prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            completion_tokens INTEGER NOT NULL DEFAULT 0,
+            ttft_ms REAL,
+            total_ms REAL NOT NULL,
+            error TEXT
+        ) STRICT
+        """
+    )
+    db.execute("CREATE INDEX request_log_created ON request_log(created_at)")
+
+
+def add_principal(db: apsw.Connection) -> None:
+    for column in ("tenant TEXT", "app TEXT", "user TEXT", "key_id TEXT", "cost_nanos INTEGER"):
+        db.execute(f"ALTER TABLE request_log ADD COLUMN {column}")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import apsw
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from appliance.store.db import connect
+from appliance.store.connection import connect
 from appliance.store.transactions import immediate
 
 log = logging.getLogger("appliance.traces")

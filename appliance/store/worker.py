@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import apsw
 
-from appliance.store.db import connect
+from appliance.store.connection import connect
 
 T = TypeVar("T")
 
