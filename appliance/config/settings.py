@@ -1,6 +1,6 @@
 """Typed settings parsed once from `models.toml`.
 
-Each key is declared once, below, as a field of a frozen struct: type, default, bounds and a
+Each key is declared once, as a field of a frozen struct (fields.py, models.py, sections.py): type, default, bounds and a
 one-line description. The reader, `appliance config check`, the writer (appliance/config/writer.py)
 and the reference (docs/config.md, `appliance config docs`) all read these declarations
 (appliance/config/schema.py). What one key cannot say alone (one source per model, a draft model
