@@ -24,11 +24,12 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from appliance.evaluation import runner as evaluate
+    from appliance.store import eval_runs
     from policy.budgets import Price
 
     with closing(ledger_db(args.config)) as db:
         if args.history:
-            for run in evaluate.history(db):
+            for run in eval_runs.history(db):
                 comparison = run["summary"].get("_comparison", {})
                 print(json.dumps({"id": run["id"], "at": when(run["at"]), "questions": run["questions"], **comparison}))
             return 0
@@ -70,8 +71,8 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
             task = progress.add_task(f"{len(questions)} questions x {len(names)} targets", total=len(questions), completed=whole)
             summary = evaluate.run(url, args.key or "unused", route.alias, list(route.tiers), prices, questions, args.max_tokens,
                                    lambda finished: progress.update(task, advance=1), answers, include_route=not args.tiers_only,
-                                   check=check, done=done, answered=lambda _, found: evaluate.record(db, run_id, found))
-        evaluate.finish(db, run_id, summary)
+                                   check=check, done=done, answered=lambda _, found: eval_runs.record(db, run_id, found))
+        eval_runs.finish(db, run_id, summary)
     header = ("target", "accuracy", "cost_usd", "p50_latency_s", "answered_by", "errors")
     rows = [(name, f"{s['accuracy']:.1%}", f"{s['cost_usd']:.6f}", f"{s['p50_latency_s']:.2f}", json.dumps(s["answered_by"]), str(s["errors"]))
             for name, s in summary.items() if not name.startswith("_")]
@@ -146,11 +147,12 @@ def cmd_eval_calibrate(args: argparse.Namespace) -> int:
 
     from appliance.evaluation import calibration_file, offline_routing
     from appliance.evaluation import runner as evaluate
+    from appliance.store import eval_runs
     from policy.router import calibrate, extend_buckets
     from policy.router_knn import KnnSettings
 
     with closing(ledger_db(args.config)) as db:
-        runs = args.run or [r for r in [evaluate.latest_run(db)] if r is not None]
+        runs = args.run or [r for r in [eval_runs.latest_run(db)] if r is not None]
         if not runs:
             print("error: no stored eval run with per-question results: run `appliance eval router` first", file=sys.stderr)
             return 2

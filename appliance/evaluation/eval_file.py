@@ -9,13 +9,14 @@ question with every target's answer.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Literal
 
-import apsw
 import msgspec
+
+from appliance.store import eval_runs
+from appliance.store.connection import Connection
 
 VERSION = 1
 
@@ -54,23 +55,17 @@ class QuestionLine(msgspec.Struct, forbid_unknown_fields=True):
     answers: list[AnswerLine]
 
 
-def export(db: apsw.Connection, run_id: int, out: Path) -> int:
+def export(db: Connection, run_id: int, out: Path) -> int:
     """The run's lines to `out`, written whole or not at all; how many questions it holds."""
-    run = db.execute("SELECT at, kind, dataset, questions, summary FROM eval_runs WHERE id = ?", (run_id,)).fetchone()
+    run = eval_runs.run(db, run_id)
     if run is None:
         raise EvalFileError(f"eval run {run_id} does not exist (`appliance eval router --history` lists them)")
-    at, kind, dataset, questions, summary = run
     answers: dict[int, list[AnswerLine]] = {}
-    for question, target, tier, bucket, correct, cost, latency, by in db.execute(
-            "SELECT question, target, tier, bucket, correct, cost_nanos, latency_s, answered_by FROM eval_answers "
-            "WHERE run_id = ? ORDER BY question, target", (run_id,)):
-        answers.setdefault(question, []).append(AnswerLine(target, tier, bucket, bool(correct), cost, latency, by))
-    lines = [RunLine("eval-run", VERSION, at, kind, dataset, questions, json.loads(summary))]
-    for question, ref, family, messages, response_format, adversarial_of in db.execute(
-            "SELECT question, ref, family, messages, response_format, adversarial_of FROM eval_questions WHERE run_id = ? ORDER BY question",
-            (run_id,)):
-        lines.append(QuestionLine(question, ref, family, json.loads(messages), json.loads(response_format) if response_format else None,
-                                  adversarial_of, answers.get(question, [])))
+    for a in eval_runs.answers(db, run_id):
+        answers.setdefault(a.question, []).append(AnswerLine(a.target, a.tier, a.bucket, a.correct, a.cost_nanos, a.latency_s, a.answered_by))
+    lines = [RunLine("eval-run", VERSION, run.at, run.kind, run.dataset, run.questions, run.summary)]
+    for q in eval_runs.questions(db, run_id):
+        lines.append(QuestionLine(q.question, q.ref, q.family, q.messages, q.response_format, q.adversarial_of, answers.get(q.question, [])))
     encoder = msgspec.json.Encoder()
     tmp = out.with_name(out.name + ".tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -111,17 +106,11 @@ def read(path: Path) -> tuple[RunLine, list[QuestionLine]]:
     return head, questions
 
 
-def load(db: apsw.Connection, path: Path) -> int:
+def load(db: Connection, path: Path) -> int:
     """A file's run as a new run of this data directory, in one transaction; its new id."""
     head, questions = read(path)
-    with db:
-        db.execute("INSERT INTO eval_runs(at, kind, dataset, questions, summary) VALUES (?, ?, ?, ?, ?)",
-                   (head.at, head.run_kind, head.dataset, head.questions, json.dumps(head.summary)))
-        run_id = db.last_insert_rowid()
-        db.executemany("INSERT INTO eval_questions VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       [(run_id, q.question, q.ref, q.family, json.dumps(q.messages), json.dumps(q.response_format) if q.response_format else None,
-                         q.adversarial_of) for q in questions])
-        db.executemany("INSERT INTO eval_answers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                       [(run_id, q.question, a.target, a.tier, a.bucket, int(a.correct), a.cost_nanos, a.latency_s, a.answered_by)
-                        for q in questions for a in q.answers])
-    return run_id
+    return eval_runs.import_run(
+        db, eval_runs.Run(head.at, head.run_kind, head.dataset, head.questions, head.summary),
+        [eval_runs.StoredQuestion(q.question, q.ref, q.family, q.messages, q.response_format, q.adversarial_of) for q in questions],
+        [eval_runs.Answer(q.question, a.target, a.tier, a.bucket, a.correct, a.cost_nanos, a.latency_s, a.answered_by)
+         for q in questions for a in q.answers])

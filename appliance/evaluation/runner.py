@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import apsw
 import httpx
 import numpy as np
 
 from appliance.config.settings import split_tier
+from appliance.store import eval_runs
+from appliance.store.connection import Connection
+from appliance.store.eval_runs import Answer
 from policy.budgets import Price
 from policy.router import Features, Observation, buckets, features
 from policy.router_knn import FEATURE_COLUMNS, Knn, KnnSettings, feature_vector, train
@@ -35,53 +37,6 @@ from policy.router_text import embedded_text
 SYSTEM = "Solve the problem step by step, briefly. End with a last line of the form 'Answer: <number>'."
 _ANSWER = re.compile(r"answer\s*[:=]?\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
-
-
-def create_tables(db: apsw.Connection) -> None:
-    db.execute("""
-        CREATE TABLE eval_runs (
-            id INTEGER PRIMARY KEY,
-            at REAL NOT NULL,
-            kind TEXT NOT NULL,
-            dataset TEXT NOT NULL,
-            questions INTEGER NOT NULL,
-            summary TEXT NOT NULL
-        ) STRICT
-    """)
-
-
-def create_answer_table(db: apsw.Connection) -> None:
-    """Each question's result per target, kept so a calibration can be derived from a run later."""
-    db.execute("""
-        CREATE TABLE eval_answers (
-            run_id INTEGER NOT NULL REFERENCES eval_runs(id) ON DELETE CASCADE,
-            question INTEGER NOT NULL,
-            target TEXT NOT NULL,
-            tier INTEGER,
-            bucket TEXT NOT NULL,
-            correct INTEGER NOT NULL,
-            cost_nanos INTEGER NOT NULL,
-            latency_s REAL NOT NULL,
-            answered_by TEXT,
-            PRIMARY KEY (run_id, question, target)
-        ) STRICT
-    """)
-
-
-def create_question_table(db: apsw.Connection) -> None:
-    """What each question of a run asked, so a learned router can embed it later."""
-    db.execute("""
-        CREATE TABLE eval_questions (
-            run_id INTEGER NOT NULL REFERENCES eval_runs(id) ON DELETE CASCADE,
-            question INTEGER NOT NULL,
-            ref TEXT NOT NULL,
-            family TEXT NOT NULL,
-            messages TEXT NOT NULL,
-            response_format TEXT,
-            adversarial_of TEXT,
-            PRIMARY KEY (run_id, question)
-        ) STRICT
-    """)
 
 
 @dataclass(frozen=True)
@@ -193,18 +148,6 @@ def same_number(a: str | None, b: str) -> bool:
         return False
 
 
-@dataclass(frozen=True)
-class Answer:
-    question: int
-    target: str
-    tier: int | None  # the target's index among the route's tiers; None for the route itself
-    bucket: str
-    correct: bool
-    cost_nanos: int
-    latency_s: float
-    answered_by: str | None  # None: the request failed
-
-
 def summarize(answers: Sequence[Answer], n: int, route: str, tiers: Sequence[str], include_route: bool) -> dict[str, Any]:
     """Accuracy, cost, p50 latency, who answered and errors per target, from each question's answers
     (a resumed run's stored ones included)."""
@@ -301,48 +244,27 @@ def compare(summary: dict[str, Any], tiers: Sequence[str], route: str) -> dict[s
     }
 
 
-def begin(db: apsw.Connection, dataset: str, asked: Sequence[Question], tiers: Sequence[str]) -> int:
+def begin(db: Connection, dataset: str, asked: Sequence[Question], tiers: Sequence[str]) -> int:
     """A run's row and its questions, before any is asked: answers are added as they come, so a run
     cut short keeps what it measured and can be resumed (`resume`)."""
-    with db:
-        db.execute("INSERT INTO eval_runs(at, kind, dataset, questions, summary) VALUES (?, 'router', ?, ?, ?)",
-                   (time.time(), dataset, len(asked), json.dumps({"_tiers": list(tiers), "_partial": True})))
-        run_id = db.last_insert_rowid()
+    run_id = eval_runs.add_run(db, eval_runs.Run(time.time(), "router", dataset, len(asked), {"_tiers": list(tiers), "_partial": True}))
     extend(db, run_id, asked)
     return run_id
 
 
-def extend(db: apsw.Connection, run_id: int, asked: Sequence[Question]) -> None:
+def extend(db: Connection, run_id: int, asked: Sequence[Question]) -> None:
     """Questions past those a run already holds (a resumed run given a higher --limit)."""
-    with db:
-        held = db.execute("SELECT count(*) FROM eval_questions WHERE run_id = ?", (run_id,)).fetchone()[0]
-        db.executemany("INSERT INTO eval_questions VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       [(run_id, i, q.ref, q.family, json.dumps(list(q.messages)), json.dumps(q.response_format) if q.response_format else None,
-                         q.adversarial_of) for i, q in enumerate(asked) if i >= held])
-        db.execute("UPDATE eval_runs SET questions = ? WHERE id = ?", (max(held, len(asked)), run_id))
+    eval_runs.extend(db, run_id, [eval_runs.StoredQuestion(i, q.ref, q.family, list(q.messages), q.response_format, q.adversarial_of)
+                                  for i, q in enumerate(asked)])
 
 
-def record(db: apsw.Connection, run_id: int, answers: Sequence[Answer]) -> None:
-    """One question's answers, in one transaction: a question is stored whole or not at all."""
-    with db:
-        db.executemany("INSERT OR REPLACE INTO eval_answers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                       [(run_id, a.question, a.target, a.tier, a.bucket, int(a.correct), a.cost_nanos, a.latency_s, a.answered_by)
-                        for a in answers])
-
-
-def finish(db: apsw.Connection, run_id: int, summary: dict[str, Any]) -> None:
-    with db:
-        db.execute("UPDATE eval_runs SET summary = ? WHERE id = ?", (json.dumps(summary), run_id))
-
-
-def store(db: apsw.Connection, dataset: str, questions: int, summary: dict[str, Any], answers: Sequence[Answer] = (),
+def store(db: Connection, dataset: str, questions: int, summary: dict[str, Any], answers: Sequence[Answer] = (),
           asked: Sequence[Question] = ()) -> int:
     """A whole run at once (its questions must be `asked`, or `questions` many unnamed ones)."""
     run_id = begin(db, dataset, asked, summary.get("_tiers", []))
-    with db:
-        db.execute("UPDATE eval_runs SET questions = ? WHERE id = ?", (max(questions, len(asked)), run_id))
-    record(db, run_id, answers)
-    finish(db, run_id, summary)
+    eval_runs.set_questions(db, run_id, max(questions, len(asked)))
+    eval_runs.record(db, run_id, answers)
+    eval_runs.finish(db, run_id, summary)
     return run_id
 
 
@@ -363,34 +285,26 @@ class Stored:
     targets: frozenset[str] = frozenset()
 
 
-def resume(db: apsw.Connection, run_id: int, targets: Sequence[str]) -> Stored | None:
-    row = db.execute("SELECT dataset FROM eval_runs WHERE id = ?", (run_id,)).fetchone()
-    if row is None:
+def resume(db: Connection, run_id: int, targets: Sequence[str]) -> Stored | None:
+    run = eval_runs.run(db, run_id)
+    if run is None:
         return None
-    refs = tuple(r for (r,) in db.execute("SELECT ref FROM eval_questions WHERE run_id = ? ORDER BY question", (run_id,)))
+    refs = tuple(q.ref for q in eval_runs.questions(db, run_id))
     by_question: dict[int, list[Answer]] = {}
-    for values in db.execute("SELECT question, target, tier, bucket, correct, cost_nanos, latency_s, answered_by "
-                             "FROM eval_answers WHERE run_id = ?", (run_id,)):
-        a = Answer(values[0], values[1], values[2], values[3], bool(values[4]), values[5], values[6], values[7])
+    for a in eval_runs.answers(db, run_id):
         by_question.setdefault(a.question, []).append(a)
     # A failed request measured the server, not the target: that target is asked again.
     kept = {q: [a for a in found if a.answered_by is not None] for q, found in by_question.items()}
-    return Stored(row[0], refs, tuple(a for q in sorted(kept) for a in kept[q]),
+    return Stored(run.dataset, refs, tuple(a for q in sorted(kept) for a in kept[q]),
                   {q: frozenset(a.target for a in found) for q, found in kept.items()}, frozenset(targets))
 
 
-def observations(db: apsw.Connection, run_ids: list[int], tiers: tuple[str, ...]) -> list[Observation]:
+def observations(db: Connection, run_ids: list[int], tiers: tuple[str, ...]) -> list[Observation]:
     """The tiers' answers from stored runs, matched to `tiers` by alias (a run measured with other
     tiers contributes only those it shares). A request that failed (no answer) measured the server,
     not the tier's accuracy, so it is left out."""
-    found = []
-    for run_id in run_ids:
-        for target, bucket, correct, cost in db.execute(
-                "SELECT target, bucket, correct, cost_nanos FROM eval_answers "
-                "WHERE run_id = ? AND tier IS NOT NULL AND answered_by IS NOT NULL", (run_id,)):
-            if target in tiers:
-                found.append(Observation(bucket, tiers.index(target), bool(correct), cost))
-    return found
+    return [Observation(a.bucket, tiers.index(a.target), a.correct, a.cost_nanos)
+            for run_id in run_ids for a in eval_runs.tier_answers(db, run_id) if a.target in tiers]
 
 
 @dataclass(frozen=True)
@@ -406,26 +320,22 @@ class Labelled:
     adversarial_of: str | None = None
 
 
-def labelled(db: apsw.Connection, run_ids: list[int], tiers: tuple[str, ...]) -> tuple[list[Labelled], int]:
+def labelled(db: Connection, run_ids: list[int], tiers: tuple[str, ...]) -> tuple[list[Labelled], int]:
     """The questions of stored runs that every tier answered (a failed request measured the server,
     not the tier), and how many were left out for that. Runs from before questions were stored give none."""
     found, partial = [], 0
     for run_id in run_ids:
         results: dict[int, dict[str, tuple[bool, int]]] = {}
-        for question, target, correct, cost in db.execute(
-                "SELECT question, target, correct, cost_nanos FROM eval_answers "
-                "WHERE run_id = ? AND tier IS NOT NULL AND answered_by IS NOT NULL", (run_id,)):
-            results.setdefault(question, {})[target] = (bool(correct), cost)
-        for question, ref, family, messages, response_format, adversarial_of in db.execute(
-                "SELECT question, ref, family, messages, response_format, adversarial_of FROM eval_questions WHERE run_id = ? ORDER BY question",
-                (run_id,)):
-            mine = results.get(question, {})
+        for a in eval_runs.tier_answers(db, run_id):
+            results.setdefault(a.question, {})[a.target] = (a.correct, a.cost_nanos)
+        for q in eval_runs.questions(db, run_id):
+            mine = results.get(q.question, {})
             if not all(t in mine for t in tiers):
                 partial += 1
                 continue
-            kind = (json.loads(response_format) or {}).get("type") if response_format else None
-            found.append(Labelled(run_id, ref, family, tuple(json.loads(messages)), kind in ("json_object", "json_schema"),
-                                  tuple(mine[t][0] for t in tiers), tuple(mine[t][1] for t in tiers), adversarial_of))
+            kind = (q.response_format or {}).get("type")
+            found.append(Labelled(run_id, q.ref, q.family, tuple(q.messages), kind in ("json_object", "json_schema"),
+                                  tuple(mine[t][0] for t in tiers), tuple(mine[t][1] for t in tiers), q.adversarial_of))
     return found, partial
 
 
@@ -489,16 +399,6 @@ def train_knn(rows: Sequence[Labelled], settings: KnnSettings) -> Knn:
                  np.array([r.cost_nanos for r in rows], dtype=np.float64).reshape(len(rows), -1), tuple(texts), embedder, settings)
 
 
-def tiers_of(db: apsw.Connection, run_id: int) -> list[str] | None:
-    row = db.execute("SELECT summary FROM eval_runs WHERE id = ?", (run_id,)).fetchone()
-    return json.loads(row[0]).get("_tiers") if row else None
-
-
-def latest_run(db: apsw.Connection) -> int | None:
-    row = db.execute("SELECT max(run_id) FROM eval_answers").fetchone()
-    return row[0] if row else None
-
-
-def history(db: apsw.Connection, limit: int = 20) -> list[dict[str, Any]]:
-    rows = db.execute("SELECT id, at, dataset, questions, summary FROM eval_runs ORDER BY id DESC LIMIT ?", (limit,))
-    return [{"id": i, "at": at, "dataset": d, "questions": q, "summary": json.loads(s)} for i, at, d, q, s in rows]
+def tiers_of(db: Connection, run_id: int) -> list[str] | None:
+    run = eval_runs.run(db, run_id)
+    return run.summary.get("_tiers") if run else None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import apsw
 
-from appliance.store import answer_entries as cache_store, keys as keystore, kept_answers, ledger, request_log, responses
+from appliance.store import answer_entries as cache_store, eval_runs, keys as keystore, kept_answers, ledger, request_log, responses
 from appliance.store.connection import connect
 
 __all__ = ["MIGRATIONS", "Migration", "connect", "database_path", "migrate"]
@@ -31,24 +31,6 @@ def _spans_remote_parent(db: apsw.Connection) -> None:
     add_remote_parent(db)
 
 
-def _create_eval_runs(db: apsw.Connection) -> None:
-    from appliance.evaluation.runner import create_tables
-
-    create_tables(db)
-
-
-def _create_eval_answers(db: apsw.Connection) -> None:
-    from appliance.evaluation.runner import create_answer_table
-
-    create_answer_table(db)
-
-
-def _create_eval_questions(db: apsw.Connection) -> None:
-    from appliance.evaluation.runner import create_question_table
-
-    create_question_table(db)
-
-
 MIGRATIONS: tuple[Migration, ...] = (
     ("0001_request_log", request_log.create_tables),
     ("0002_api_keys", keystore.create_tables),
@@ -56,9 +38,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0004_request_log_principal", request_log.add_principal),
     ("0005_semantic_cache", cache_store.create_tables),
     ("0006_spans", _create_spans),
-    ("0007_eval_runs", _create_eval_runs),
-    ("0008_eval_answers", _create_eval_answers),
-    ("0009_eval_questions", _create_eval_questions),
+    ("0007_eval_runs", eval_runs.create_tables),
+    ("0008_eval_answers", eval_runs.create_answer_table),
+    ("0009_eval_questions", eval_runs.create_question_table),
     ("0010_spans_remote_parent", _spans_remote_parent),
     ("0011_responses", responses.create_tables),
     ("0012_kept_answers", kept_answers.create_tables),
