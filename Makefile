@@ -14,7 +14,7 @@ test: install
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
 
 bench: install
-	$(VENV)/bin/python bench/throughput.py
+	$(VENV)/bin/python -m bench.throughput
 
 clean:
 	rm -rf $(VENV)

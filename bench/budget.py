@@ -2,8 +2,8 @@
 thread and eight), the reservation's round trip through the store thread as the server makes it,
 and the added latency per request through HTTP with budgets on versus off.
 
-    .venv/bin/python bench/budget.py                 # all three parts
-    .venv/bin/python bench/budget.py --only store    # store, roundtrip, http
+    .venv/bin/python -m bench.budget                 # all three parts
+    .venv/bin/python -m bench.budget --only store    # store, roundtrip, http
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import appliance_server  # noqa: E402
 from appliance.store.db import connect, migrate  # noqa: E402
 from appliance.store.worker import StoreWorker  # noqa: E402
 from policy.budgets import Price, Reserve, ReservationPolicy  # noqa: E402
-from policy.ledger import Ledger, Payer  # noqa: E402
+from appliance.store.ledger import Ledger, Payer  # noqa: E402
+from bench.kit.server import cli, start, write_config
+from bench.kit.stats import percentile
 
 PRICE = Price.per_million(0.5, 1.5)
 POLICY = ReservationPolicy()
@@ -112,13 +110,13 @@ class Served:
     """One `appliance serve` on the bundled model with a key; budgets set at all four levels when on."""
 
     def __init__(self, enabled: bool, workdir: Path) -> None:
-        appliance_server.write_config(workdir, CONFIG.format(enabled=str(enabled).lower()))
-        self.secret = appliance_server.cli(workdir, "keys", "create", "--tenant", "acme", "--app", "web", "--user", "ann",
-                                           "--role", "dev").strip().splitlines()[-1]
+        write_config(workdir, CONFIG.format(enabled=str(enabled).lower()))
+        self.secret = cli(workdir, "keys", "create", "--tenant", "acme", "--app", "web", "--user", "ann",
+                          "--role", "dev").strip().splitlines()[-1]
         for level, name in (("user", "ann"), ("tenant", "acme"), ("app", "web"), ("global", "")):
-            appliance_server.cli(workdir, "budgets", "set", level, *([name] if name else []), "--usd", "1000", "--period", "month")
-        self.proc, self.base = appliance_server.start(workdir)
-        self.client = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {self.secret}"}, timeout=30)
+            cli(workdir, "budgets", "set", level, *([name] if name else []), "--usd", "1000", "--period", "month")
+        self.server = start(workdir)
+        self.client = httpx.Client(base_url=self.server.base, headers={"Authorization": f"Bearer {self.secret}"}, timeout=30)
 
     def one(self) -> float:
         body = {"model": "m", "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 1, "temperature": 0}
@@ -130,13 +128,18 @@ class Served:
 
     def close(self) -> None:
         self.client.close()
-        appliance_server.stop(self.proc)
+        self.server.stop()
 
 
 def http_pair(n: int, workdir: Path) -> tuple[list[float], list[float]]:
     """Two servers up at once, budgets off and on, taking turns request by request, so that drift
     in the machine's speed lands on both alike. Sequential one-token chat requests."""
-    off, on = Served(False, workdir / "off"), Served(True, workdir / "on")
+    off = Served(False, workdir / "off")
+    try:
+        on = Served(True, workdir / "on")
+    except BaseException:
+        off.close()
+        raise
     try:
         times_off, times_on = [], []
         for i in range(n + 20):
@@ -151,8 +154,7 @@ def http_pair(n: int, workdir: Path) -> tuple[list[float], list[float]]:
 
 
 def ms(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+    return (percentile(values, q) or 0.0) * 1000
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """What the semantic cache costs and saves: lookup latency in a store of 100,000 entries over 100
 buckets, the embedder's latency, and a hit through HTTP against the model call it replaces.
 
-    .venv/bin/python bench/cache.py [--entries 100000] [--buckets 100] [--json PATH]
+    .venv/bin/python -m bench.cache [--entries 100000] [--buckets 100] [--json PATH]
 """
 
 from __future__ import annotations
@@ -17,20 +17,16 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import appliance_server  # noqa: E402
-
-from appliance.semantic_cache import bundled_minilm  # noqa: E402
+from appliance.answer_cache import bundled_minilm  # noqa: E402
 from appliance.store.db import connect, migrate  # noqa: E402
-from policy.cache import Bucket, CachePolicy, judge_candidates, question_hash  # noqa: E402
-from policy.cache_store import CacheStore  # noqa: E402
+from policy.answer_cache import Bucket, CachePolicy, judge_candidates, question_hash  # noqa: E402
+from appliance.store.answer_entries import CacheStore  # noqa: E402
+from bench.kit.server import start, write_config
+from bench.kit.stats import percentile
 
 
 def ms(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+    return (percentile(values, q) or 0.0) * 1000
 
 
 def fill(store: CacheStore, entries: int, buckets: int, rng: np.random.Generator) -> list[str]:
@@ -96,10 +92,10 @@ price_output_per_mtok = 0.04
 def http(n: int, workdir: Path, max_tokens: int) -> tuple[dict[str, list[float]], float]:
     """Latencies by kind of request, and /metrics' cost-weighted hit rate on verified answers after
     them (the first answer is rated good, so every hit is on a verified answer)."""
-    appliance_server.write_config(workdir, CONFIG)
-    proc, base = appliance_server.start(workdir)
+    write_config(workdir, CONFIG)
+    server = start(workdir)
     try:
-        client = httpx.Client(base_url=base, timeout=60)
+        client = httpx.Client(base_url=server.base, timeout=60)
 
         def ask(question: str, headers: dict[str, str] | None = None) -> tuple[float, str]:
             body = {"model": "m", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0}
@@ -127,7 +123,7 @@ def http(n: int, workdir: Path, max_tokens: int) -> tuple[dict[str, list[float]]
         found = re.search(r"^appliance_cache_cost_weighted_verified_hit_rate (\S+)$", client.get("/metrics").text, re.MULTILINE)
         return out, float(found.group(1)) if found else float("nan")
     finally:
-        appliance_server.stop(proc)
+        server.stop()
 
 
 def main() -> int:

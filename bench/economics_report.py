@@ -7,6 +7,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from bench.kit.stats import percentile
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -35,14 +37,6 @@ class PassFigures:
     answered_by: tuple[tuple[str, int], ...]
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
-
-
 def figures(name: str, outcomes: Sequence[Outcome], ledger_nanos: int | None = None) -> PassFigures:
     families: dict[str, list[bool]] = {}
     answered: dict[str, int] = {}
@@ -53,7 +47,7 @@ def figures(name: str, outcomes: Sequence[Outcome], ledger_nanos: int | None = N
     cost = ledger_nanos if ledger_nanos is not None else sum(o.cost_nanos for o in outcomes)
     return PassFigures(
         name, len(outcomes), sum(o.correct for o in outcomes) / len(outcomes) if outcomes else 0.0, cost,
-        statistics.median(latencies) if latencies else 0.0, percentile(latencies, 0.95),
+        statistics.median(latencies) if latencies else 0.0, percentile(latencies, 0.95, method="nearest") or 0.0,
         tuple((f, sum(v) / len(v), len(v)) for f, v in sorted(families.items())),
         tuple(sorted(answered.items(), key=lambda kv: -kv[1])),
     )

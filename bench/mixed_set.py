@@ -2,26 +2,23 @@
 turns with GSM8K word problems. On GSM8K alone every question needs the frontier tier; a real
 workload mixes in questions the smallest tier answers, and that is where routing saves.
 
-    .venv/bin/python bench/mixed_set.py --gsm8k 12 > /tmp/mixed.jsonl
-    appliance eval router --config bench/fleet.toml --file /tmp/mixed.jsonl --limit 24
+    .venv/bin/python -m bench.mixed_set --gsm8k 12 > /tmp/mixed.jsonl
+    appliance eval router --config bench/fleets/fleet.toml --file /tmp/mixed.jsonl --limit 24
 
 A calibration (`appliance eval calibrate`) is measured on a held-out part, never on the questions
 it is then evaluated on:
 
-    .venv/bin/python bench/mixed_set.py --part calibration --gsm8k 16 > /tmp/calibration.jsonl
-    appliance eval router --config bench/fleet.toml --file /tmp/calibration.jsonl --limit 32 --tiers-only
-    appliance eval calibrate --config bench/fleet.toml --out bench/fleet-calibration.toml
+    .venv/bin/python -m bench.mixed_set --part calibration --gsm8k 16 > /tmp/calibration.jsonl
+    appliance eval router --config bench/fleets/fleet.toml --file /tmp/calibration.jsonl --limit 32 --tiers-only
+    appliance eval calibrate --config bench/fleets/fleet.toml --out bench/fleets/fleet-calibration.toml
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from appliance.evaluate import gsm8k  # noqa: E402
+from appliance.evaluation.runner import gsm8k  # noqa: E402
 
 EASY = [
     ("What is 7 + 5?", 12), ("How many days are in a week?", 7), ("How many legs does a spider have?", 8),

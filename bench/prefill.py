@@ -9,9 +9,9 @@ sampled token (not the time to the first chunk: ours sends the role's chunk befo
 Reported per length: prompt tokens per second (the server's own usage count / time to first
 token), the median over rounds, the spread (min-max), and ours / peer.
 
-    .venv/bin/python bench/prefill.py                                  # 1k, 4k, 8k tokens, 3 rounds
-    .venv/bin/python bench/prefill.py --lengths 1024 --rounds 5
-    .venv/bin/python bench/prefill.py --variant invariant:"batch_invariant = true"   # another config of ours, same run
+    .venv/bin/python -m bench.prefill                                  # 1k, 4k, 8k tokens, 3 rounds
+    .venv/bin/python -m bench.prefill --lengths 1024 --rounds 5
+    .venv/bin/python -m bench.prefill --variant invariant:"batch_invariant = true"   # another config of ours, same run
 
 A variant is `NAME:TOML` (keys added to ours' [[models]] table); each variant is one more server of
 ours in the same rotation. Cache off everywhere: the semantic cache is not what this measures.
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import (  # noqa: E402  (a sibling script, not a package)
-    ALIAS, PACKAGE_FILE, VENV_BIN, Server, build_llama_server, cache_root, code_state, free_port, log, long_prompt, machine,
-    model_file,
-)
+from bench.kit.load import long_prompt
+from bench.kit.machine import code_state, log, machine
+from bench.kit.peers import ALIAS, PACKAGE_FILE, VENV_BIN, build_llama_server, cache_root, model_file
+from bench.kit.server import Server, free_port
+from bench.kit.stats import median, spread
 
 def ours(name: str, tmp: Path, logs: Path, model: Path | None, slots: int, context: int, threads: int, extra: str,
          env: dict[str, str]) -> Server:
@@ -64,15 +64,6 @@ def prefill(server: Server, text: str) -> tuple[int, float]:
     seconds = time.perf_counter() - started
     response.raise_for_status()
     return response.json()["usage"]["prompt_tokens"], seconds
-
-
-def spread(values: list[float]) -> str:
-    return f"{min(values):.0f}-{max(values):.0f}" if values else "-"
-
-
-def median(values: list[float]) -> float:
-    s = sorted(values)
-    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
 
 
 def main() -> int:

@@ -12,8 +12,8 @@ With --tenants N it measures what scoping reuse to the tenant costs instead (iss
 second one; the server runs twice, with prefix_sharing = "tenant" (the default) and "all". It prints
 the prompt tokens computed (not reused) and TTFT per round.
 
-    .venv/bin/python bench/prefix.py [--model-file PATH] [--rounds 5]
-    .venv/bin/python bench/prefix.py --tenants 4
+    .venv/bin/python -m bench.prefix [--model-file PATH] [--rounds 5]
+    .venv/bin/python -m bench.prefix --tenants 4
 """
 
 from __future__ import annotations
@@ -23,15 +23,13 @@ import asyncio
 import json
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.appliance_server import ENGINE_ONLY, cli, start, stop, write_config  # noqa: E402
+from bench.kit.server import ENGINE_ONLY, cli, start, write_config
 
 # About 1,500 tokens with SmolLM2's tokenizer; the bench prints the exact count.
 SYSTEM = (
@@ -122,15 +120,15 @@ def tenants_bench(args: argparse.Namespace) -> None:
         for sharing in ("tenant", "all"):
             work = Path(tmp) / sharing
             write_config(work, config(args.model_file, True, sharing))
-            proc, base = start(work)
+            server = start(work)
             try:
                 keys = [cli(work, "keys", "create", "--tenant", f"t{i}", "--app", "bench", "--user", "u", "--role", "dev").strip().splitlines()[-1]
                         for i in range(args.tenants)]
                 began = time.monotonic()
-                results[sharing] = asyncio.run(measure_tenants(base, keys, args.max_tokens))
+                results[sharing] = asyncio.run(measure_tenants(server.base, keys, args.max_tokens))
                 print(f"[{sharing}: measured in {time.monotonic() - began:.0f} s]", flush=True)
             finally:
-                stop(proc)
+                server.stop()
     print(f"{args.tenants} tenants, one after another, the same {results['tenant'][0][0][1]}-token prompt (system + question); "
           f"{args.max_tokens} tokens out")
     print(f"{'prefix_sharing':<16}{'round':>6}{'computed':>10}{'reused':>8}{'TTFT first':>12}{'TTFT others p50':>17}")
@@ -157,13 +155,13 @@ def main() -> None:
         for name, on in (("on", True), ("off", False)):
             work = Path(tmp) / name
             write_config(work, config(args.model_file, on))
-            proc, base = start(work)
+            server = start(work)
             try:
                 began = time.monotonic()
-                results[name] = asyncio.run(measure(base, args.rounds, args.max_tokens))
+                results[name] = asyncio.run(measure(server.base, args.rounds, args.max_tokens))
                 print(f"[{name}: measured in {time.monotonic() - began:.0f} s]", flush=True)
             finally:
-                stop(proc)
+                server.stop()
     on, off = results["on"], results["off"]
     print(f"prompt: {on['prompt_tokens']} tokens; {args.max_tokens} tokens out")
     print(f"{'prefix cache':<14}{'cold TTFT':>11}{'warm TTFT':>11}{'warm/cold':>11}{'p50 @8':>10}{'p95 @8':>10}{'hit ratio':>11}")

@@ -3,7 +3,7 @@
 cheaper tiers' programs give the same one; otherwise the frontier's program answers. Both cheap
 programs are paid for on every problem, so this saves only if they agree often and rightly.
 
-    .venv/bin/python bench/program_agreement.py \\
+    .venv/bin/python -m bench.program_agreement \\
         --answers bench/runs/word-problem-programs/answers.jsonl \\
         --answers bench/runs/word-problem-programs/first-student.jsonl=first-student \\
         --pair qwen-0.5b,qwen-0.5b:distilled --pair first-student,qwen-0.5b:distilled
@@ -13,21 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
-
-from family_threshold import items as workload_items  # noqa: E402
-from word_problem_programs import judged, stated_number  # noqa: E402
-
-from appliance.evaluate import load_checker  # noqa: E402
+from appliance.evaluation.runner import load_checker  # noqa: E402
 from policy.programs import NotStraightLine  # noqa: E402
+from bench.family_threshold import items as workload_items
+from bench.kit.paths import CHECKER
+from bench.word_problem_programs import judged, stated_number
 
 
 def number(reply: str) -> str | None:
@@ -77,7 +72,7 @@ def main() -> int:
     parser.add_argument("--frontier", default="qwen-1.5b")
     parser.add_argument("--family", default="gsm8k")
     args = parser.parse_args()
-    check = load_checker(ROOT / "bench" / "workload" / "check.py")
+    check = load_checker(CHECKER)
     records = {r["id"]: r for r in workload_items([args.family], ["development", "calibration"])}
     kept: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     for spec in args.answers:

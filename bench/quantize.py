@@ -1,28 +1,26 @@
 """Quantization types side by side: file size, decode speed and a quality proxy per type.
 
-For each source model, `appliance.model_admin.quantize` writes each type into a scratch folder;
+For each source model, `appliance.fleet.admin.quantize` writes each type into a scratch folder;
 then the source and every output run the same greedy prompts in our engine (one slot). Quality
 proxy: the share of greedy tokens that agree with the source's, position by position until the
 first disagreement counts as agreement ("prefix agreement"), averaged over the prompts. The sources
 here are already quantized (Q4_1, Q4_K_M): the table shows what each requantization keeps of the
 source, not of the original float weights.
 
-    .venv/bin/python bench/quantize.py [--types Q8_0,Q5_K_M,Q4_K_M,Q4_0] [--tokens 64]
+    .venv/bin/python -m bench.quantize [--types Q8_0,Q5_K_M,Q4_K_M,Q4_0] [--tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from appliance.model_admin import file_type, quantize  # noqa: E402
-from appliance.model_files import package_file  # noqa: E402
-from engines.base import GenerationRequest, SamplingParams, TokenEvent  # noqa: E402
+from appliance.fleet.admin import file_type, quantize  # noqa: E402
+from appliance.fleet.files import package_file  # noqa: E402
+from engines.interface import GenerationRequest, SamplingParams, TokenEvent  # noqa: E402
 from engines.llamacpp.engine import LlamaCppConfig, LlamaCppEngine  # noqa: E402
 
 PROMPTS = [

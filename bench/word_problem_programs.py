@@ -7,10 +7,10 @@ often as its worked answers: fewer tokens, and arithmetic that cannot slip. Cali
 development items only; the tiers' worked answers come from an `appliance eval export` of the same
 split, or from a learned route's table (`--table`: the calibration split's labelled rows, by text).
 
-    .venv/bin/python bench/word_problem_programs.py --split development \\
+    .venv/bin/python -m bench.word_problem_programs --split development \\
         --run bench/runs/eval/development-tiers.jsonl --workdir bench/runs/word-problem-programs
-    .venv/bin/python bench/word_problem_programs.py --split calibration \\
-        --table bench/fleet-learned.toml --workdir bench/runs/word-problem-programs
+    .venv/bin/python -m bench.word_problem_programs --split calibration \\
+        --table bench/fleets/fleet-learned.toml --workdir bench/runs/word-problem-programs
 """
 
 from __future__ import annotations
@@ -24,17 +24,14 @@ from typing import Any
 import httpx
 import tomlkit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))  # first: bench/engines.py must not hide the engines package
-
-from appliance_server import fleet_document, fleet_prices, start, stop, write_config  # noqa: E402
-from family_threshold import items as workload_items, stored  # noqa: E402
-
-from appliance import calibration_file, eval_file  # noqa: E402
-from appliance.evaluate import load_checker  # noqa: E402
+from appliance.evaluation import calibration_file, eval_file  # noqa: E402
+from appliance.evaluation.runner import load_checker  # noqa: E402
 from policy.programs import FORM_ROLES, PROMPT, NotStraightLine, number_text, program_of, straight_line  # noqa: E402
 from policy.router_text import embedded_text  # noqa: E402
+from bench.family_threshold import items as workload_items, stored
+from bench.kit.fleet import fleet_document, fleet_prices
+from bench.kit.paths import CHECKER, FLEETS
+from bench.kit.server import start, write_config
 
 def model_of(tier: str) -> str:
     """A tier's fleet model: `qwen-0.5b:programs` is qwen-0.5b with its adapter."""
@@ -71,7 +68,7 @@ def worked_answers(run: Path | None, table: Path | None, items: list[dict[str, A
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fleet", type=Path, default=ROOT / "bench" / "fleet.toml")
+    parser.add_argument("--fleet", type=Path, default=FLEETS / "fleet.toml")
     parser.add_argument("--tier", action="append",
                         help="default: qwen-0.5b and qwen-1.5b; ALIAS:ADAPTER for a fleet model's adapter (its worked answers "
                              "are taken to be the model's own, as the export has no others)")
@@ -83,7 +80,7 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, required=True)
     args = parser.parse_args()
     tiers = args.tier or ["qwen-0.5b", "qwen-1.5b"]
-    check = load_checker(ROOT / "bench" / "workload" / "check.py")
+    check = load_checker(CHECKER)
     items = workload_items([args.family], [args.split])
     worked = worked_answers(args.run, args.table, items)
     items = [r for r in items if r["id"] in worked]
@@ -94,9 +91,9 @@ def main() -> int:
     todo = [(r, t) for t in tiers for r in items if (r["id"], t) not in done]
     if todo:
         write_config(args.workdir, tomlkit.dumps(fleet))
-        proc, base = start(args.workdir)
+        server = start(args.workdir)
         try:
-            with httpx.Client(base_url=base, timeout=900, headers={"Cache-Control": "no-store"}) as client, answers.open("a") as out:
+            with httpx.Client(base_url=server.base, timeout=900, headers={"Cache-Control": "no-store"}) as client, answers.open("a") as out:
                 for n, (record, tier) in enumerate(todo):
                     messages = [{"role": "system", "content": PROMPT}, *(m for m in record["messages"] if m["role"] not in FORM_ROLES)]
                     reply = client.post("/v1/chat/completions", json={"model": tier, "messages": messages, "max_tokens": record["max_tokens"],
@@ -112,7 +109,7 @@ def main() -> int:
                     done[(record["id"], tier)] = row
                     print(f"{n + 1}/{len(todo)} {tier} {record['id']} {judged(record, row['reply'], check)}", file=sys.stderr)
         finally:
-            stop(proc)
+            server.stop()
     frontier = list(prices)[-1]  # the fleet's dearest model comes last
     bill = sum(worked[r["id"]][frontier][1] for r in items)
     print(f"{len(items)} {args.family} items of the {args.split} split; costs as shares of {frontier}'s worked answers' bill")

@@ -3,7 +3,6 @@ the real embedder."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -231,8 +230,7 @@ def test_judging_candidates() -> None:
 def test_the_labelled_set_at_the_default_threshold() -> None:
     """False hits and paraphrase recall on the report half, with the real embedder and guards
     (measured: recall 67.6%, false hits 1.5%, typo pairs served 95%; asserted with margins)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import cache_quality
+    from bench import cache_quality
 
     from appliance.config.settings import CacheSettings
 
@@ -255,8 +253,7 @@ def test_the_later_tuning_sets_at_the_defaults(name: str, most_traps: float, lea
     """tests/data/cache_pairs_{tune2,tune3,heldout}.jsonl (300, 240 and 322 pairs written apart from the
     guards, then tuned on; the last was the held-out set until 2026-12-04): measured traps served 0/150,
     4/120 (3.3%) and 1/193 (0.5%), paraphrases 67%, 68% and 58%; asserted with margins."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import cache_quality
+    from bench import cache_quality
 
     pairs = cache_quality.load_pairs(Path(__file__).resolve().parent / "data" / f"cache_pairs_{name}.jsonl")
     cache_quality.embed_pairs(pairs, augment=False)

@@ -140,7 +140,7 @@ def test_local_and_upstream_models_are_separate_types() -> None:
 
 def test_what_the_writer_writes_the_reader_reads_back() -> None:
     """Every model in the repository's configs, written as TOML from its declaration, reads back equal."""
-    for path in [ROOT / "models.toml", ROOT / "bench" / "fleet.toml"]:
+    for path in [ROOT / "models.toml", ROOT / "bench" / "fleets" / "fleet.toml"]:
         for i, model in enumerate(load_settings(path).models):
             assert isinstance(model, LocalModel)
             assert decode(LocalModel, to_toml(model), f"models[{i}]", Where(str(path), path.resolve().parent)) == model

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,20 +17,15 @@ from typing import Any
 import jsonschema
 import pytest
 
+from bench.workload import distill_classification, distill_extraction, distill_traffic, sources
+from tests.test_workload import wc  # the workload's checker, loaded once
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "bench" / "workload"
 FIELDS = ["id", "split", "order", "family", "tenant", "messages", "max_tokens", "response_format", "check", "group",
           "cache", "cache_of", "trap_kind", "adversarial"]
 N = 600
 RUN = 6  # words in a row that a generated text may not share with a hand-written one
-
-
-from tests.test_workload import wc  # noqa: E402  (the workload's checker, loaded once)
-sys.path.insert(0, str(WORKLOAD))
-import distill_classification  # noqa: E402
-import distill_extraction  # noqa: E402
-import distill_traffic  # noqa: E402
-import sources  # noqa: E402
 
 RECORDS = {family: distill_traffic.records(family, N, 0) for family in distill_traffic.FAMILIES}
 TENANTS = sources.tenants()

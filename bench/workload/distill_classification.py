@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from distill_words import fill, person
+from bench.workload.distill_words import fill, person
 
 # (tenant, prompt) -> label -> templates
 TEMPLATES: dict[tuple[str, str], dict[str, list[str]]] = {

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from distill_words import CA_CITIES, CITIES, PRODUCTS, STREETS, US_CITIES, count_text, date_text, fill, person, random_date, spoken
+from bench.workload.distill_words import CA_CITIES, CITIES, PRODUCTS, STREETS, US_CITIES, count_text, date_text, fill, person, random_date, spoken
 
 Draw = Callable[[random.Random], tuple[dict[str, Any], dict[str, Any]]]  # -> (gold, slot values)
 

@@ -3,7 +3,7 @@ the economics workload's (same tenants, system prompts, label sets, JSON Schemas
 format and checks), but none of its items; and word problems, GSM8K's problems that the workload
 did not draw (the same tenant, prompt and check):
 
-    python bench/workload/distill_traffic.py --family classification --n 600 --seed 0 --out FILE.jsonl
+    .venv/bin/python -m bench.workload.distill_traffic --family classification --n 600 --seed 0 --out FILE.jsonl
 
 The cheap tier is trained on the frontier tier's verified answers to these, then scored on the
 workload's evaluation split, so the split must stay held out. Every text here comes from the
@@ -22,12 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import build  # noqa: E402
-import distill_classification  # noqa: E402
-import distill_extraction  # noqa: E402
-import sources  # noqa: E402
+from bench.workload import build, distill_classification, distill_extraction, sources
 
 FAMILIES = ("classification", "extraction", "gsm8k")
 SPLIT = "distill"

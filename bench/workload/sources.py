@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import arithmetic
+from bench.workload import arithmetic
 
 HERE = Path(__file__).resolve().parent
 HANDWRITTEN = HERE / "handwritten"
-ROOT = HERE.parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 LONG_TOKENS = 384  # GSM8K and code: room for the reasoning or the function
 SHORT_TOKENS = 128
@@ -63,7 +59,7 @@ def adversarial_templates() -> list[dict[str, str]]:
 
 def gsm8k(count: int, seed: int) -> list[Item]:
     """`count` problems drawn at random from GSM8K's test split (past the first GSM8K_SKIP)."""
-    from appliance.evaluate import gsm8k as read_gsm8k
+    from appliance.evaluation.runner import gsm8k as read_gsm8k
 
     pairs = read_gsm8k(10**6)
     chosen = sorted(random.Random(seed).sample(range(GSM8K_SKIP, len(pairs)), count))
@@ -77,7 +73,7 @@ def gsm8k_key(index: int) -> str:
 
 def gsm8k_unused(drawn: set[str]) -> list[tuple[str, str]]:
     """GSM8K's problems past GSM8K_SKIP that no item in `drawn` (their keys) took: (question, answer)."""
-    from appliance.evaluate import gsm8k as read_gsm8k
+    from appliance.evaluation.runner import gsm8k as read_gsm8k
 
     pairs = read_gsm8k(10**6)
     return [pairs[i] for i in range(GSM8K_SKIP, len(pairs)) if gsm8k_key(i) not in drawn]

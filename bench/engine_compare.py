@@ -12,7 +12,7 @@ Prints the ratios the MLX issue sets targets for on Apple silicon (MLX at 8 clie
 1-client aggregate; ours >= mlx-lm's server). Off Apple silicon MLX runs on the CPU (`mlx[cpu]`):
 the correctness path, reported without a target. Runs unchanged on a Mac.
 
-    .venv/bin/python bench/engines.py [--tokens 48] [--skip-http]
+    .venv/bin/python -m bench.engine_compare [--tokens 48] [--skip-http]
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,10 +27,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from appliance.model_files import package_file  # noqa: E402
-from bench.appliance_server import ENGINE_ONLY, free_port, start, stop, wait_until_up, write_config  # noqa: E402
-from engines.base import GenerationRequest, SamplingParams, TokenEvent  # noqa: E402
+from appliance.fleet.files import package_file  # noqa: E402
+from bench.kit.server import ENGINE_ONLY, Server, free_port, start, write_config
+from engines.interface import GenerationRequest, SamplingParams, TokenEvent  # noqa: E402
 
 QUESTIONS = ["Write a short poem about the sea.", "Explain photosynthesis to a child.", "Give me a recipe for pancakes.",
              "Why is the sky blue?", "Describe a busy market.", "What makes a good friend?", "How do bees make honey?",
@@ -95,17 +92,12 @@ async def http_load(base: str, model: str, clients: int, n: int) -> tuple[float,
         return sum(c for c, _ in results) / elapsed, sorted(t for _, t in results)[len(results) // 2]
 
 
-def mlx_lm_server(folder: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def mlx_lm_server(folder: Path, log: Path) -> Server:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(port),
-                             "--decode-concurrency", "8", "--log-level", "WARNING"], stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(proc, f"{base}/v1/models", 300, "mlx_lm.server did not start")
-    except RuntimeError as exc:
-        raise RuntimeError(f"{exc}:\n{log.read_text()}") from None
-    return proc, base
+    server = Server("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(port),
+                                      "--decode-concurrency", "8", "--log-level", "WARNING"], port, "/v1/models", str(folder), log_path=log)
+    server.start(300)
+    return server
 
 
 def main() -> None:
@@ -140,14 +132,14 @@ def main() -> None:
             write_config(work, f'{ENGINE_ONLY}\n[[models]]\nalias = "m"\nengine = "mlx"\npath = "{folder}"\nslots = 8\n'
                                'context_length = 2048\n')
             for name in ("appliance (mlx)", "mlx_lm.server"):
-                proc, base = start(work) if name.startswith("appliance") else mlx_lm_server(folder, Path(tmp) / "mlx_lm.log")
+                server = start(work) if name.startswith("appliance") else mlx_lm_server(folder, Path(tmp) / "mlx_lm.log")
                 try:
                     for clients in (1, 8):
-                        rate, ttft = asyncio.run(http_load(base, "m" if name.startswith("appliance") else str(folder), clients, args.tokens))
+                        rate, ttft = asyncio.run(http_load(server.base, "m" if name.startswith("appliance") else str(folder), clients, args.tokens))
                         http_rows.append((name, clients, rate, ttft))
                         print(f"[{name} @{clients}: {rate:.1f} tok/s, TTFT p50 {ttft * 1000:.0f} ms]", flush=True)
                 finally:
-                    stop(proc) if name.startswith("appliance") else (proc.terminate(), proc.wait(30))
+                    server.stop()
 
     print(f"\nengine only, {args.tokens} tokens greedy\n{'engine':<12}{'clients':>8}{'tok/s':>8}{'TTFT p50':>10}")
     for name, clients, rate, ttft in engine_rows:
