@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from appliance.api.choices import choice_request, total_finish
+from appliance.pipeline.choices import choice_request, total_finish
 from engines.interface import FinishEvent, GenerationRequest, SamplingParams, Usage
 
 

@@ -480,7 +480,7 @@ def test_train_request_errors_name_the_parameter(served: Server) -> None:
 
 def test_nothing_the_server_imports_pulls_in_the_trainer() -> None:
     """Serving stays light: the training stack is imported by the worker process alone."""
-    code = ("import sys, appliance.server.app, appliance.cli.main, appliance.api.distill_routes, appliance.train.job; "
+    code = ("import sys, appliance.server.app, appliance.cli.main, appliance.http.distill, appliance.train.job; "
             "print(sorted(m for m in ('torch', 'peft', 'transformers', 'accelerate', 'gguf') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent)
     assert out.stdout.strip() == "[]"

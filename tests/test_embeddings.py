@@ -15,8 +15,8 @@ import openai
 import pytest
 from gguf import PoolingType
 
-from appliance.api.embeddings import MAX_INPUTS, inputs_of
-from appliance.api.errors import APIError
+from appliance.http.embeddings import MAX_INPUTS, inputs_of
+from appliance.http.errors import APIError
 from appliance.config.settings import ConfigError, parse_settings
 from engines.interface import ContextLengthExceeded, EngineError
 from engines.embedding import check_lengths, finish, pack, pool, resolve_pooling

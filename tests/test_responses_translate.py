@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from appliance.api.errors import APIError
-from appliance.api.responses_translate import (
+from appliance.http.errors import APIError
+from appliance.wire.responses_input import (
     chat_tool_choice,
     chat_tools,
     conversation_turn,
@@ -19,7 +19,7 @@ from appliance.api.responses_translate import (
     responses_param,
     to_chat,
 )
-from appliance.api.schemas import ResponsesRequest
+from appliance.wire.schemas import ResponsesRequest
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
 
@@ -134,8 +134,8 @@ def test_chat_parameter_names_read_as_the_responses_fields() -> None:
 
 
 def _wire(saved: list) -> Any:
-    from appliance.api.responses_render import Echo, ResponsesWire
-    from appliance.api.translate import Prepared
+    from appliance.wire.responses import Echo, ResponsesWire
+    from appliance.pipeline.prepare import Prepared
     from engines.interface import GenerationRequest
 
     echo = Echo.of(request(instructions="Be brief."), 0.0, 1.0)
@@ -219,8 +219,8 @@ def test_a_tool_parameter_reads_as_the_flat_responses_tool() -> None:
 
 
 def test_penalties_reach_the_chat_request_and_are_echoed() -> None:
-    from appliance.api.responses_render import Echo, ResponsesWire
-    from appliance.api.translate import Prepared
+    from appliance.wire.responses import Echo, ResponsesWire
+    from appliance.pipeline.prepare import Prepared
     from engines.interface import GenerationRequest
 
     body = request(frequency_penalty=0.5, presence_penalty=-0.25)

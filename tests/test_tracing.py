@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
+from appliance.wire.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.server.tracing import attribute_name, request_attributes
 from tests.conftest import CHAT_MODEL, config_text, free_port, start_server, stop_server
 

@@ -16,19 +16,10 @@ from litestar.types import Message, Scope
 
 from appliance import __version__
 from appliance.answer_cache import SemanticCache
-from appliance.api import (
-    admin_routes,
-    cache_routes,
-    distill_routes,
-    embeddings,
-    fleet_routes,
-    model_routes,
-    openai_routes,
-    responses_routes,
-)
-from appliance.api.common import authenticate
-from appliance.api.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
-from appliance.api.headers import response_headers
+from appliance.http import admin, cache, distill, embeddings, fleet, models, openai, responses
+from appliance.http.prologue import authenticate
+from appliance.http.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
+from appliance.http.headers import response_headers
 from appliance.config.settings import Settings
 from appliance.fleet.registry import Registry
 from appliance.gate import Gate
@@ -44,13 +35,13 @@ log = logging.getLogger("appliance")
 
 @get("/health", sync_to_thread=False)
 def health(services: Services) -> dict[str, Any]:
-    models = {}
+    loaded = {}
     for m in services.registry.all():
         stats = m.engine.stats()
-        models[m.settings.alias] = {"slots_total": stats.slots_total, "slots_busy": stats.slots_busy, "queue_depth": stats.queue_depth}
+        loaded[m.settings.alias] = {"slots_total": stats.slots_total, "slots_busy": stats.slots_busy, "queue_depth": stats.queue_depth}
         if stats.upstreams:
-            models[m.settings.alias]["upstreams"] = {u.name: {"breaker": u.breaker, "healthy": u.healthy} for u in stats.upstreams}
-    return {"status": "ok", "version": __version__, "uptime_s": round(time.time() - services.started_at, 3), "models": models}
+            loaded[m.settings.alias]["upstreams"] = {u.name: {"breaker": u.breaker, "healthy": u.healthy} for u in stats.upstreams}
+    return {"status": "ok", "version": __version__, "uptime_s": round(time.time() - services.started_at, 3), "models": loaded}
 
 
 @get("/metrics")
@@ -91,8 +82,8 @@ def build_services(settings: Settings, registry: Registry, read_at_start: Settin
     store = StoreWorker(db_path, synchronous=settings.server.sqlite_synchronous)
     gate = Gate(settings, store, metrics_)
     tracing = Tracing(settings.tracing, db_path, settings.server.sqlite_synchronous, join_callers=settings.auth.mode == "open")
-    cache = SemanticCache(settings.cache, db_path, registry, metrics_, settings.server.sqlite_synchronous, tracing)
-    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate, cache, tracing,
+    answers = SemanticCache(settings.cache, db_path, registry, metrics_, settings.server.sqlite_synchronous, tracing)
+    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate, answers, tracing,
                     read_at_start=read_at_start)
 
 
@@ -116,9 +107,8 @@ def create_app(services: Services) -> Litestar:
     return Litestar(
         route_handlers=[
             health, metrics,
-            openai_routes.list_models, openai_routes.retrieve_model, openai_routes.chat_completions,
-            openai_routes.completions, embeddings.embeddings, *responses_routes.ROUTES, *admin_routes.ROUTES, *cache_routes.ROUTES, *model_routes.ROUTES,
-            *fleet_routes.ROUTES, *distill_routes.ROUTES,
+            *openai.ROUTES, *embeddings.ROUTES, *responses.ROUTES, *admin.ROUTES, *cache.ROUTES, *models.ROUTES, *fleet.ROUTES,
+            *distill.ROUTES,
         ],
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},

@@ -17,7 +17,7 @@ import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from appliance.api.errors import APIError
+from appliance.http.errors import APIError
 
 log = logging.getLogger("appliance")
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import uvicorn
 
-from appliance.api.errors import envelope_when_cut
+from appliance.http.errors import envelope_when_cut
 from appliance.config.settings import ServerSettings, Settings
 from appliance.fleet.files import ModelFileError
 from appliance.fleet.registry import Registry

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from appliance.answer_cache import SemanticCache, bundled_minilm
-from appliance.api.translate import Prepared
+from appliance.pipeline.prepare import Prepared
 from appliance.config.settings import Settings
 from appliance.fleet.embedders import OnDemand
 from appliance.fleet.registry import LoadedModel, Registry

@@ -10,9 +10,9 @@ from typing import Any
 
 import msgspec
 
-from appliance.api.choices import Collected
-from appliance.api.errors import APIError
-from appliance.api.responses_translate import (
+from appliance.pipeline.choices import Collected
+from appliance.http.errors import APIError
+from appliance.wire.responses_input import (
     Message,
     conversation_turn,
     function_call_events,
@@ -22,8 +22,8 @@ from appliance.api.responses_translate import (
     output_items,
     output_text_part,
 )
-from appliance.api.schemas import ResponsesRequest
-from appliance.api.translate import Prepared
+from appliance.wire.schemas import ResponsesRequest
+from appliance.pipeline.prepare import Prepared
 from appliance.prompt.tool_calls import ToolCall, argument_pieces, parse
 from engines.interface import FinishEvent, TokenLogprob
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions
-(/v1/embeddings: appliance/api/embeddings.py)."""
+(/v1/embeddings: appliance/http/embeddings.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ from typing import Any
 
 from litestar import Request, Response, get, post
 
-from appliance.api import call, render
-from appliance.api.common import authenticate, decode_body
-from appliance.api.errors import APIError
-from appliance.api.headers import new_request_id
-from appliance.api.flow import annotate_principal, guard, model_with_adapters, serve_chat
-from appliance.api.routed import route_meta
-from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
-from appliance.api.translate import prepare_completion, with_adapters
+from appliance.pipeline import call
+from appliance.wire import openai as render
+from appliance.http.prologue import authenticate, decode_body
+from appliance.http.errors import APIError
+from appliance.http.headers import new_request_id
+from appliance.pipeline.flow import annotate_principal, guard, model_with_adapters, serve_chat
+from appliance.pipeline.routed import route_meta
+from appliance.wire.schemas import ChatCompletionRequest, CompletionRequest
+from appliance.pipeline.prepare import prepare_completion, with_adapters
 from appliance.server.services import Services
 from appliance.server.tracing import RequestTrace
 
@@ -80,3 +81,6 @@ async def completions(request: Request[Any, Any, Any], services: Services) -> Re
         traced.fail(exc)
         traced.end()
         raise
+
+
+ROUTES = [list_models, retrieve_model, chat_completions, completions]

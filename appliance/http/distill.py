@@ -13,10 +13,10 @@ from typing import Any
 import msgspec
 from litestar import Request, post
 
-from appliance.api.admin_routes import _admin, server_path
-from appliance.api.common import decode_body
-from appliance.api.errors import APIError, invalid
-from appliance.api.fleet_routes import apply_from_thread, config_file
+from appliance.http.admin import _admin, server_path
+from appliance.http.prologue import decode_body
+from appliance.http.errors import APIError, invalid
+from appliance.http.fleet import apply_from_thread, config_file
 from appliance.distill.export import TRAIN
 from appliance.server.jobs import Job, JobBusy, JobCancelled
 from appliance.fleet.admin import alias_for

@@ -19,13 +19,13 @@ import msgspec
 import numpy as np
 from litestar import Request, Response
 
-from appliance.api import call
-from appliance.api.cached import CachePlan, answered_by_program, charge_judge, route_cache_plan, serve_hit
-from appliance.api.call import WireFor, known_answer
-from appliance.api.collect import keeper
-from appliance.api.errors import APIError
-from appliance.api.schemas import ChatCompletionRequest, ChatMessage
-from appliance.api.translate import Prepared, chat_messages, prepare_chat, with_adapters
+from appliance.pipeline import call
+from appliance.pipeline.cached import CachePlan, answered_by_program, charge_judge, route_cache_plan, serve_hit
+from appliance.pipeline.call import WireFor, known_answer
+from appliance.pipeline.collect import keeper
+from appliance.http.errors import APIError
+from appliance.wire.schemas import ChatCompletionRequest, ChatMessage
+from appliance.pipeline.prepare import Prepared, chat_messages, prepare_chat, with_adapters
 from appliance.fleet.embedders import Embedder
 from appliance.fleet.registry import LoadedModel
 from appliance.server.services import Services, price_of

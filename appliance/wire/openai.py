@@ -9,9 +9,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from appliance.api.choices import Collected
-from appliance.api.errors import APIError
-from appliance.api.translate import Prepared
+from appliance.pipeline.choices import Collected
+from appliance.http.errors import APIError
+from appliance.pipeline.prepare import Prepared
 from appliance.fleet.registry import LoadedModel
 from appliance.prompt.tool_calls import ToolCall, argument_pieces, parse
 from engines.interface import FinishEvent, TokenLogprob

@@ -13,9 +13,9 @@ from typing import Any, get_args, get_origin
 import msgspec
 from litestar import Request, delete, patch, post
 
-from appliance.api.admin_routes import _admin, confined, path_not_allowed, server_path
-from appliance.api.common import decode_body
-from appliance.api.errors import APIError, invalid
+from appliance.http.admin import _admin, confined, path_not_allowed, server_path
+from appliance.http.prologue import decode_body
+from appliance.http.errors import APIError, invalid
 from appliance.prompt.template import TemplateError
 from appliance.config.schema import keys_of, strip
 from appliance.config.writer import remove_table, update_table

@@ -98,7 +98,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     n: int = 1
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    # token id (as a string, as JSON keys are) -> bias in [-100, 100]; checked against the vocabulary in translate.py
+    # token id (as a string, as JSON keys are) -> bias in [-100, 100]; checked against the vocabulary in pipeline/prepare.py
     logit_bias: dict[str, float] | None = None
     # LoRA adapters on the model (an extension; `model: "<alias>:<adapter>"` also picks one)
     adapters: list[AdapterChoice] | None = None
@@ -119,7 +119,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     # OpenAI's tags on a request; `family` names its task family where distillation keeps answers.
     metadata: dict[str, str] | None = None
     # OpenAI's fields this server does not serve and that would change the answer: declared so that
-    # translate.unsupported_chat can refuse them by name instead of ignoring them.
+    # prepare.unsupported_chat can refuse them by name instead of ignoring them.
     audio: Any = None
     modalities: Any = None
     web_search_options: Any = None
@@ -127,7 +127,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    # msgspec takes one array type in a union; translate.py checks the items are all one kind
+    # msgspec takes one array type in a union; pipeline/prepare.py checks the items are all one kind
     prompt: str | list[str | int]
     logprobs: int | None = None
     echo: bool = False
@@ -159,7 +159,7 @@ class ResponsesText(msgspec.Struct, kw_only=True):
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
-    """POST /v1/responses. Input items stay loose here: responses_translate.py checks each and
+    """POST /v1/responses. Input items stay loose here: responses_input.py checks each and
     names the item at fault."""
 
     model: str
@@ -184,7 +184,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     prompt_cache_key: str | None = None
     frequency_penalty: float | None = None  # applied as for chat (each in [-2, 2]), and echoed
     presence_penalty: float | None = None
-    # Refused when set (responses_translate._check): each would change the answer.
+    # Refused when set (responses_input._check): each would change the answer.
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None

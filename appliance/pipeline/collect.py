@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-from appliance.api.call import Remember
-from appliance.api.schemas import ChatCompletionRequest
-from appliance.api.tool_request import has_tools
-from appliance.api.translate import Prepared, chat_messages
+from appliance.pipeline.call import Remember
+from appliance.wire.schemas import ChatCompletionRequest
+from appliance.pipeline.tool_request import has_tools
+from appliance.pipeline.prepare import Prepared, chat_messages
 from appliance.server.services import Services
 from appliance.store import kept_answers
 from engines.interface import FinishEvent

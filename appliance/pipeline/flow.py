@@ -9,14 +9,14 @@ from typing import Any
 
 from litestar import Request, Response
 
-from appliance.api import call
-from appliance.api.cached import cache_plan, charge_judge, serve_hit
-from appliance.api.collect import both, keeper
-from appliance.api.call import WireFor
-from appliance.api.errors import APIError, invalid
-from appliance.api.routed import routed_chat
-from appliance.api.schemas import ChatCompletionRequest
-from appliance.api.translate import Prepared, chat_messages, check_metadata, prepare_chat, unsupported_chat, with_adapters
+from appliance.pipeline import call
+from appliance.pipeline.cached import cache_plan, charge_judge, serve_hit
+from appliance.pipeline.collect import both, keeper
+from appliance.pipeline.call import WireFor
+from appliance.http.errors import APIError, invalid
+from appliance.pipeline.routed import routed_chat
+from appliance.wire.schemas import ChatCompletionRequest
+from appliance.pipeline.prepare import Prepared, chat_messages, check_metadata, prepare_chat, unsupported_chat, with_adapters
 from appliance.evaluation.judge import yes_probability
 from appliance.fleet.registry import LoadedModel
 from appliance.server.services import Services, price_of

@@ -65,7 +65,7 @@ def error_response(error: APIError) -> Response[bytes]:
 
 def handle_api_error(request: Request, exc: APIError) -> Response[bytes]:
     # Operators see every refusal, not only the failures: one line, never the request's content.
-    from appliance.api.headers import request_id_of  # headers imports the gate, which imports this module
+    from appliance.http.headers import request_id_of  # headers imports the gate, which imports this module
 
     log.info("%s %s -> %d %s: %s (request %s)", request.method, request.url.path, exc.status, exc.code or exc.type, exc.message[:200],
              request_id_of(request.scope))
@@ -111,7 +111,7 @@ def envelope_when_cut(app: Any) -> Any:
                 raise
             error = APIError(503, "The server is shutting down; retry the request.", type="server_error", code=SHUTTING_DOWN,
                              retry_after_s=SHUTDOWN_RETRY_AFTER_S)
-            from appliance.api.headers import request_id_of
+            from appliance.http.headers import request_id_of
 
             await send({"type": "http.response.start", "status": 503,
                         "headers": [(b"content-type", b"application/json"), (b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode()),

@@ -13,10 +13,10 @@ from typing import Any
 import msgspec
 from litestar import Response
 
-from appliance.api.call import WireFor, known_answer
-from appliance.api.schemas import ChatCompletionRequest
-from appliance.api.tool_request import has_tools
-from appliance.api.translate import Prepared, chat_messages
+from appliance.pipeline.call import WireFor, known_answer
+from appliance.wire.schemas import ChatCompletionRequest
+from appliance.pipeline.tool_request import has_tools
+from appliance.pipeline.prepare import Prepared, chat_messages
 from appliance.fleet.registry import LoadedModel
 from appliance.answer_cache import Lookup, model_version
 from appliance.server.services import Services, price_of

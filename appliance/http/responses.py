@@ -1,6 +1,6 @@
 """The Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}. A request is
 translated into the chat request the server already serves (guards, router, cache, budgets,
-traces and the call itself are chat's, through flow.py and call.py) and answered in the
+traces and the call itself are chat's, through appliance/pipeline/flow.py and call.py) and answered in the
 Responses wire format; stored responses live in SQLite under the caller's tenant."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import Any
 
 from litestar import Request, Response, delete, get, post
 
-from appliance.api.common import authenticate, decode_body
-from appliance.api.headers import new_request_id
-from appliance.api.errors import APIError
-from appliance.api.flow import annotate_principal, serve_chat
-from appliance.api.responses_render import Echo, ResponsesWire, Save
-from appliance.api.responses_translate import Message, renamed, to_chat
-from appliance.api.schemas import ResponsesRequest
-from appliance.api.translate import Prepared
+from appliance.http.prologue import authenticate, decode_body
+from appliance.http.headers import new_request_id
+from appliance.http.errors import APIError
+from appliance.pipeline.flow import annotate_principal, serve_chat
+from appliance.wire.responses import Echo, ResponsesWire, Save
+from appliance.wire.responses_input import Message, renamed, to_chat
+from appliance.wire.schemas import ResponsesRequest
+from appliance.pipeline.prepare import Prepared
 from appliance.server.services import Services
 from appliance.store import responses as store
 from appliance.server.tracing import RequestTrace

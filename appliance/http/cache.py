@@ -8,8 +8,8 @@ from typing import Any, Literal
 import msgspec
 from litestar import Request, get, post
 
-from appliance.api.common import authenticate, decode_body
-from appliance.api.errors import APIError, invalid
+from appliance.http.prologue import authenticate, decode_body
+from appliance.http.errors import APIError, invalid
 from appliance.server.services import Services
 from appliance.store import kept_answers
 from policy.budgets import usd

@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
-from appliance.api.errors import APIError, from_validation, invalid
-from appliance.api.schemas import ChatCompletionRequest, ChatMessage, ResponsesRequest
-from appliance.api.translate import check_metadata
+from appliance.http.errors import APIError, from_validation, invalid
+from appliance.wire.schemas import ChatCompletionRequest, ChatMessage, ResponsesRequest
+from appliance.pipeline.prepare import check_metadata
 
 Message = dict[str, Any]  # one chat message as the chat API's JSON has it
 

@@ -7,8 +7,8 @@ from typing import Any, TypeVar
 import msgspec
 from litestar import Request
 
-from appliance.api.errors import from_validation, invalid
-from appliance.api.headers import remember_principal
+from appliance.http.errors import from_validation, invalid
+from appliance.http.headers import remember_principal
 from appliance.server.services import Services
 from policy.identity import Principal
 

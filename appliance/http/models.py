@@ -12,10 +12,10 @@ from typing import Any
 import msgspec
 from litestar import Request, delete, get, post, put
 
-from appliance.api.admin_routes import _admin, confined, server_path
-from appliance.api.common import decode_body
-from appliance.api.errors import APIError, invalid
-from appliance.api.fleet_routes import apply_from_thread
+from appliance.http.admin import _admin, confined, server_path
+from appliance.http.prologue import decode_body
+from appliance.http.errors import APIError, invalid
+from appliance.http.fleet import apply_from_thread
 from appliance.server.jobs import Job, JobBusy
 from appliance.fleet.admin import QUANT_TYPES, alias_for, estimated_size, file_type, quantize, quantized_name, register
 from appliance.fleet.files import ModelFileError, download, hub_file_problem, resolve, sha256

@@ -10,14 +10,14 @@ from typing import Any
 
 from litestar import Request, Response, post
 
-from appliance.api import render
-from appliance.api.call import engine_refusal, until_disconnect
-from appliance.api.common import authenticate, decode_body
-from appliance.api.errors import APIError, invalid
-from appliance.api.flow import annotate_principal, resolve_model
-from appliance.api.headers import new_request_id, request_id_of
-from appliance.api.schemas import EmbeddingRequest
-from appliance.api.translate import check_token_ids
+from appliance.wire import openai as render
+from appliance.pipeline.call import engine_refusal, until_disconnect
+from appliance.http.prologue import authenticate, decode_body
+from appliance.http.errors import APIError, invalid
+from appliance.pipeline.flow import annotate_principal, resolve_model
+from appliance.http.headers import new_request_id, request_id_of
+from appliance.wire.schemas import EmbeddingRequest
+from appliance.pipeline.prepare import check_token_ids
 from appliance.fleet.registry import LoadedModel
 from appliance.server.services import Services, price_of
 from appliance.config.settings import ModelSettings
@@ -115,3 +115,6 @@ async def _embeddings(request: Request[Any, Any, Any], services: Services, trace
     services.metrics.prompt_tokens.labels(alias).inc(prompt_tokens)
     services.metrics.requests.labels(alias, "embeddings", "ok").inc()
     return Response(render.embedding_list(vectors, alias, prompt_tokens, body.encoding_format), media_type="application/json")
+
+
+ROUTES = [embeddings]

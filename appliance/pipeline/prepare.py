@@ -13,9 +13,9 @@ import msgspec
 
 from llama_cpp.llama_grammar import JSON_GBNF
 
-from appliance.api.errors import APIError, invalid
-from appliance.api.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, ResponseFormat
-from appliance.api.tool_request import generic_messages, tool_plan, tool_turns
+from appliance.http.errors import APIError, invalid
+from appliance.wire.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, ResponseFormat
+from appliance.pipeline.tool_request import generic_messages, tool_plan, tool_turns
 from appliance.prompt.chat import control_text
 from appliance.prompt.template import TemplateBoundError, TemplateError
 from appliance.prompt import tool_calls

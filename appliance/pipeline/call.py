@@ -2,8 +2,8 @@
 start the engine, run to the end or stream, settle what was used, record and trace it.
 
 Chat completions, completions, the Responses API and each routed attempt go through here; how
-an answer looks on the wire is a `Wire`'s business (render.py for chat and completions,
-responses_render.py for the Responses API). A call answers with the `n` choices its request asked
+an answer looks on the wire is a `Wire`'s business (appliance/wire/openai.py for chat and completions,
+wire/responses.py for the Responses API). A call answers with the `n` choices its request asked
 for (choices.py): one engine request each, one reservation and one settlement for them all.
 """
 
@@ -21,9 +21,9 @@ from litestar import Request, Response
 from litestar.response import Stream
 from opentelemetry.trace import Span
 
-from appliance.api.choices import ChoiceStreams, Collected, choice_request, total_finish
-from appliance.api.errors import APIError, invalid
-from appliance.api.translate import Prepared
+from appliance.pipeline.choices import ChoiceStreams, Collected, choice_request, total_finish
+from appliance.http.errors import APIError, invalid
+from appliance.pipeline.prepare import Prepared
 from appliance.gate import Admission
 from appliance.fleet.manager import ModelUnavailable
 from appliance.fleet.registry import LoadedModel
