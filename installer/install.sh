@@ -35,7 +35,7 @@ llama_flags() {
         for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2; do
             if grep -qw "${pair%%:*}" <<<"$cpu"; then flags="$flags -DGGML_${pair##*:}=ON"; fi
         done
-        # AVX-512 measured no faster than AVX2 on the bundled model here (docs/performance.md);
+        # AVX-512 measured no faster than AVX2 on the bundled model here (docs/performance/throughput.md);
         # APPLIANCE_AVX512=1 opts in.
         if [ "${APPLIANCE_AVX512:-0}" = 1 ] && grep -qw avx512f <<<"$cpu"; then
             flags="$flags -DGGML_AVX512=ON"

@@ -34,7 +34,7 @@ def rewrite_gguf(src: Path, dst: Path, edit: Callable[[str, Any], Any]) -> Path:
 def tiny_llama(src: Path, dst: Path, *, width: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
     """A llama of random float32 weights, `width` wide, with `src`'s vocabulary and chat template:
     a real model every engine and trainer loads, small enough that MLX's CPU build trains it in
-    seconds (it takes about a minute a step on the bundled model here; docs/performance.md)."""
+    seconds (it takes about a minute a step on the bundled model here; docs/performance/distillation.md)."""
     import numpy as np
 
     reader = gguf.GGUFReader(src)

@@ -85,7 +85,7 @@ def test_an_mlx_folder_without_weights_cannot_be_estimated(tmp_path: Path) -> No
 
 def test_mlx_estimate_against_resident_memory(tmp_path: Path) -> None:
     """The engine loads the converted bundled model and fills one slot of 64 tokens (MLX's CPU
-    prefill runs at about 8 tokens a second here, so docs/performance.md lists the fuller runs):
+    prefill runs at about 8 tokens a second here, so docs/performance/models.md lists the fuller runs):
     the process's peak resident memory gained lies within a fifth of the estimate."""
     pytest.importorskip("mlx_lm", reason="the installer installs mlx[cpu] and mlx-lm on Linux")
     from appliance.fleet.files import package_file

@@ -76,7 +76,7 @@ def test_both_engines_compute_the_same_logits_and_mostly_the_same_greedy_text(co
     """On the same weights: the first-step logits correlate (r >= 0.99) and agree on the top token
     wherever llama.cpp's top two are more than one logit apart (llama.cpp rounds activations to 8
     bits in its quantized dot products, so near-ties may flip). How many of the first 32 greedy
-    tokens agree is printed and recorded in docs/performance.md."""
+    tokens agree is printed and recorded in docs/performance/models.md."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.generate import generate_step
