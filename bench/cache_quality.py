@@ -72,7 +72,8 @@ def embed_pairs(pairs: list[Pair], augment: bool = True) -> float:
     plus hard negatives: each paraphrase pair's cached question against the most similar question
     of another pair (a different question on a near topic, which a bucket full of entries will
     offer), and typo pairs. Returns ms per one-question embed."""
-    from appliance.answer_cache import bundled_lexicon, bundled_minilm
+    from appliance.answer_cache import bundled_lexicon
+    from appliance.fleet.embedders import bundled_minilm
 
     lexicon = bundled_lexicon()
     embedder = bundled_minilm()

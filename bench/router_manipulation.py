@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.evaluation import calibration_file  # noqa: E402
-from appliance.answer_cache import bundled_minilm  # noqa: E402
+from appliance.fleet.embedders import bundled_minilm  # noqa: E402
 from policy.router import buckets, decide_calibrated, features  # noqa: E402
 from policy.router_text import embedded_text  # noqa: E402
 from bench.kit.paths import FLEETS, ROOT, WORKLOAD

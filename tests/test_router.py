@@ -334,7 +334,7 @@ GREETINGS = ["Hello!", "Good morning to you.", "Hi there, how are you?", "Thanks
 
 
 def learned_calibration() -> Calibration:
-    from appliance.answer_cache import bundled_minilm
+    from appliance.fleet.embedders import bundled_minilm
 
     texts = CAPITALS + GREETINGS
     embedder = bundled_minilm()

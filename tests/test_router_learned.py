@@ -279,7 +279,7 @@ def test_a_higher_threshold_never_picks_a_cheaper_tier(rows: list[tuple[int, tup
 
 @pytest.fixture(scope="module")
 def minilm() -> Iterator[object]:
-    from appliance.answer_cache import bundled_minilm
+    from appliance.fleet.embedders import bundled_minilm
 
     embedder = bundled_minilm()
     yield embedder

