@@ -19,7 +19,7 @@ from typing import Any
 
 import apsw
 
-from appliance.http.errors import APIError
+from appliance.pipeline.errors import APIError
 from appliance.server.metrics import Metrics
 from appliance.config.settings import Settings
 from appliance.store.worker import StoreWorker

@@ -16,7 +16,7 @@ import pytest
 from gguf import PoolingType
 
 from appliance.http.embeddings import MAX_INPUTS, inputs_of
-from appliance.http.errors import APIError
+from appliance.pipeline.errors import APIError
 from appliance.config.settings import ConfigError, parse_settings
 from engines.interface import ContextLengthExceeded, EngineError
 from engines.embedding import check_lengths, finish, pack, pool, resolve_pooling

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from appliance.http.errors import APIError
+from appliance.pipeline.errors import APIError
 from appliance.wire.responses_input import (
     chat_tool_choice,
     chat_tools,

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 from litestar import Request, delete, get, post, put
 
-from appliance.http.errors import APIError, invalid
+from appliance.pipeline.errors import APIError, invalid
 from appliance.http.prologue import authenticate, decode_body
 from appliance.server.services import Services
 from policy.budgets import GLOBAL_NAME, LEVELS, PERIODS, nanos_from_usd, usd

@@ -9,7 +9,7 @@ import msgspec
 from litestar import Request, get, post
 
 from appliance.http.prologue import authenticate, decode_body
-from appliance.http.errors import APIError, invalid
+from appliance.pipeline.errors import APIError, invalid
 from appliance.server.services import Services
 from appliance.store import kept_answers
 from policy.budgets import usd

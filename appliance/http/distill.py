@@ -15,7 +15,7 @@ from litestar import Request, post
 
 from appliance.http.admin import _admin, server_path
 from appliance.http.prologue import decode_body
-from appliance.http.errors import APIError, invalid
+from appliance.pipeline.errors import APIError, invalid
 from appliance.http.fleet import apply_from_thread, config_file
 from appliance.distill.export import TRAIN
 from appliance.server.jobs import Job, JobBusy, JobCancelled

@@ -13,7 +13,7 @@ from litestar import Request, Response, post
 from appliance.wire import openai as render
 from appliance.pipeline.call import engine_refusal, until_disconnect
 from appliance.http.prologue import authenticate, decode_body
-from appliance.http.errors import APIError, invalid
+from appliance.pipeline.errors import APIError, invalid
 from appliance.pipeline.flow import annotate_principal, resolve_model
 from appliance.http.headers import new_request_id, request_id_of
 from appliance.wire.schemas import EmbeddingRequest

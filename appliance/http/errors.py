@@ -1,72 +1,33 @@
-"""Every error leaves the API in OpenAI's envelope: {"error": {message, type, param, code}}."""
+"""Every error leaves the API in OpenAI's envelope: {"error": {message, type, param, code}}
+(the envelope itself is the OpenAI wire's: appliance/wire/openai.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from typing import Any
 
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from appliance.http.headers import request_id_of
+from appliance.pipeline.errors import APIError
+from appliance.wire.openai import error_envelope
 from engines.interface import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN
 
 log = logging.getLogger("appliance.api")
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        retry_after_s: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.retry_after_s = retry_after_s
-        self.trace_id: str | None = None  # set when the call was traced: the error names its trace too
-
-    def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
-
-
-def from_validation(exc: msgspec.ValidationError | msgspec.DecodeError) -> APIError:
-    """msgspec says where it failed (`$.messages[0].role`); that path is OpenAI's `param`."""
-    text = str(exc)
-    match = _PATH.search(text)
-    param = match.group(1) if match else None
-    message = _PATH.sub("", text)
-    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
-        return invalid(f"The request body is not valid JSON: {message}", code="invalid_json")
-    if param:
-        message = f"Invalid value for '{param}': {message}"
-    return invalid(message, param=param)
 
 
 def error_response(error: APIError) -> Response[bytes]:
     headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else {}
     if error.trace_id is not None:
         headers["x-trace-id"] = error.trace_id
-    return Response(msgspec.json.encode(error.body()), status_code=error.status, media_type="application/json", headers=headers)
+    return Response(msgspec.json.encode(error_envelope(error)), status_code=error.status, media_type="application/json", headers=headers)
 
 
 def handle_api_error(request: Request, exc: APIError) -> Response[bytes]:
     # Operators see every refusal, not only the failures: one line, never the request's content.
-    from appliance.http.headers import request_id_of  # headers imports the gate, which imports this module
-
     log.info("%s %s -> %d %s: %s (request %s)", request.method, request.url.path, exc.status, exc.code or exc.type, exc.message[:200],
              request_id_of(request.scope))
     return error_response(exc)
@@ -111,11 +72,9 @@ def envelope_when_cut(app: Any) -> Any:
                 raise
             error = APIError(503, "The server is shutting down; retry the request.", type="server_error", code=SHUTTING_DOWN,
                              retry_after_s=SHUTDOWN_RETRY_AFTER_S)
-            from appliance.http.headers import request_id_of
-
             await send({"type": "http.response.start", "status": 503,
                         "headers": [(b"content-type", b"application/json"), (b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode()),
                                     (b"x-request-id", request_id_of(scope).encode()), (b"connection", b"close")]})
-            await send({"type": "http.response.body", "body": msgspec.json.encode(error.body())})
+            await send({"type": "http.response.body", "body": msgspec.json.encode(error_envelope(error))})
 
     return wrapped

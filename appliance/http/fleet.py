@@ -15,7 +15,7 @@ from litestar import Request, delete, patch, post
 
 from appliance.http.admin import _admin, confined, path_not_allowed, server_path
 from appliance.http.prologue import decode_body
-from appliance.http.errors import APIError, invalid
+from appliance.pipeline.errors import APIError, invalid
 from appliance.prompt.template import TemplateError
 from appliance.config.schema import keys_of, strip
 from appliance.config.writer import remove_table, update_table

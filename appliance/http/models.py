@@ -14,7 +14,7 @@ from litestar import Request, delete, get, post, put
 
 from appliance.http.admin import _admin, confined, server_path
 from appliance.http.prologue import decode_body
-from appliance.http.errors import APIError, invalid
+from appliance.pipeline.errors import APIError, invalid
 from appliance.http.fleet import apply_from_thread
 from appliance.server.jobs import Job, JobBusy
 from appliance.fleet.admin import QUANT_TYPES, alias_for, estimated_size, file_type, quantize, quantized_name, register

@@ -10,7 +10,7 @@ from litestar import Request, Response, get, post
 from appliance.pipeline import call
 from appliance.wire import openai as render
 from appliance.http.prologue import authenticate, decode_body
-from appliance.http.errors import APIError
+from appliance.pipeline.errors import APIError
 from appliance.http.headers import new_request_id
 from appliance.pipeline.flow import annotate_principal, guard, model_with_adapters, serve_chat
 from appliance.pipeline.routed import route_meta

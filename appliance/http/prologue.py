@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 import msgspec
 from litestar import Request
 
-from appliance.http.errors import from_validation, invalid
+from appliance.pipeline.errors import from_validation, invalid
 from appliance.http.headers import remember_principal
 from appliance.server.services import Services
 from policy.identity import Principal

@@ -13,7 +13,7 @@ from litestar import Request, Response, delete, get, post
 
 from appliance.http.prologue import authenticate, decode_body
 from appliance.http.headers import new_request_id
-from appliance.http.errors import APIError
+from appliance.pipeline.errors import APIError
 from appliance.pipeline.flow import annotate_principal, serve_chat
 from appliance.wire.responses import Echo, ResponsesWire, Save
 from appliance.wire.responses_input import Message, renamed, to_chat

@@ -22,7 +22,7 @@ from litestar.response import Stream
 from opentelemetry.trace import Span
 
 from appliance.pipeline.choices import ChoiceStreams, Collected, choice_request, total_finish
-from appliance.http.errors import APIError, invalid
+from appliance.pipeline.errors import APIError, invalid
 from appliance.pipeline.prepare import Prepared
 from appliance.gate import Admission
 from appliance.fleet.manager import ModelUnavailable

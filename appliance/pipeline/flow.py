@@ -13,7 +13,7 @@ from appliance.pipeline import call
 from appliance.pipeline.cached import cache_plan, charge_judge, serve_hit
 from appliance.pipeline.collect import both, keeper
 from appliance.pipeline.call import WireFor
-from appliance.http.errors import APIError, invalid
+from appliance.pipeline.errors import APIError, invalid
 from appliance.pipeline.routed import routed_chat
 from appliance.wire.schemas import ChatCompletionRequest
 from appliance.pipeline.prepare import Prepared, chat_messages, check_metadata, prepare_chat, unsupported_chat, with_adapters

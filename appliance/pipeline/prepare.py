@@ -13,7 +13,7 @@ import msgspec
 
 from llama_cpp.llama_grammar import JSON_GBNF
 
-from appliance.http.errors import APIError, invalid
+from appliance.pipeline.errors import APIError, invalid
 from appliance.wire.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, ResponseFormat
 from appliance.pipeline.tool_request import generic_messages, tool_plan, tool_turns
 from appliance.prompt.chat import control_text

@@ -23,7 +23,7 @@ from appliance.pipeline import call
 from appliance.pipeline.cached import CachePlan, answered_by_program, charge_judge, route_cache_plan, serve_hit
 from appliance.pipeline.call import WireFor, known_answer
 from appliance.pipeline.collect import keeper
-from appliance.http.errors import APIError
+from appliance.pipeline.errors import APIError
 from appliance.wire.schemas import ChatCompletionRequest, ChatMessage
 from appliance.pipeline.prepare import Prepared, chat_messages, prepare_chat, with_adapters
 from appliance.fleet.embedders import Embedder

@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from appliance.http.errors import invalid
+from appliance.pipeline.errors import invalid
 from appliance.prompt.schema_bounds import TOOLS_LIMITS, bounds_problem, validity_problem
 from appliance.wire.schemas import ChatCompletionRequest, ChatMessage, FunctionSpec, NamedToolChoice, ToolSpec
 from appliance.prompt.tool_calls import CLOSE, OPEN, Format, Mode, Tool, ToolPlan, call_text, system_prompt

@@ -18,7 +18,8 @@ from appliance import __version__
 from appliance.answer_cache import SemanticCache
 from appliance.http import admin, cache, distill, embeddings, fleet, models, openai, responses
 from appliance.http.prologue import authenticate
-from appliance.http.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
+from appliance.http.errors import handle_api_error, handle_http_exception, handle_unexpected
+from appliance.pipeline.errors import APIError
 from appliance.http.headers import response_headers
 from appliance.config.settings import Settings
 from appliance.fleet.registry import Registry

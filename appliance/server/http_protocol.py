@@ -17,7 +17,8 @@ import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from appliance.http.errors import APIError
+from appliance.pipeline.errors import APIError
+from appliance.wire.openai import error_envelope
 
 log = logging.getLogger("appliance")
 
@@ -59,7 +60,7 @@ def next_clock(clock: Clock, their_state: object, idle_between_requests: bool, n
 
 def refusal_bytes(error: APIError, retry_after_s: int | None = None) -> bytes:
     """A whole response that closes its connection, in the envelope the app's errors use."""
-    body = msgspec.json.encode(error.body())
+    body = msgspec.json.encode(error_envelope(error))
     head = [f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}", "content-type: application/json",
             f"content-length: {len(body)}", "connection: close"]
     if retry_after_s is not None:

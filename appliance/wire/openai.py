@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 
 from appliance.pipeline.choices import Collected
-from appliance.http.errors import APIError
+from appliance.pipeline.errors import APIError
 from appliance.pipeline.prepare import Prepared
 from appliance.fleet.registry import LoadedModel
 from appliance.prompt.tool_calls import ToolCall, argument_pieces, parse
@@ -19,6 +19,11 @@ from engines.interface import FinishEvent, TokenLogprob
 FINGERPRINT = "appliance-0.1"
 _encoder = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
+
+
+def error_envelope(error: APIError) -> dict[str, object]:
+    """OpenAI's error body: every error the HTTP layer answers with, and an error that ends a stream."""
+    return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -193,7 +198,7 @@ class ChatWire:
 
     def failed(self, error: APIError, total: FinishEvent) -> list[bytes]:
         # The error in the envelope, the usage it was charged, [DONE].
-        return [sse(error.body()), *self.ending(total)]
+        return [sse(error_envelope(error)), *self.ending(total)]
 
 
 def chat_wire(kind: str, stream_options: Any = None) -> Callable[[Prepared, str, int], ChatWire]:

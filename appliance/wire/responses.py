@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from appliance.pipeline.choices import Collected
-from appliance.http.errors import APIError
+from appliance.pipeline.errors import APIError
 from appliance.wire.responses_input import (
     Message,
     conversation_turn,

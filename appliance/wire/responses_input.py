@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.http.errors import APIError, from_validation, invalid
+from appliance.pipeline.errors import APIError, from_validation, invalid
 from appliance.wire.schemas import ChatCompletionRequest, ChatMessage, ResponsesRequest
 from appliance.pipeline.prepare import check_metadata
 
