@@ -17,8 +17,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import apsw
-
 from appliance.pipeline.errors import APIError
 from appliance.server.metrics import Metrics
 from appliance.config.settings import Settings
@@ -26,7 +24,7 @@ from appliance.store.worker import StoreWorker
 from policy.budgets import Price, Refuse, Reserve, ReservationPolicy, seconds_until_reset, usd
 from policy.identity import AuthFailure, KeyRecord, Principal, bearer_token, check_key, fingerprint, secret_hash
 from appliance.store.keys import FailureTally, KeyStore
-from appliance.store.ledger import Ledger, Payer, Settlement
+from appliance.store.ledger import Ledger, Payer, settle_logged, sweep
 from policy.limits import RateLimiter
 
 log = logging.getLogger("appliance.gate")
@@ -243,14 +241,7 @@ class Gate:
         if not admission.reserved:
             return
 
-        def write(db: apsw.Connection) -> Settlement | None:
-            try:
-                return Ledger(db).settle(admission.request_id, prompt_tokens, completion_tokens, outcome, now)
-            except Exception:
-                log.exception("could not settle %s", admission.request_id)
-                return None
-
-        future = self.worker.submit(write)
+        future = self.worker.submit(lambda db: settle_logged(db, admission.request_id, prompt_tokens, completion_tokens, outcome, now))
         future.add_done_callback(self._count_spend(admission.model))
 
     def _count_spend(self, model: str) -> Callable[[Any], None]:
@@ -284,13 +275,7 @@ class Gate:
         live = list(self._live)
         until = now + self.settings.budgets.lease_s
 
-        def sweep(db: apsw.Connection) -> list[Settlement]:
-            ledger = Ledger(db)
-            ledger.extend(live, until)
-            KeyStore(db).prune_failures(now - FAILURE_RETENTION_S)
-            return ledger.reap(now)
-
-        released = await self.worker.run(sweep)
+        released = await self.worker.run(lambda db: sweep(db, live, until, now, now - FAILURE_RETENTION_S))
         if released:
             log.warning("released %d expired budget reservations: %s", len(released), ", ".join(s.request_id for s in released))
             self.metrics.leases_expired.inc(len(released))

@@ -19,10 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import apsw
-
 from appliance.config.settings import Settings
 from appliance.store import kept_answers
+from appliance.store.connection import Connection
 from policy.distill import Counts, Example, Selection, Wanted, select
 
 TRAIN, HELD_OUT, MANIFEST = "train.jsonl", "held-out.jsonl", "export.json"
@@ -54,7 +53,7 @@ def wanted(settings: Settings, asked: Asked) -> Wanted:
     return Wanted(route.alias, route.tiers, frozenset(settings.distill.tenants), asked.family, asked.held_out, asked.seed)
 
 
-def export(db: apsw.Connection, settings: Settings, asked: Asked, now: float | None = None) -> Selection:
+def export(db: Connection, settings: Settings, asked: Asked, now: float | None = None) -> Selection:
     """Selects and writes the examples; raises ExportError (and writes nothing) when there are none."""
     now = time.time() if now is None else now
     want = wanted(settings, asked)

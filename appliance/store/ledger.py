@@ -9,6 +9,7 @@ reservations and spent equals the settlements plus adjustments (`imbalances()` c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,7 +27,10 @@ from policy.budgets import (
     Windows,
     plan_reservation,
 )
+from appliance.store.keys import KeyStore
 from appliance.store.transactions import immediate
+
+log = logging.getLogger("appliance.ledger")
 
 
 def create_tables(db: apsw.Connection) -> None:
@@ -353,3 +357,22 @@ class Ledger:
         )
         self._apply(payer, windows, spent=charged, held=-amount)
         return Settlement(request_id, outcome, amount, charged, prompt_tokens, completion_tokens)
+
+
+def settle_logged(db: apsw.Connection, request_id: str, prompt_tokens: int, completion_tokens: int, outcome: str,
+                  now: float) -> Settlement | None:
+    """`Ledger.settle` for the store thread, where nobody waits on it: a failure is logged and gives None."""
+    try:
+        return Ledger(db).settle(request_id, prompt_tokens, completion_tokens, outcome, now)
+    except Exception:
+        log.exception("could not settle %s", request_id)
+        return None
+
+
+def sweep(db: apsw.Connection, live: Iterable[str], until: float, now: float, failures_before: float) -> list[Settlement]:
+    """The lease reaper's one store call: renew the leases of this process's live requests, drop
+    failed sign-ins older than `failures_before`, then release every expired reservation."""
+    ledger = Ledger(db)
+    ledger.extend(live, until)
+    KeyStore(db).prune_failures(failures_before)
+    return ledger.reap(now)
