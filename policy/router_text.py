@@ -77,6 +77,14 @@ _DISMISSAL = re.compile(
 # What announces the question after a dismissal ("first, a simple question:"): the question follows.
 _LEAD_IN = re.compile(r"^(((first|now|so|anyway|but|then|okay|ok)\b[\s,;:.-]*)*((here is|here's|this is) )?(an?|one|my|the|our)( \w+){0,2} "
                       r"question( is| for you)?\s*[:–-]\s*)", re.IGNORECASE)
+# A line the ask can be about without sharing a word with it: one that announces material, or a label.
+_MATERIAL_LINE = re.compile(r":\s*$|\b(the following|as follows|below|above)\b", re.IGNORECASE)
+# Where a line's clauses part: after a sentence, a colon or a semicolon, a closing bracket, or a dash.
+_ASK_CLAUSE = re.compile(r"(?<=[.!?:;。！？)])\s+(?:[-–—]\s+)?|\s+[-–—]\s+")
+# Words with which a question points at material beside it ("which of these", "the options below").
+_POINTS = re.compile(r"\b(this|these|those|following|below|above|options?|choices?|text|passage|list|table|data|"
+                     r"isto|isso|est[ea]s?|ess[ea]s?|seguinte|abaixo|acima|esto|siguiente|abajo|arriba|dies\w*|folgende\w*|unten|oben|"
+                     r"ceci|cela|ces|suivant\w*|questo|questa|seguente|sotto|sopra)\b", re.IGNORECASE)
 # A sentence or code comment that sets the code beside the question aside: the code is padding then,
 # whatever words it shares with the question ("LEFT JOIN" and "the courier left my parcel").
 _CODE_ASIDE = re.compile(
@@ -101,12 +109,22 @@ _REFERENCE = re.compile(r"\b(it|its|they|them|their|he|she|him|her|his|hers|abov
 _INTRODUCES = re.compile(r":\s*$|:\s*\n|\b(the following|as follows|below|this (text|email|message|passage|review|paragraph|document|article|note|letter|"
                          r"sentence|list|table|data|report|ticket|conversation|transcript))\b", re.IGNORECASE | re.MULTILINE)
 _WORD = re.compile(r"[^\W\d_]{3,}")
+# Scripts written without spaces between words (Chinese, Japanese): compared by pairs of characters.
+_UNSPACED = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]{2,}")
 _NUMBER = re.compile(r"\d+")
 _QUANTITY = re.compile(r"\b(how (many|much|long|far|old|often|fast|big|tall)|what (is|was|are) the (total|number|amount|sum|cost|price|"
                        r"difference|average|ratio|percentage)|calculate|compute)\b", re.IGNORECASE)
 _HARD = re.compile(r"\b(prove|proof|theorem|lemma|integral|derivative|equation|manifold|eigen\w*|matrix|polynomial|"
                    r"complexity|algorithm|optimi[sz]\w*|derive|step[- ]by[- ]step)\b", re.IGNORECASE)
 _COMMON = frozenset(["the", "and", "for", "are", "was", "you", "not", "but", "all", "any", "can", "how", "who", "why", "its", "his", "her", "our", "out", "one", "two", "has", "had", "use", "get", "what", "which", "where", "when", "whose", "whom", "does", "have", "with", "from", "that", "this", "there", "their", "about", "would", "could", "should", "many", "much", "into", "your", "yours", "they", "them", "than", "then", "were", "been", "being", "also", "just", "only", "very", "more", "most", "some", "such", "name", "give", "tell", "please", "make", "find", "show", "list", "write", "explain", "answer", "question"])
+
+_COMMON_STEMS = frozenset(w[:5].rstrip("s") for w in _COMMON)
+_FUNCTION_STEMS = _COMMON_STEMS | frozenset(w[:5].rstrip("s") for w in (
+    "eine einer einem einen eines nicht auch oder aber wenn dass sind wird werden haben sein diese dieser nach über unter "
+    "dans pour avec sont mais cette nous vous leur plus tout être avoir comme aussi "
+    "para como mais pelo pela esta este isso isto todo todos muito quando sobre entre porque pero cuando donde tiene "
+    "della delle degli sono come anche questo questa quella nella alla dalla perché niet zijn voor maar deze naar wordt "
+    "your with that this from have what thing things").split())
 
 
 # A sentence of the operator's system turn that says what kind of work this is ("Classify the message
@@ -167,6 +185,7 @@ def routing_text(messages: list[dict[str, str]]) -> str:
     lines = _without_code_nobody_asks_about(_callers_turns(unframed(_ROLE_ELEMENT.sub("\n", _TEMPLATE_TAG.sub(_turn_line, last)))))
     kept = _after_dismissal(_clauses(lines))
     kept = _unreferenced_preamble_dropped(task_lines(kept, _code_lines(kept), bool(_MATERIAL.search(_system_text(messages)))))
+    kept = _unrelated_material_dropped(kept)
     if kept:
         return "\n".join(kept)
     # Nothing but instructions to the system: what is left of them once the patterns are cut out.
@@ -307,8 +326,11 @@ def _after_dismissal(lines: list[str]) -> list[str]:
 
 
 def _content(text: str) -> set[str]:
-    """Content words, cut to a stem of five letters ("pens" and "pen" still differ; "girls" meets "girl")."""
-    return {w.lower()[:5].rstrip("s") for w in _WORD.findall(text)} - {w[:5].rstrip("s") for w in _COMMON}
+    """Content words, cut to a stem of five letters ("pens" and "pen" still differ; "girls" meets "girl");
+    in scripts written without spaces, each pair of characters."""
+    words = {w.lower()[:5].rstrip("s") for w in _WORD.findall(text) if not _UNSPACED.search(w)}
+    pairs = {run[i:i + 2] for run in _UNSPACED.findall(text) for i in range(len(run) - 1)}
+    return (words - _COMMON_STEMS) | pairs
 
 
 def _unreferenced_preamble_dropped(lines: list[str]) -> list[str]:
@@ -331,3 +353,63 @@ def _unreferenced_preamble_dropped(lines: list[str]) -> list[str]:
     looks_hard = len(before.split()) >= 25 or len(_NUMBER.findall(before)) >= 2 or bool(_HARD.search(before))
     asks_quantity = bool(_QUANTITY.search(question)) and bool(_NUMBER.search(before))
     return [question] if standalone and looks_hard and not asks_quantity else lines
+
+
+# Unrelated material goes only when there is this much of it: a greeting or a line of thanks reads the same.
+MATERIAL_CHARS = 80
+STANDALONE_WORDS = 3  # content words a question with a pronoun needs to stand on its own
+
+
+def _material_words(text: str) -> set[str]:
+    """The content words of four letters or more (as stems), less the commonest words of the languages
+    the router's cues cover: what ties material to a question in any of them ("das" or "der" tie nothing)."""
+    return _content(" ".join(w for w in re.findall(r"\w+", text) if len(w) >= 4 or _UNSPACED.match(w))) - _FUNCTION_STEMS
+
+
+def _unrelated_material_dropped(lines: list[str]) -> list[str]:
+    """Material the question never reaches goes. The question: the last clause that asks one. A clause
+    of its line stays when it shares a content word with the question or with a clause that stays, or
+    when a clause that stays points back at it ("she", "it"); another line stays when it shares a
+    content word with what stays (a word problem's premises chain to its question). Nothing goes when
+    the question points elsewhere ("it", "these", "the table below"), when a line announces material,
+    or when the material that would go is short."""
+    asked = [i for i, line in enumerate(lines) if "?" in line or "？" in line]
+    if len(lines) < 2 or not asked:
+        return lines
+    line_of = asked[-1]
+    clauses = [c for c in _ASK_CLAUSE.split(lines[line_of]) if c.strip()]
+    q = max(n for n, c in enumerate(clauses) if "?" in c or "？" in c)
+    question = clauses[q]
+    # A pronoun points elsewhere unless the question says enough of its own ("how long does it take to
+    # delete my account"), or an earlier clause of its line is what it points at.
+    points_back = bool(_REFERENCE.search(question)) and q == 0 and len(_material_words(question)) < STANDALONE_WORDS
+    if len(re.findall(r"\w+", question)) < 3 or points_back or _POINTS.search(question) \
+            or any(_MATERIAL_LINE.search(line) for line, code in zip(lines, _code_lines(lines)) if not code):
+        return lines
+    words = [_material_words(c) for c in clauses]
+    kept = _reach({q}, words, back=[bool(_REFERENCE.search(c)) for c in clauses])
+    first = clauses[min(kept)]
+    if any(_POINTS.search(clauses[n]) for n in kept) or (
+            _REFERENCE.search(first) and len(_material_words(first)) < STANDALONE_WORDS):
+        return lines  # what the question builds on points at material beside it
+    seed = set().union(*(words[n] for n in kept))
+    others = [_material_words(line) if i != line_of else set() for i, line in enumerate(lines)]
+    reached = _reach({line_of}, [seed if i == line_of else w for i, w in enumerate(others)])
+    if sum(len(line) for i, line in enumerate(lines) if i not in reached) < MATERIAL_CHARS:
+        return lines
+    ask = joined([clauses[n].strip() for n in sorted(kept)])
+    return [ask if i == line_of else line for i, line in enumerate(lines) if i in reached]
+
+
+def _reach(start: set[int], words: list[set[str]], back: list[bool] | None = None) -> set[int]:
+    """The items tied to `start` by shared words, one to the next, and (with `back`) each item that
+    an item reached points back at with a pronoun: the one before it."""
+    reached, frontier = set(start), list(start)
+    while frontier:
+        i = frontier.pop()
+        tied = [j for j, w in enumerate(words) if j not in reached and w & words[i]]
+        if back is not None and back[i] and i > 0 and i - 1 not in reached:
+            tied.append(i - 1)
+        reached.update(tied)
+        frontier.extend(tied)
+    return reached

@@ -168,3 +168,37 @@ def test_frames_quoted_questions_and_questions_about_the_model_are_not_the_ask()
                  f"Are you the biggest model they run? {question}",  # a question about the model, beside the real one
                  f"Which tier am I on?\n{question} Thanks so much."):
         assert read(text) == read(question), text
+
+
+# Material no question refers to, written for these tests (none of it from the outsiders' sets).
+MATERIAL = [
+    "Minutes of the residents' meeting, 14 March: the roof repair quote came to 18,400 euros, the lift inspection passed, "
+    "and the garden committee asked for 600 euros for new benches and 40 bulbs.",
+    "Pão de queijo: 500 g de polvilho azedo, 250 ml de leite, 120 ml de óleo, 2 ovos e 150 g de queijo meia cura ralado. "
+    "Misture, faça bolinhas e asse a 200 graus por 25 minutos.",
+    "Artikel 12 Kündigung. (1) Der Vertrag kann mit einer Frist von drei Monaten zum Quartalsende gekündigt werden. "
+    "(2) Die Kündigung bedarf der Textform.",
+    "item,qty,price,store\nlamp,3,24.90,Leeds\nkettle,1,39.00,York\nmug,12,4.50,Leeds\nrug,2,89.00,Hull\nchair,4,59.00,York\nshelf,1,120.00,Hull",
+]
+STANDALONE = [
+    "What is the capital of Canada?",
+    "Anna reads 22 pages a day. How many pages does she read in 6 days?",
+    "Janet has 16 ducks. She eats 3 eggs a day and sells the rest. How many eggs are left to sell?",
+    "How long does it take to delete my account after I request it?",
+]
+
+
+@pytest.mark.parametrize("material", MATERIAL)
+@pytest.mark.parametrize("question", STANDALONE)
+def test_material_the_question_never_refers_to_is_not_read(material: str, question: str) -> None:
+    for text in (f"{material}\n\n{question}", f"{question}\n\n{material}", f"{material}\n\nAnyway, unrelated: {question}"):
+        assert read(text) == read(question), text
+        assert tier(text) <= tier(question), text
+
+
+def test_material_a_question_points_at_or_builds_on_stays() -> None:
+    material = MATERIAL[0]
+    for question in ("What did the residents decide about it?", "How much do these repairs cost in total?",
+                     "Which of the items above is the cheapest?", "Is it correct?",
+                     "How much did the roof repair cost?"):  # shares words with the minutes: their premise
+        assert read(f"{material}\n\n{question}") != read(question), question
