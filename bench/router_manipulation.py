@@ -7,7 +7,8 @@ the plain question's decision. No model is called.
     .venv/bin/python -m bench.router_manipulation --templates heldout   # phrasings never tuned on (report)
     .venv/bin/python -m bench.router_manipulation --templates blind_tune     # written by an outsider who never saw the defences
     .venv/bin/python -m bench.router_manipulation --templates blind_eval     # the outsider's second set: measured once, then tuned on
-    .venv/bin/python -m bench.router_manipulation --templates blind_eval3    # a second outsider's set: measured once, never tuned on
+    .venv/bin/python -m bench.router_manipulation --templates blind_eval3    # a second outsider's set: measured once, then tuned on
+    .venv/bin/python -m bench.router_manipulation --templates blind_eval4    # a third outsider's set: measured once, then tuned on
 
 The evaluation split's questions are not read: it is kept for bench/economics.py. Prints, per
 template, how many copies read differently from their question (another routing text or bucket) and
@@ -31,7 +32,7 @@ from bench.kit.paths import FLEETS, ROOT, WORKLOAD
 HANDWRITTEN = WORKLOAD / "handwritten"
 TEMPLATES = {"workload": HANDWRITTEN / "adversarial.jsonl", "heldout": HANDWRITTEN / "adversarial_heldout.jsonl",
              "blind_tune": HANDWRITTEN / "adversarial_blind_tune.jsonl", "blind_eval": HANDWRITTEN / "adversarial_blind_eval.jsonl",
-             "blind_eval3": HANDWRITTEN / "adversarial_blind_eval3.jsonl"}
+             "blind_eval3": HANDWRITTEN / "adversarial_blind_eval3.jsonl", "blind_eval4": HANDWRITTEN / "adversarial_blind_eval4.jsonl"}
 CHEAP = ("factual", "arithmetic", "classification")  # the families build.py wraps (ADVERSARIAL_FAMILIES)
 
 
