@@ -254,9 +254,13 @@ class SemanticCache:
             outcome = "agreed" if same else "drifted"
             entry_id = entry.id
 
-            def mark(db: Any, outcome: str = outcome, similarity: float = similarity) -> None:
+            def mark(db: Any, outcome: str = outcome, similarity: float = similarity, state: str = entry.state) -> None:
                 store = self._store(db)
-                store.set_state(entry_id, "verified" if outcome == "agreed" else "stale", f"sweep:{outcome}")
+                # Agreeing with itself is consistency: an entry a caller, validator or operator verified stays verified.
+                if outcome != "agreed":
+                    store.set_state(entry_id, "stale", f"sweep:{outcome}")
+                elif state != "verified":
+                    store.set_state(entry_id, "consistent", "sweep:agreed")
                 store.record_sweep(entry_id, outcome, similarity, now)
 
             await self.worker.run(mark)

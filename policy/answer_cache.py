@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 from policy.answer_guards import NO_LEXICON, Comparison, Lexicon, compare
 
-STATES = ("unverified", "verified", "rejected", "stale")
+# verified: by a caller's feedback, a validator or an operator, never by the cache itself; consistent: a
+# sweep asked again and the model agreed with itself (consistency, not correctness).
+STATES = ("unverified", "consistent", "verified", "rejected", "stale")
+SERVED = ("unverified", "consistent", "verified")
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ class Miss:
 
 
 def servable(state: str, created_at: float, now: float, policy: CachePolicy) -> bool:
-    if state == "verified" or (state == "unverified" and policy.serve_unverified):
+    if state == "verified" or (state in ("unverified", "consistent") and policy.serve_unverified):
         return now - created_at <= policy.freshness_s
     return False
 
@@ -153,7 +156,7 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
             reason = reason if reason != "no candidate" else "similarity"
             break
         if not servable(c.state, c.created_at, now, policy):
-            reason = "stale" if c.state in ("unverified", "verified") else c.state
+            reason = "stale" if c.state in SERVED else c.state
             continue
         comparison = compare(c.question, asked, lexicon)
         if comparison.guard is not None:

@@ -215,8 +215,14 @@ def test_a_sweep_marks_a_changed_answer_stale_and_the_next_miss_replaces_it(cach
     assert state == "unverified" and answer == original
     agreed = httpx.post(f"{server.base_url}/admin/cache/sweep", params={"limit": 1},
                         headers={"Authorization": f"Bearer {keys['admin']}"}, timeout=120).json()
-    assert agreed["agreed"] == 1  # the model still says the same: verified
-    assert db(server).execute("SELECT state FROM cache_entries WHERE id = ?", (entry_id,)).fetchone()[0] == "verified"
+    assert agreed["agreed"] == 1  # the model still says the same: consistent, which verifies nothing
+    assert db(server).execute("SELECT state FROM cache_entries WHERE id = ?", (entry_id,)).fetchone()[0] == "consistent"
+    served = ask(server, keys["zeta"], question)
+    assert served.headers["x-cache"] == "hit" and served.headers["x-cache-state"] == "consistent"
+    stats = httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {keys['admin']}"}, timeout=30).json()
+    assert any(b["consistent"] >= 1 for b in stats["buckets"])
+    saved = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    assert 'appliance_cache_saved_nanousd_total{state="consistent"}' in saved  # counted apart from verified hits
 
 
 def test_concurrent_identical_misses_store_one_entry(cached: tuple[Server, dict[str, str]]) -> None:

@@ -14,10 +14,24 @@ from policy.answer_cache import STATES, Bucket, Candidate
 from appliance.store.transactions import immediate
 
 
-def create_tables(db: apsw.Connection) -> None:
-    db.execute(
-        f"""
-        CREATE TABLE cache_entries (
+# The states migration 0005 allowed; 0014 added "consistent" (a sweep's agreement, which verifies nothing).
+_STATES_0005 = ("unverified", "verified", "rejected", "stale")
+
+
+def allow_consistent(db: apsw.Connection) -> None:
+    """Migration 0014: the entries table again, its state check allowing "consistent"; rows, ids (the
+    vectors' keys) and indexes as they were."""
+    db.execute(_entries_table("cache_entries_next", STATES))
+    db.execute("INSERT INTO cache_entries_next SELECT * FROM cache_entries")
+    db.execute("DROP TABLE cache_entries")
+    db.execute("ALTER TABLE cache_entries_next RENAME TO cache_entries")
+    db.execute("CREATE INDEX cache_entries_tenant_used ON cache_entries(tenant, last_used_at)")
+    db.execute("CREATE INDEX cache_entries_response ON cache_entries(response_id)")
+
+
+def _entries_table(name: str, states: tuple[str, ...]) -> str:
+    return f"""
+        CREATE TABLE {name} (
             id INTEGER PRIMARY KEY,
             bucket TEXT NOT NULL,
             tenant TEXT NOT NULL,
@@ -35,7 +49,7 @@ def create_tables(db: apsw.Connection) -> None:
             prompt_tokens INTEGER NOT NULL,
             completion_tokens INTEGER NOT NULL,
             cost_nanos INTEGER NOT NULL,
-            state TEXT NOT NULL CHECK (state IN ({", ".join(f"'{s}'" for s in STATES)})),
+            state TEXT NOT NULL CHECK (state IN ({", ".join(f"'{s}'" for s in states)})),
             state_reason TEXT,
             response_id TEXT NOT NULL,
             embedder TEXT,
@@ -43,7 +57,13 @@ def create_tables(db: apsw.Connection) -> None:
             last_used_at REAL NOT NULL,
             hits INTEGER NOT NULL DEFAULT 0,
             UNIQUE (bucket, question_hash)
-        ) STRICT;
+        ) STRICT;"""
+
+
+def create_tables(db: apsw.Connection) -> None:
+    db.execute(
+        f"""
+        {_entries_table("cache_entries", _STATES_0005).strip()}
         CREATE INDEX cache_entries_tenant_used ON cache_entries(tenant, last_used_at);
         CREATE INDEX cache_entries_response ON cache_entries(response_id);
         CREATE TABLE cache_hits (
@@ -225,7 +245,7 @@ class CacheStore:
             raise ValueError("say which entries to invalidate")
         with immediate(self.db):
             self.db.execute(f"UPDATE cache_entries SET state = 'stale', state_reason = 'invalidated' "
-                            f"WHERE {' AND '.join(clauses)} AND state IN ('unverified', 'verified')", params)
+                            f"WHERE {' AND '.join(clauses)} AND state IN ('unverified', 'consistent', 'verified')", params)
             return self.db.changes()
 
     def search(self, text: str, tenant: str | None, limit: int = 50) -> list[Entry]:
@@ -238,16 +258,17 @@ class CacheStore:
 
     def stats(self) -> list[dict[str, object]]:
         rows = self.db.execute(
-            "SELECT bucket, tenant, role, model, prompt_version, count(*), sum(hits), sum(state = 'verified'), sum(state = 'rejected'), "
-            "sum(state = 'stale'), max(last_used_at) FROM cache_entries GROUP BY bucket ORDER BY sum(hits) DESC"
+            "SELECT bucket, tenant, role, model, prompt_version, count(*), sum(hits), sum(state = 'verified'), sum(state = 'consistent'), "
+            "sum(state = 'rejected'), sum(state = 'stale'), max(last_used_at) FROM cache_entries GROUP BY bucket ORDER BY sum(hits) DESC"
         )
-        names = ("bucket", "tenant", "role", "model", "prompt_version", "entries", "hits", "verified", "rejected", "stale", "last_used_at")
+        names = ("bucket", "tenant", "role", "model", "prompt_version", "entries", "hits", "verified", "consistent", "rejected", "stale",
+                 "last_used_at")
         return [dict(zip(names, row)) for row in rows]
 
     def sweep_sample(self, limit: int, now: float, freshness_s: float) -> list[Entry]:
         """Entries worth re-asking, most valuable first (hits × cost), fresh and still served."""
         rows = self.db.execute(
-            f"SELECT {_ENTRY} FROM cache_entries WHERE state IN ('unverified', 'verified') AND created_at >= ? "
+            f"SELECT {_ENTRY} FROM cache_entries WHERE state IN ('unverified', 'consistent', 'verified') AND created_at >= ? "
             "ORDER BY (hits + 1) * (cost_nanos + 1) DESC, last_used_at DESC LIMIT ?",
             (now - freshness_s, limit),
         )

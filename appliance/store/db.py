@@ -45,6 +45,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0011_responses", responses.create_tables),
     ("0012_kept_answers", kept_answers.create_tables),
     ("0013_auth_failure_counts", keystore.count_failures),
+    ("0014_cache_consistent_state", cache_store.allow_consistent),
 )
 
 
