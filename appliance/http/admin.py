@@ -10,13 +10,14 @@ from typing import Any
 import msgspec
 from litestar import Request, delete, get, post, put
 
+from appliance.http.prologue import authenticate
 from appliance.pipeline.errors import APIError, invalid
-from appliance.http.prologue import authenticate, decode_body
 from appliance.server.services import Services
-from policy.budgets import GLOBAL_NAME, LEVELS, PERIODS, nanos_from_usd, usd
-from policy.identity import KeyRecord
 from appliance.store.keys import KeyStore, LastAdminKey
 from appliance.store.ledger import Ledger, LedgerError
+from appliance.wire.decode import decode_body
+from policy.budgets import GLOBAL_NAME, LEVELS, PERIODS, nanos_from_usd, usd
+from policy.identity import KeyRecord
 
 
 class BudgetBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -8,10 +8,11 @@ from typing import Any, Literal
 import msgspec
 from litestar import Request, get, post
 
-from appliance.http.prologue import authenticate, decode_body
+from appliance.http.prologue import authenticate
 from appliance.pipeline.errors import APIError, invalid
 from appliance.server.services import Services
 from appliance.store import kept_answers
+from appliance.wire.decode import decode_body
 from policy.budgets import usd
 
 

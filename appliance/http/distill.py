@@ -13,16 +13,16 @@ from typing import Any
 import msgspec
 from litestar import Request, post
 
-from appliance.http.admin import _admin, server_path
-from appliance.http.prologue import decode_body
-from appliance.pipeline.errors import APIError, invalid
-from appliance.http.fleet import apply_from_thread, config_file
-from appliance.distill.export import TRAIN
-from appliance.server.jobs import Job, JobBusy, JobCancelled
-from appliance.fleet.admin import alias_for
-from appliance.server.services import Services
 from appliance.config.settings import LocalModel
+from appliance.distill.export import TRAIN
+from appliance.fleet.admin import alias_for
+from appliance.http.admin import _admin, server_path
+from appliance.http.fleet import apply_from_thread, config_file
+from appliance.pipeline.errors import APIError, invalid
+from appliance.server.jobs import Job, JobBusy, JobCancelled
+from appliance.server.services import Services
 from appliance.train.plan import OptionError, Options, wait_until
+from appliance.wire.decode import decode_body
 
 
 class TrainBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -10,22 +10,22 @@ from typing import Any
 
 from litestar import Request, Response, post
 
-from appliance.wire import openai as render
-from appliance.pipeline.call import engine_refusal, until_disconnect
-from appliance.http.prologue import authenticate, decode_body
-from appliance.pipeline.errors import APIError, invalid
-from appliance.pipeline.flow import annotate_principal, resolve_model
-from appliance.http.headers import new_request_id, request_id_of
-from appliance.wire.schemas import EmbeddingRequest
-from appliance.pipeline.prepare import check_token_ids
-from appliance.fleet.registry import LoadedModel
-from appliance.server.services import Services, price_of
 from appliance.config.settings import ModelSettings
-from appliance.server.tracing import RequestTrace
-from engines.interface import EngineError
+from appliance.fleet.registry import LoadedModel
+from appliance.http.prologue import Endpoint, begin, reply
+from appliance.pipeline.call import engine_refusal, until_disconnect
+from appliance.pipeline.context import Answer, CallContext
+from appliance.pipeline.errors import APIError, invalid
+from appliance.pipeline.models import resolve_model
+from appliance.pipeline.prepare import check_token_ids
+from appliance.server.services import Services, price_of
+from appliance.wire import openai as render
+from appliance.wire.schemas import EmbeddingRequest
 from engines.embedding import finish
+from engines.interface import EngineError
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+EMBEDDINGS = Endpoint("embeddings", "emb-", EmbeddingRequest, "embeddings")
 
 
 def inputs_of(raw: str | list[Any]) -> list[str | list[int]]:
@@ -71,35 +71,24 @@ def _tokens(model: LoadedModel, inputs: list[str | list[int]]) -> list[list[int]
 
 @post("/v1/embeddings", status_code=200)
 async def embeddings(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    traced = RequestTrace(services.tracing, "embeddings", request.headers, request__id=new_request_id(request, "emb"))
-    try:
-        response = await _embeddings(request, services, traced)
-    except BaseException as exc:
-        traced.fail(exc)
-        raise
-    finally:
-        traced.end()
-    return traced.stamp(response)
+    ctx, body = await begin(request, services, EMBEDDINGS)
+    return await reply(ctx, _embeddings(ctx, body))
 
 
-async def _embeddings(request: Request[Any, Any, Any], services: Services, traced: RequestTrace) -> Response[Any]:
-    principal = await authenticate(request, services)
-    annotate_principal(traced, principal)
-    body = decode_body(await request.body(), EmbeddingRequest)
-    traced.requested(body)
+async def _embeddings(ctx: CallContext, body: EmbeddingRequest) -> Answer:
+    services, principal, request_id = ctx.services, ctx.principal, ctx.request_id
     model = resolve_model(services, body.model, "embedding", "embeddings")
     check_dimensions(body.dimensions, model.settings)
     inputs = inputs_of(body.input)
     token_lists = await asyncio.to_thread(_tokens, model, inputs)  # thousands of inputs take a while
     prompt_tokens = sum(len(t) for t in token_lists)
-    request_id = request_id_of(request.scope)
     alias = model.settings.alias
-    traced.annotate(model=alias, inputs=len(inputs))
-    traced.answered(request_id, alias, None, prompt_tokens)
+    ctx.trace.annotate(model=alias, inputs=len(inputs))
+    ctx.trace.answered(request_id, alias, None, prompt_tokens)
     admission = await services.gate.admit(principal, request_id, alias, price_of(model), prompt_tokens, 0)
     outcome = "refused"
     try:
-        rows = await until_disconnect(request, model.engine.embed(token_lists))
+        rows = await until_disconnect(ctx.receive, model.engine.embed(token_lists))
         if body.dimensions is not None and body.dimensions > rows.shape[1]:
             raise invalid(f"'dimensions' must be at most {rows.shape[1]} for the model '{alias}'.", "dimensions")
         outcome = "stop"
@@ -114,7 +103,8 @@ async def _embeddings(request: Request[Any, Any, Any], services: Services, trace
     vectors = finish(rows, normalize=model.settings.normalize, dimensions=body.dimensions)
     services.metrics.prompt_tokens.labels(alias).inc(prompt_tokens)
     services.metrics.requests.labels(alias, "embeddings", "ok").inc()
-    return Response(render.embedding_list(vectors, alias, prompt_tokens, body.encoding_format), media_type="application/json")
+    ctx.trace.end()  # no stream outlives the handler: the trace ends with it
+    return Answer(render.embedding_list(vectors, alias, prompt_tokens, body.encoding_format), {})
 
 
 ROUTES = [embeddings]

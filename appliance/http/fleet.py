@@ -13,19 +13,19 @@ from typing import Any, get_args, get_origin
 import msgspec
 from litestar import Request, delete, patch, post
 
-from appliance.http.admin import _admin, confined, path_not_allowed, server_path
-from appliance.http.prologue import decode_body
-from appliance.pipeline.errors import APIError, invalid
-from appliance.prompt.template import TemplateError
 from appliance.config.schema import keys_of, strip
+from appliance.config.settings import ConfigError, LocalModel, names_template_file
 from appliance.config.writer import remove_table, update_table
-from appliance.fleet.change import FleetChange
 from appliance.fleet.admin import ModelAdminError, alias_for, check_alias, register
+from appliance.fleet.change import FleetChange
 from appliance.fleet.files import hub_file_problem, package_file_unimported, sha256
 from appliance.fleet.manager import ModelUnavailable
 from appliance.fleet.reconfigure import apply_config
+from appliance.http.admin import _admin, confined, path_not_allowed, server_path
+from appliance.pipeline.errors import APIError, invalid
+from appliance.prompt.template import TemplateError
 from appliance.server.services import Services
-from appliance.config.settings import ConfigError, LocalModel, names_template_file
+from appliance.wire.decode import decode_body
 
 log = logging.getLogger("appliance.api")
 

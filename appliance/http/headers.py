@@ -19,7 +19,7 @@ from typing import Any
 from litestar.datastructures import MutableScopeHeaders
 from litestar.types import Message, Scope
 
-from appliance.gate import Gate
+from appliance.pipeline.gate import Gate
 from policy.identity import Principal
 from policy.rate_headers import rate_limit_headers
 
@@ -31,9 +31,9 @@ def _state(scope: Any) -> dict[str, Any]:
     return scope.setdefault("state", {})
 
 
-def new_request_id(request: Any, prefix: str, separator: str = "-") -> str:
+def new_request_id(request: Any, prefix: str) -> str:
     """The id of the call this request makes (`chatcmpl-…`, `resp_…`), named once and sent back as `x-request-id`."""
-    request_id = f"{prefix}{separator}{uuid.uuid4().hex}"
+    request_id = f"{prefix}{uuid.uuid4().hex}"
     _state(request.scope)[_REQUEST_ID] = request_id
     return request_id
 

@@ -12,16 +12,16 @@ from typing import Any
 import msgspec
 from litestar import Request, delete, get, post, put
 
-from appliance.http.admin import _admin, confined, server_path
-from appliance.http.prologue import decode_body
-from appliance.pipeline.errors import APIError, invalid
-from appliance.http.fleet import apply_from_thread
-from appliance.server.jobs import Job, JobBusy
+from appliance.config.settings import NAME, NAME_RULE
 from appliance.fleet.admin import QUANT_TYPES, alias_for, estimated_size, file_type, quantize, quantized_name, register
 from appliance.fleet.files import ModelFileError, download, hub_file_problem, resolve, sha256
 from appliance.fleet.registry import LoadedModel
+from appliance.http.admin import _admin, confined, server_path
+from appliance.http.fleet import apply_from_thread
+from appliance.pipeline.errors import APIError, invalid
+from appliance.server.jobs import Job, JobBusy
 from appliance.server.services import Services
-from appliance.config.settings import NAME, NAME_RULE
+from appliance.wire.decode import decode_body
 from engines.interface import AdapterInUse, EngineError, UnknownAdapter
 
 

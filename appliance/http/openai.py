@@ -7,17 +7,16 @@ from typing import Any
 
 from litestar import Request, Response, get, post
 
-from appliance.pipeline import call
-from appliance.wire import openai as render
-from appliance.http.prologue import authenticate, decode_body
+from appliance.http.prologue import Endpoint, authenticate, begin, reply
 from appliance.pipeline.errors import APIError
-from appliance.http.headers import new_request_id
-from appliance.pipeline.flow import annotate_principal, guard, model_with_adapters, serve_chat
-from appliance.pipeline.routed import route_meta
-from appliance.wire.schemas import ChatCompletionRequest, CompletionRequest
-from appliance.pipeline.prepare import prepare_completion, with_adapters
+from appliance.pipeline.flow import serve_chat, serve_completion
+from appliance.pipeline.route_choice import route_meta
 from appliance.server.services import Services
-from appliance.server.tracing import RequestTrace
+from appliance.wire import openai as render
+from appliance.wire.schemas import ChatCompletionRequest, CompletionRequest
+
+CHAT = Endpoint("chat", "chatcmpl-", ChatCompletionRequest, "chat", trace_auth=True)
+COMPLETION = Endpoint("text_completion", "cmpl-", CompletionRequest, "completion")
 
 
 @get("/v1/models")
@@ -45,42 +44,14 @@ async def retrieve_model(request: Request[Any, Any, Any], services: Services, mo
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    request_id = new_request_id(request, "chatcmpl")
-    traced = RequestTrace(services.tracing, "chat", request.headers, request__id=request_id)
-    try:
-        with traced.child("auth"):
-            principal = await authenticate(request, services)
-        annotate_principal(traced, principal)
-        body = decode_body(await request.body(), ChatCompletionRequest)
-        traced.requested(body)
-        wire_for = render.chat_wire("chat", body.stream_options)
-        return traced.stamp(await serve_chat(request, services, principal, body, request_id, traced, wire_for))
-    except BaseException as exc:
-        traced.fail(exc)
-        traced.end()
-        raise
+    ctx, body = await begin(request, services, CHAT)
+    return await reply(ctx, serve_chat(ctx.answering(render.chat_wire("chat", body.stream_options), body.stream), body))
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    request_id = new_request_id(request, "cmpl")
-    traced = RequestTrace(services.tracing, "text_completion", request.headers, request__id=request_id)
-    try:
-        principal = await authenticate(request, services)
-        annotate_principal(traced, principal)
-        body = decode_body(await request.body(), CompletionRequest)
-        traced.requested(body)
-        await guard(services, traced, [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)],
-                    principal, request_id)
-        model, adapters = model_with_adapters(services, body.model, body.adapters, "completion")
-        traced.annotate(model=model.settings.alias, stream=body.stream, end_user=body.user)
-        prepared = with_adapters(prepare_completion(body, model, services.settings.defaults, request_id), adapters)
-        wire_for = render.chat_wire("completion", body.stream_options)
-        return traced.stamp(await call.respond(request, services, principal, model, prepared, body.stream, "completion", wire_for, traced))
-    except BaseException as exc:
-        traced.fail(exc)
-        traced.end()
-        raise
+    ctx, body = await begin(request, services, COMPLETION)
+    return await reply(ctx, serve_completion(ctx.answering(render.chat_wire("completion", body.stream_options), body.stream), body))
 
 
 ROUTES = [list_models, retrieve_model, chat_completions, completions]

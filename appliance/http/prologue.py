@@ -1,58 +1,80 @@
-"""What every API route starts with: who is calling, and the typed body."""
+"""What every API route starts with, written once: who is calling, and the typed body.
+
+A model endpoint (chat, completions, responses, embeddings) opens with `begin`: the call's id and
+its trace, authentication, the body decoded as its Endpoint says, and the CallContext the pipeline
+works on; it closes with `reply`: the pipeline's Answer as a response carrying the trace's id,
+and on any failure the trace told why and ended. The admin routes use `authenticate` and
+`decode_body` alone."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import contextlib
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-import msgspec
-from litestar import Request
+from litestar import Request, Response
+from litestar.response import Stream
 
-from appliance.pipeline.errors import from_validation, invalid
-from appliance.http.headers import remember_principal
+from appliance.http.headers import new_request_id, remember_principal
+from appliance.pipeline.context import Answer, CallContext
 from appliance.server.services import Services
+from appliance.server.tracing import RequestTrace
+from appliance.wire.decode import decode_body
 from policy.identity import Principal
 
-T = TypeVar("T")
+B = TypeVar("B")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-# No OpenAI body nests this deep; a schema or tool that does is refused before anything recurses on it.
-MAX_DEPTH = 64
+@dataclass(frozen=True)
+class Endpoint(Generic[B]):
+    """What differs between the model endpoints' prologues."""
+
+    operation: str  # the trace's operation (GenAI's name: chat, text_completion, embeddings)
+    id_prefix: str  # the call's id starts so: `chatcmpl-`, `resp_`
+    body: type[B]  # the request body's struct (appliance/wire/schemas.py)
+    endpoint: str  # what the pipeline, the request log and the metrics call it: chat, completion, embeddings
+    trace_auth: bool = False  # authentication is a span of its own
+    trace_body: bool = True  # the trace is named after the model the body asks for, with its settings
 
 
-def decode_body(body: bytes, kind: type[T]) -> T:
-    if not body:
-        raise invalid("The request body is empty; send a JSON object.")
+async def begin(request: Request[Any, Any, Any], services: Services, endpoint: Endpoint[B]) -> tuple[CallContext, B]:
+    """The call's id and trace, who is calling, the typed body: the context the pipeline works on.
+    A refusal here is traced and ends the trace."""
+    request_id = new_request_id(request, endpoint.id_prefix)
+    trace = RequestTrace(services.tracing, endpoint.operation, request.headers, request__id=request_id)
     try:
-        decoded = msgspec.json.decode(body, type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise from_validation(exc) from None
-    except RecursionError:
-        decoded = None
-    if decoded is None or depth(decoded, MAX_DEPTH) > MAX_DEPTH:
-        raise invalid(f"The request body nests deeper than {MAX_DEPTH} levels.", code="nested_too_deep")
-    return decoded
+        with trace.child("auth") if endpoint.trace_auth else contextlib.nullcontext():
+            principal = await authenticate(request, services)
+        trace.annotate(tenant=principal.tenant, app=principal.app, user=principal.user, role=principal.role, key__id=principal.key_id)
+        body = decode_body(await request.body(), endpoint.body)
+        if endpoint.trace_body:
+            trace.requested(body)
+    except BaseException as exc:
+        trace.fail(exc)
+        raise
+    return CallContext(services, principal, request_id, trace, endpoint.endpoint, request.receive, request.headers.get("cache-control")), body
 
 
-def depth(value: Any, limit: int) -> int:
-    """How deep a decoded body nests (structs, lists, dicts), counted without recursion and no
-    further than limit + 1."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, msgspec.Struct):
-            children: Any = (getattr(item, f) for f in item.__struct_fields__)
-        elif isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, (list, tuple)):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, level)
-        if deepest > limit:
-            return deepest
-        stack.extend((child, level + 1) for child in children)
-    return deepest
+async def reply(ctx: CallContext, work: Awaitable[Answer]) -> Response[Any]:
+    """The pipeline's answer as a response that names its trace; a failure is traced and ends the
+    trace (a stream that outlives the handler ends it itself)."""
+    try:
+        answer = await work
+    except BaseException as exc:
+        ctx.trace.fail(exc)
+        raise
+    return response(answer, ctx.trace.trace_id)
+
+
+def response(answer: Answer, trace_id: str | None) -> Response[Any]:
+    """A JSON body or an SSE stream, naming its trace (`x-trace-id`) so a caller can find it."""
+    headers = answer.headers if trace_id is None else {**answer.headers, "x-trace-id": trace_id}
+    if isinstance(answer.body, bytes):
+        return Response(answer.body, media_type="application/json", headers=headers)
+    return Stream(answer.body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 
 
 async def authenticate(request: Request[Any, Any, Any], services: Services) -> Principal:

@@ -11,19 +11,21 @@ from typing import Any
 
 from litestar import Request, Response, delete, get, post
 
-from appliance.http.prologue import authenticate, decode_body
-from appliance.http.headers import new_request_id
+from appliance.http.prologue import Endpoint, authenticate, begin, reply
+from appliance.pipeline.context import Answer, CallContext
 from appliance.pipeline.errors import APIError
-from appliance.pipeline.flow import annotate_principal, serve_chat
-from appliance.wire.responses import Echo, ResponsesWire, Save
-from appliance.wire.responses_input import Message, renamed, to_chat
-from appliance.wire.schemas import ResponsesRequest
+from appliance.pipeline.flow import serve_chat
 from appliance.pipeline.prepare import Prepared
 from appliance.server.services import Services
 from appliance.store import responses as store
-from appliance.server.tracing import RequestTrace
+from appliance.wire.responses import Echo, ResponsesWire, Save
+from appliance.wire.responses_input import Message, renamed, to_chat
+from appliance.wire.schemas import ResponsesRequest
 
 log = logging.getLogger("appliance.api")
+
+# Served as a chat request: the request log and the model policy know it as chat.
+RESPONSES = Endpoint("responses", "resp_", ResponsesRequest, "chat", trace_auth=True, trace_body=False)
 
 
 def _not_found(response_id: str) -> APIError:
@@ -46,40 +48,35 @@ def _saver(services: Services, tenant: str) -> Save:
 
 @post("/v1/responses", status_code=200)
 async def create_response(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
-    request_id = new_request_id(request, "resp", "_")
-    traced = RequestTrace(services.tracing, "responses", request.headers, request__id=request_id)
+    ctx, body = await begin(request, services, RESPONSES)
+    return await reply(ctx, _respond(ctx, body))
+
+
+async def _respond(ctx: CallContext, body: ResponsesRequest) -> Answer:
+    """The previous response's conversation, the request as chat, the Responses wire; chat's pipeline."""
+    services, principal = ctx.services, ctx.principal
+    history: list[Message] = []
+    if body.previous_response_id is not None:
+        previous_id = body.previous_response_id
+        stored = await services.store.run(lambda db: store.load(db, principal.tenant, previous_id))
+        if stored is None:
+            # OpenAI's answer for an unknown (or another tenant's) previous response: 400, naming the field.
+            raise APIError(400, f"Previous response with id '{previous_id}' not found.", param="previous_response_id",
+                           code="previous_response_not_found")
+        history = stored.conversation
+    chat, turns = to_chat(body, history)
+    defaults = services.settings.defaults
+    echo = Echo.of(body, defaults.temperature if body.temperature is None else body.temperature,
+                   defaults.top_p if body.top_p is None else body.top_p)
+    save = _saver(services, principal.tenant) if body.store else None
+
+    def wire_for(prepared: Prepared, model: str, created: int) -> ResponsesWire:
+        return ResponsesWire(prepared, model, created, echo, turns, save)
+
     try:
-        with traced.child("auth"):
-            principal = await authenticate(request, services)
-        annotate_principal(traced, principal)
-        body = decode_body(await request.body(), ResponsesRequest)
-        history: list[Message] = []
-        if body.previous_response_id is not None:
-            previous_id = body.previous_response_id
-            stored = await services.store.run(lambda db: store.load(db, principal.tenant, previous_id))
-            if stored is None:
-                # OpenAI's answer for an unknown (or another tenant's) previous response: 400, naming the field.
-                raise APIError(400, f"Previous response with id '{previous_id}' not found.", param="previous_response_id",
-                               code="previous_response_not_found")
-            history = stored.conversation
-        chat, turns = to_chat(body, history)
-        defaults = services.settings.defaults
-        echo = Echo.of(body, defaults.temperature if body.temperature is None else body.temperature,
-                       defaults.top_p if body.top_p is None else body.top_p)
-        save = _saver(services, principal.tenant) if body.store else None
-
-        def wire_for(prepared: Prepared, model: str, created: int) -> ResponsesWire:
-            return ResponsesWire(prepared, model, created, echo, turns, save)
-
-        try:
-            response = await serve_chat(request, services, principal, chat, request_id, traced, wire_for)
-        except APIError as exc:
-            raise renamed(exc) from None
-        return traced.stamp(response)
-    except BaseException as exc:
-        traced.fail(exc)
-        traced.end()
-        raise
+        return await serve_chat(ctx.answering(wire_for, chat.stream), chat)
+    except APIError as exc:
+        raise renamed(exc) from None
 
 
 @get("/v1/responses/{response_id:str}")

@@ -1,29 +1,27 @@
 """The semantic cache at the API: whether a chat request reads or writes the cache
-(`Cache-Control: no-cache` skips the lookup, `no-store` the storing), and a hit served as a
-response in the request's wire format, whole or streamed, marked `x-cache: hit`."""
+(`Cache-Control: no-cache` skips the lookup, `no-store` the storing), and a hit served as an
+answer in the request's wire format, whole or streamed, marked `x-cache: hit`."""
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar import Response
 
-from appliance.pipeline.call import WireFor, known_answer
-from appliance.wire.schemas import ChatCompletionRequest
-from appliance.pipeline.tool_request import has_tools
-from appliance.pipeline.prepare import Prepared, chat_messages
-from appliance.fleet.registry import LoadedModel
 from appliance.answer_cache import Lookup, model_version
-from appliance.server.services import Services, price_of
 from appliance.config.settings import RouteSettings, split_tier
+from appliance.fleet.registry import LoadedModel
+from appliance.pipeline.call import known_answer, record
+from appliance.pipeline.context import Answer, CallContext, Remember
+from appliance.pipeline.prepare import chat_messages
+from appliance.pipeline.tool_request import has_tools
+from appliance.server.services import price_of
+from appliance.wire.schemas import ChatCompletionRequest
 from engines.interface import FinishEvent, Usage
 from policy.answer_cache import Cacheable, NotCacheable, classify
-from policy.identity import Principal
 from policy.programs import wants_program
 
 
@@ -42,12 +40,13 @@ class CachePlan:
             headers["x-cache-reason"] = self.lookup.reason
         return headers
 
-    def remember(self, services: Services, model: LoadedModel, prepared: Prepared,
-                 traced: Any = None) -> Callable[[str, FinishEvent], None] | None:
-        """What to do with the answer once the model has given it."""
+    def remember(self, ctx: CallContext) -> Remember | None:
+        """What to do with the answer once the model `ctx` names has given it to the request it prepared."""
         item, lookup = self.item, self.lookup
         if item is None:
             return None
+        model, prepared = ctx.chosen()
+        services, traced = ctx.services, ctx.trace
         price = price_of(model)
 
         def done(text: str, finish: FinishEvent) -> None:
@@ -55,9 +54,8 @@ class CachePlan:
             if self.read:
                 services.cache.count_miss(cost)
             if self.write:
-                if traced is not None:
-                    with traced.child("cache.store", cache__bucket=item.bucket.key, completion_tokens=finish.usage.completion_tokens):
-                        pass  # queued to the cache's store thread
+                with traced.child("cache.store", cache__bucket=item.bucket.key, completion_tokens=finish.usage.completion_tokens):
+                    pass  # queued to the cache's store thread
                 services.cache.remember(item, lookup.vector if lookup else None, text, finish.reason, finish.usage.prompt_tokens,
                                         finish.usage.completion_tokens, cost, prepared.request.id, prepared.replay,
                                         prepared.request.max_tokens, prepared.request.stop)
@@ -68,12 +66,13 @@ class CachePlan:
 _DIRECTIVE = re.compile(r"[a-z-]+")
 
 
-def cache_plan(header: str | None, services: Services, principal: Principal, body: ChatCompletionRequest, model: LoadedModel,
-               prepared: Prepared) -> CachePlan:
-    directives = set(_DIRECTIVE.findall((header or "").lower()))
+def cache_plan(ctx: CallContext, body: ChatCompletionRequest) -> CachePlan:
+    """A request to a model by name: its bucket names the model (and its adapters) and its version."""
+    services = ctx.services
     if not services.cache.ready:
         services.metrics.cache_lookups.labels("bypass").inc()
         return CachePlan(None, False, False)
+    model, prepared = ctx.chosen()
     sampling = prepared.request.sampling
     settings = {
         "endpoint": "chat",
@@ -87,7 +86,7 @@ def cache_plan(header: str | None, services: Services, principal: Principal, bod
     }
     # An adapter answers differently from its base model: its answers get their own buckets.
     name = prepared.model_name(model.settings.alias)
-    return _plan(services, directives, principal, body, name, model_version(model.settings), settings, sampling.temperature)
+    return _plan(ctx, body, name, model_version(model.settings), settings, sampling.temperature)
 
 
 def _adjustments(body: ChatCompletionRequest) -> dict[str, Any]:
@@ -102,8 +101,9 @@ def _adjustments(body: ChatCompletionRequest) -> dict[str, Any]:
     return out
 
 
-def _plan(services: Services, directives: set[str], principal: Principal, body: ChatCompletionRequest, model: str,
-          version: str, settings: dict[str, Any], temperature: float) -> CachePlan:
+def _plan(ctx: CallContext, body: ChatCompletionRequest, model: str, version: str, settings: dict[str, Any],
+          temperature: float) -> CachePlan:
+    services, principal = ctx.services, ctx.principal
     # Never cached with tools offered or tool turns in the chat: a tool call's answer depends on the
     # tool set and on results from outside, which the question's text does not capture.
     decision = classify(
@@ -114,6 +114,7 @@ def _plan(services: Services, directives: set[str], principal: Principal, body: 
     if isinstance(decision, NotCacheable):
         services.metrics.cache_lookups.labels("bypass").inc()
         return CachePlan(None, False, False)
+    directives = set(_DIRECTIVE.findall((ctx.cache_control or "").lower()))
     read, write = "no-cache" not in directives, "no-store" not in directives
     if not read:
         services.metrics.cache_lookups.labels("bypass").inc()
@@ -127,12 +128,11 @@ def answered_by_program(route: RouteSettings, body: ChatCompletionRequest) -> bo
     return wants_program(route.program_families, body.metadata, body.tools is None and body.functions is None and not json_form)
 
 
-def route_cache_plan(header: str | None, services: Services, principal: Principal, body: ChatCompletionRequest,
-                     route: RouteSettings) -> CachePlan:
+def route_cache_plan(ctx: CallContext, body: ChatCompletionRequest, route: RouteSettings) -> CachePlan:
     """A routed request's place in the cache: its bucket names the route and a digest of its tiers'
     versions, so any tier's validated answer serves the same question, and changing the fleet
     changes the bucket."""
-    directives = set(_DIRECTIVE.findall((header or "").lower()))
+    services = ctx.services
     if not services.cache.ready:
         services.metrics.cache_lookups.labels("bypass").inc()
         return CachePlan(None, False, False)
@@ -152,34 +152,38 @@ def route_cache_plan(header: str | None, services: Services, principal: Principa
     for tier in route.tiers:  # a distilled tier ("alias:adapter") keeps its own answers, apart from its base's
         model = services.registry.get(split_tier(tier)[0])
         versions.append(f"{tier}={model_version(model.settings) if model else '?'}")
-    return _plan(services, directives, principal, body, route.alias, ";".join(versions), settings, temperature)
+    return _plan(ctx, body, route.alias, ";".join(versions), settings, temperature)
 
 
-async def charge_judge(services: Services, principal: Principal, model: LoadedModel, request_id: str, found: Lookup) -> None:
+async def charge_judge(ctx: CallContext, model: LoadedModel, found: Lookup) -> None:
     """A miss the judge was asked about still pays for the judge's tokens, as a hit does: settled
     under its own id, apart from the model call that follows."""
     judge_prompt, judge_completion = found.judge_tokens
     if found.entry is not None or not (judge_prompt or judge_completion):
         return
-    admission = await services.gate.admit(principal, f"{request_id}.judge", model.settings.alias, price_of(model), judge_prompt, judge_completion)
-    services.gate.settle(admission, judge_prompt, judge_completion, "cache_judge")
+    gate = ctx.services.gate
+    admission = await gate.admit(ctx.principal, f"{ctx.request_id}.judge", model.settings.alias, price_of(model), judge_prompt, judge_completion)
+    gate.settle(admission, judge_prompt, judge_completion, "cache_judge")
 
 
-async def serve_hit(services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, found: Lookup,
-                    stream: bool, wire_for: WireFor) -> Response[Any]:
+async def serve_hit(ctx: CallContext, found: Lookup) -> Answer:
     """A hit still passes the rate limits and the budget, at the hit's own cost (the judge's tokens,
-    if it was asked), and is logged and counted."""
+    if it was asked), and is logged and counted. `ctx` names the model whose answer it stands for."""
     entry = found.entry
     assert entry is not None
+    model, prepared = ctx.chosen()
+    services = ctx.services
     started = time.time()
     judge_prompt, judge_completion = found.judge_tokens
-    admission = await services.gate.admit(principal, prepared.request.id, model.settings.alias, price_of(model), judge_prompt, judge_completion)
+    admission = await services.gate.admit(ctx.principal, prepared.request.id, model.settings.alias, price_of(model), judge_prompt,
+                                          judge_completion)
     services.gate.settle(admission, judge_prompt, judge_completion, "cache_hit")
     services.cache.record_hit(entry, prepared.request.id, found.similarity, found.judged)
     prompt_tokens = prepared.request.prompt_length
     finish = FinishEvent(entry.finish_reason, Usage(prompt_tokens, entry.completion_tokens, prompt_tokens), "",  # type: ignore[arg-type]
                          0.0, time.time() - started)
-    services.record(prepared, model, "chat", started, finish, "cache_hit", principal, cost_nanos=price_of(model).cost(judge_prompt, judge_completion))
+    record(ctx, started, finish, "cache_hit", cost_nanos=price_of(model).cost(judge_prompt, judge_completion))
     headers = {"x-cache": "hit", "x-cache-similarity": f"{found.similarity:.4f}", "x-cache-state": entry.state}
-    return known_answer(wire_for(prepared, model.settings.alias, int(started)), entry.answer, [], finish, stream, headers,
-                        prepared.tools)
+    answer = known_answer(ctx, model.settings.alias, entry.answer, [], finish, started, headers)
+    ctx.trace.answered(ctx.request_id, model.settings.alias, [entry.finish_reason])
+    return answer

@@ -13,23 +13,23 @@ import asyncio
 import dataclasses
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TypeVar
 
-from litestar import Request, Response
-from litestar.response import Stream
 from opentelemetry.trace import Span
 
-from appliance.pipeline.choices import ChoiceStreams, Collected, choice_request, total_finish
-from appliance.pipeline.errors import APIError, invalid
-from appliance.pipeline.prepare import Prepared
-from appliance.gate import Admission
 from appliance.fleet.manager import ModelUnavailable
 from appliance.fleet.registry import LoadedModel
-from appliance.server.services import Services, price_of
+from appliance.pipeline.gate import Admission
+from appliance.pipeline.choices import ChoiceStreams, Collected, choice_request, total_finish
+from appliance.pipeline.context import Answer, CallContext, Receive, Remember, Wire
+from appliance.pipeline.errors import APIError, invalid
+from appliance.pipeline.prepare import Prepared
 from appliance.prompt.tool_calls import StreamParser, ToolCall, ToolPlan
-from appliance.server.tracing import RequestTrace, annotate
+from appliance.server.services import price_of
+from appliance.server.tracing import annotate
+from appliance.store.request_log import RequestRecord
 from engines.interface import (
     ContextLengthExceeded,
     EngineClosed,
@@ -43,30 +43,8 @@ from engines.interface import (
     UpstreamUnavailable,
 )
 from engines.stream import EventStream
-from policy.identity import Principal
 
 T = TypeVar("T")
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class Wire(Protocol):
-    """One answer in one wire format: whole, or as the stream's pieces (each a list of SSE frames).
-    An answer has one choice or several (`n`); a streamed piece names its choice by index, and
-    `total` is the whole answer's finish (usage counting the prompt once)."""
-
-    def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes: ...
-    def opening(self, choices: int) -> list[bytes]: ...
-    def delta(self, index: int, text: str, logprob: TokenLogprob | None) -> list[bytes]: ...
-    def tool_call(self, index: int, call: ToolCall, position: int) -> list[bytes]: ...  # choice `index`'s call number `position`
-    def closing(self, index: int, finish: FinishEvent) -> list[bytes]: ...  # choice `index` ended
-    def ending(self, total: FinishEvent) -> list[bytes]: ...  # every choice has ended
-    def failed(self, error: APIError, total: FinishEvent) -> list[bytes]: ...
-
-
-# The wire for an answer: (the request as answered, the model name to show, created at).
-WireFor = Callable[[Prepared, str, int], Wire]
-Remember = Callable[[str, FinishEvent], None]
 
 
 def failure_error(finish: FinishEvent) -> APIError:
@@ -103,11 +81,11 @@ def engine_refusal(exc: EngineError, prompt_param: str) -> APIError:
     return invalid(str(exc))
 
 
-async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     """Runs `work`, cancelling it if the client goes away first (which frees its slot)."""
 
     async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
 
     task = asyncio.ensure_future(work)
@@ -127,20 +105,18 @@ async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T]) 
 
 @dataclass
 class Call:
-    """A generation admitted, reserved and running; `settle` (or `finish`) closes its books once."""
+    """A generation admitted, reserved and running; `settle` (or `finish`) closes its books once.
+    Its context names the model and the request as the engine runs it (max_tokens lowered when
+    the budget covers less)."""
 
-    services: Services
-    model: LoadedModel
-    prepared: Prepared  # as the engine runs it: max_tokens lowered when the budget covers less
-    kind: str  # the request log's endpoint: chat, completion
+    ctx: CallContext
     admission: Admission
     events: ChoiceStreams  # one per choice
-    traced: RequestTrace
     started: float
 
-    async def collect(self, request: Request[Any, Any, Any]) -> list[Collected]:
+    async def collect(self) -> list[Collected]:
         """Reads every choice to its end (cancelled if the client goes first)."""
-        return await until_disconnect(request, self.events.collect())
+        return await until_disconnect(self.ctx.receive, self.events.collect())
 
     def total(self, ended: Mapping[int, FinishEvent]) -> FinishEvent | None:
         """The whole call's finish, given the choices that have ended (choices.total_finish)."""
@@ -150,15 +126,15 @@ class Call:
         """Settle and record the generation, however it ended, and note it on its engine span: a
         finish event carries the engine's usage; without one (a client gone, a timeout) the
         request pays for the tokens generated so far. Returns (prompt, completion, outcome)."""
-        services, admission, traced = self.services, self.admission, self.traced
+        ctx, admission, traced = self.ctx, self.admission, self.ctx.trace
         if finish is not None:
             prompt, completion, outcome = finish.usage.prompt_tokens, finish.usage.completion_tokens, finish.reason
-            services.record(self.prepared, self.model, self.kind, self.started, finish, None, admission.principal)
+            record(ctx, self.started, finish, None)
         else:
             prompt, completion = admission.progress() if admission.progress else (0, 0)
             outcome = "cancelled"
-            services.record(self.prepared, self.model, self.kind, self.started, None, "cancelled", admission.principal, completion)
-        services.gate.settle(admission, prompt, completion, outcome)
+            record(ctx, self.started, None, "cancelled", completion)
+        ctx.services.gate.settle(admission, prompt, completion, outcome)
         with traced.child("budget.settle", outcome=outcome, prompt_tokens=prompt, completion_tokens=completion, reserved=admission.reserved):
             pass  # the write itself is queued to the store thread; this marks what was settled, and when
         if traced.engine is not None:
@@ -174,22 +150,24 @@ class Call:
         choices that reached their finish event, by index. Returns the whole call's finish."""
         total = self.total(ended)
         prompt, completion, outcome = self.settle(total)
+        model, prepared = self.ctx.chosen()
         # Why each choice ended; one cut short by another's failure or a client gone was cancelled.
         reasons = [ended[i].reason if i in ended else "cancelled" for i in range(len(self.events))]
-        self.traced.answered(self.prepared.request.id, self.model.settings.alias, reasons, prompt, completion)
-        self.traced.end(cost__nanousd=price_of(self.model).cost(prompt, completion) if self.admission.reserved else None)
+        self.ctx.trace.answered(prepared.request.id, model.settings.alias, reasons, prompt, completion)
+        self.ctx.trace.end(cost__nanousd=price_of(model).cost(prompt, completion) if self.admission.reserved else None)
         return total
 
 
-async def start(services: Services, principal: Principal, model: LoadedModel, prepared: Prepared, kind: str,
-                traced: RequestTrace, attempt: Span | None = None) -> Call:
+async def start(ctx: CallContext, attempt: Span | None = None) -> Call:
     """Rate limits, then the engine and the budget reservation together: the prompt's prefill
     overlaps the ledger's write, and no token is read before the reservation stands. A refusal
     cancels the queued generation; a lowered max_tokens restarts it (the slot keeps the prompt's KV).
     Every choice is reserved for (max_tokens each) and started at once. The request reuses only
     prefixes its caller's tenant computed (the model's prefix_sharing says otherwise)."""
+    model, prepared = ctx.chosen()
+    principal, traced = ctx.principal, ctx.trace
     prepared = dataclasses.replace(prepared, request=dataclasses.replace(prepared.request, prefix_scope=model.prefix_scope(principal.tenant)))
-    gate = services.gate
+    gate = ctx.services.gate
     pending = gate.begin(principal, prepared.request.id, model.settings.alias, price_of(model),
                          prepared.request.prompt_length, prepared.request.max_tokens, prepared.choices)
     try:
@@ -217,7 +195,7 @@ async def start(services: Services, principal: Principal, model: LoadedModel, pr
             raise
     prompt_len = prepared.request.prompt_length
     admission.progress = lambda: (prompt_len, events.tokens_pushed)
-    return Call(services, model, prepared, kind, admission, events, traced, time.time())
+    return Call(dataclasses.replace(ctx, prepared=prepared), admission, events, time.time())
 
 
 def _engine_starts(model: LoadedModel, prepared: Prepared) -> ChoiceStreams:
@@ -233,31 +211,33 @@ def _engine_starts(model: LoadedModel, prepared: Prepared) -> ChoiceStreams:
     return ChoiceStreams(streams)
 
 
-async def respond(request: Request[Any, Any, Any], services: Services, principal: Principal, model: LoadedModel, prepared: Prepared,
-                  stream: bool, kind: str, wire_for: WireFor, traced: RequestTrace, headers: dict[str, str] | None = None,
-                  remember_for: Callable[[Prepared], Remember | None] | None = None) -> Response[Any]:
+async def respond(ctx: CallContext, headers: dict[str, str] | None = None,
+                  remember_for: Callable[[CallContext], Remember | None] | None = None) -> Answer:
     """The whole request is one model call: run it and answer in the wire's format, whole or
-    streamed. `remember_for` gives what to do with a finished answer (the semantic cache's store)."""
+    streamed. `remember_for` gives what to do with a finished answer (the semantic cache's store),
+    given the call as it ran."""
+    model, prepared = ctx.chosen()
     created = int(time.time())
     asked = prepared.request.max_tokens
     # A model not loaded yet: the stream's headers wait for its first event too (a load that times out is a 503).
     cold = getattr(model.engine, "loaded", True) is False
-    call = await start(services, principal, model, prepared, kind, traced)
+    call = await start(ctx)
+    _, running = call.ctx.chosen()
     headers = dict(headers or {})
     if call.admission.max_tokens != asked:
         # The budget could not cover the asked max_tokens; the response says what it allowed.
         headers["x-budget-max-tokens"] = str(call.admission.max_tokens)
-    wire = wire_for(call.prepared, model.settings.alias, created)
+    wire = ctx.wire_for(running, model.settings.alias, created)
     # The cache keeps one answer to a question: n > 1 bypasses it (policy/answer_cache.py), so only one choice is remembered.
-    remember = remember_for(call.prepared) if remember_for is not None and call.prepared.choices == 1 else None
-    if stream:
+    remember = remember_for(call.ctx) if remember_for is not None and running.choices == 1 else None
+    if ctx.stream:
         # A grammar compiles off the loop after `generate` returns: one llama.cpp refuses is an HTTP error too.
-        if model.engine.takes_messages or cold or call.prepared.request.sampling.grammar is not None:
-            await _first_event_or_error(request, call)
-        return Stream(_sse(call, wire, remember), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        if model.engine.takes_messages or cold or running.request.sampling.grammar is not None:
+            await _first_event_or_error(call)
+        return Answer(_sse(call, wire, remember), headers)
     collected: list[Collected] = []
     try:
-        collected = await call.collect(request)
+        collected = await call.collect()
         if remember is not None:
             remember(collected[0].text, collected[0].finish)
     finally:
@@ -265,15 +245,15 @@ async def respond(request: Request[Any, Any, Any], services: Services, principal
     assert total is not None
     if total.reason == "error":
         raise failure_error(total)
-    return Response(wire.full(collected, total), media_type="application/json", headers=headers)
+    return Answer(wire.full(collected, total), headers)
 
 
-async def _first_event_or_error(request: Request[Any, Any, Any], call: Call) -> None:
+async def _first_event_or_error(call: Call) -> None:
     """For an upstream, the stream's headers wait for its first event: a refusal or an outage
     before any token is then an HTTP error with the upstream's status, not a 200 with an error
     inside (retries happen in that wait too)."""
     try:
-        index, first = await until_disconnect(request, call.events.peek())
+        index, first = await until_disconnect(call.ctx.receive, call.events.peek())
     except BaseException:
         call.events.close()
         call.finish({})
@@ -319,10 +299,11 @@ async def _sse(call: Call, wire: Wire, remember: Remember | None) -> AsyncIterat
     ended: dict[int, FinishEvent] = {}
     text: list[str] = []  # what `remember` keeps: only ever one choice
     events = call.events
+    tools = call.ctx.chosen()[1].tools
     outs: dict[int, Outgoing] = {}
 
     def outgoing(index: int) -> Outgoing:
-        return outs.setdefault(index, Outgoing(wire, call.prepared.tools, index))
+        return outs.setdefault(index, Outgoing(wire, tools, index))
 
     try:
         for frame in wire.opening(len(events)):
@@ -374,9 +355,71 @@ async def replay(wire: Wire, text: str, finish: FinishEvent, tools: ToolPlan | N
         yield frame
 
 
-def known_answer(wire: Wire, text: str, logprobs: list[TokenLogprob], finish: FinishEvent, stream: bool,
-                 headers: dict[str, str], tools: ToolPlan | None) -> Response[Any]:
-    """A response for an answer already in hand, whole or replayed as a stream."""
-    if not stream:
-        return Response(wire.full([Collected(text, logprobs, finish)], finish), media_type="application/json", headers=headers)
-    return Stream(replay(wire, text, finish, tools), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+def known_answer(ctx: CallContext, model_name: str, text: str, logprobs: list[TokenLogprob], finish: FinishEvent, started: float,
+                 headers: dict[str, str]) -> Answer:
+    """An answer already in hand (a cache hit, a routed answer validated before it is sent), whole
+    or replayed as a stream, for the request `ctx` prepared."""
+    _, prepared = ctx.chosen()
+    wire = ctx.wire_for(prepared, model_name, int(started))
+    if not ctx.stream:
+        return Answer(wire.full([Collected(text, logprobs, finish)], finish), headers)
+    return Answer(replay(wire, text, finish, prepared.tools), headers)
+
+
+def record(ctx: CallContext, started: float, finish: FinishEvent | None, status: str | None, completion_tokens: int | None = None,
+           cost_nanos: int | None = None) -> None:
+    """Metrics and the request log for one finished (or abandoned) generation."""
+    model, prepared = ctx.chosen()
+    principal = ctx.principal
+    alias = model.settings.alias
+    now = time.time()
+    if finish is not None:
+        status = status or ("ok" if finish.reason in ("stop", "length") else finish.reason)
+    status = status or "error"
+    m = ctx.services.metrics
+    m.requests.labels(alias, ctx.endpoint, status).inc()
+    prompt_tokens = finish.usage.prompt_tokens if finish is not None else prepared.request.prompt_length
+    if completion_tokens is None:
+        completion_tokens = finish.usage.completion_tokens if finish else 0
+    # A cache hit replays a stored answer: no model computed a first token or generated a token.
+    hit = status == "cache_hit"
+    ttft = finish.time_to_first_token_s if finish is not None and not hit else None
+    m.prompt_tokens.labels(alias).inc(prompt_tokens)
+    if not hit:
+        m.completion_tokens.labels(alias).inc(completion_tokens)
+    if finish is not None:
+        m.cached_prompt_tokens.labels(alias).inc(finish.usage.cached_prompt_tokens)
+        if ttft is not None:
+            m.ttft.labels(alias).observe(ttft)
+            decode_time = finish.total_time_s - ttft
+            if completion_tokens > 1 and decode_time > 0:
+                m.tokens_per_second.labels(alias).observe((completion_tokens - 1) / decode_time)
+        if finish.queue_time_s is not None:
+            m.queue_seconds.labels(alias).observe(finish.queue_time_s)
+        if finish.inter_token_s:
+            gaps = m.inter_token_seconds.labels(alias)
+            for gap in finish.inter_token_s:
+                gaps.observe(gap)
+    m.request_seconds.labels(alias).observe(now - started)
+    if status != "cache_hit":  # a hit replays a stored answer: the engine ended nothing
+        m.finish_reasons.labels(alias, finish.reason if finish is not None else "cancelled").inc()
+    ctx.services.request_log.record(
+        RequestRecord(
+            id=prepared.request.id,
+            created_at=started,
+            endpoint=ctx.endpoint,
+            model=alias,
+            status=status,
+            finish_reason=finish.reason if finish else None,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            ttft_ms=None if ttft is None else ttft * 1000,
+            total_ms=(now - started) * 1000,
+            error=finish.error if finish else None,
+            tenant=principal.tenant,
+            app=principal.app,
+            user=principal.user,
+            key_id=principal.key_id,
+            cost_nanos=price_of(model).cost(prompt_tokens, completion_tokens) if cost_nanos is None else cost_nanos,
+        )
+    )

@@ -8,22 +8,22 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-from appliance.pipeline.call import Remember
-from appliance.wire.schemas import ChatCompletionRequest
+from appliance.pipeline.context import CallContext, Remember
+from appliance.pipeline.prepare import chat_messages
 from appliance.pipeline.tool_request import has_tools
-from appliance.pipeline.prepare import Prepared, chat_messages
-from appliance.server.services import Services
 from appliance.store import kept_answers
+from appliance.wire.schemas import ChatCompletionRequest
 from engines.interface import FinishEvent
-from policy.identity import Principal
 from policy.router import validate
 
 log = logging.getLogger("appliance.distill")
 
 
-def keeper(services: Services, principal: Principal, body: ChatCompletionRequest, route: str | None, alias: str,
-           prepared: Prepared) -> Remember | None:
-    """What to do with the answer `alias` gives (asked through `route`, or by name): keep it, or None."""
+def keeper(ctx: CallContext, body: ChatCompletionRequest, route: str | None, alias: str) -> Remember | None:
+    """What to do with the answer `alias` gives to `body` as `ctx` prepared it (asked through `route`,
+    or by name): keep it, or None."""
+    services, principal = ctx.services, ctx.principal
+    _, prepared = ctx.chosen()
     settings = services.settings.distill
     # Tool calls depend on tools and results from outside the prompt; n > 1 is several answers to one prompt.
     if principal.tenant not in settings.tenants or has_tools(body) or prepared.choices != 1:

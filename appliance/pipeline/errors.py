@@ -4,12 +4,7 @@ and code, the field at fault, and how long to wait before a retry.
 The pipeline and the gate raise these and import nothing of HTTP; the HTTP layer writes one in
 the envelope of the protocol that was asked (appliance/http/errors.py), and a wire format writes
 one that cuts a stream short in its own events."""
-
 from __future__ import annotations
-
-import re
-
-import msgspec
 
 
 class APIError(Exception):
@@ -31,19 +26,3 @@ class APIError(Exception):
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
-
-
-_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
-
-
-def from_validation(exc: msgspec.ValidationError | msgspec.DecodeError) -> APIError:
-    """msgspec says where it failed (`$.messages[0].role`); that path is OpenAI's `param`."""
-    text = str(exc)
-    match = _PATH.search(text)
-    param = match.group(1) if match else None
-    message = _PATH.sub("", text)
-    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
-        return invalid(f"The request body is not valid JSON: {message}", code="invalid_json")
-    if param:
-        message = f"Invalid value for '{param}': {message}"
-    return invalid(message, param=param)

@@ -13,16 +13,16 @@ import msgspec
 
 from llama_cpp.llama_grammar import JSON_GBNF
 
-from appliance.pipeline.errors import APIError, invalid
-from appliance.wire.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, ResponseFormat
-from appliance.pipeline.tool_request import generic_messages, tool_plan, tool_turns
-from appliance.prompt.chat import control_text
-from appliance.prompt.template import TemplateBoundError, TemplateError
-from appliance.prompt import tool_calls
-from appliance.prompt.tool_calls import ToolPlan
-from appliance.fleet.registry import LoadedModel
-from appliance.prompt.schema_bounds import schema_grammar, schema_problem
 from appliance.config.settings import Defaults
+from appliance.fleet.registry import LoadedModel
+from appliance.pipeline.errors import APIError, invalid
+from appliance.pipeline.tool_request import generic_messages, tool_plan, tool_turns
+from appliance.prompt import tool_calls
+from appliance.prompt.chat import control_text
+from appliance.prompt.schema_bounds import schema_grammar, schema_problem
+from appliance.prompt.template import TemplateBoundError, TemplateError
+from appliance.prompt.tool_calls import ToolPlan
+from appliance.wire.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, ResponseFormat
 from engines.interface import GenerationRequest, SamplingParams, context_problem
 from engines.upstream.wire import estimate_tokens
 

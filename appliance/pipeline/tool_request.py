@@ -9,8 +9,8 @@ from typing import Any
 
 from appliance.pipeline.errors import invalid
 from appliance.prompt.schema_bounds import TOOLS_LIMITS, bounds_problem, validity_problem
-from appliance.wire.schemas import ChatCompletionRequest, ChatMessage, FunctionSpec, NamedToolChoice, ToolSpec
 from appliance.prompt.tool_calls import CLOSE, OPEN, Format, Mode, Tool, ToolPlan, call_text, system_prompt
+from appliance.wire.schemas import ChatCompletionRequest, ChatMessage, FunctionSpec, NamedToolChoice, ToolSpec
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

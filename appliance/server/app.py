@@ -23,7 +23,7 @@ from appliance.pipeline.errors import APIError
 from appliance.http.headers import response_headers
 from appliance.config.settings import Settings
 from appliance.fleet.registry import Registry
-from appliance.gate import Gate
+from appliance.pipeline.gate import Gate
 from appliance.server.metrics import Metrics
 from appliance.server.services import Services
 from appliance.server.tracing import Tracing

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 
 from appliance.answer_cache import SemanticCache
-from appliance.pipeline.prepare import Prepared
 from appliance.config.settings import Settings
 from appliance.fleet.embedders import OnDemand, bundled_minilm
 from appliance.fleet.registry import LoadedModel, Registry
-from appliance.gate import Gate
+from appliance.pipeline.gate import Gate
 from appliance.server.jobs import JobRunner
 from appliance.server.metrics import Metrics
 from appliance.server.tracing import Tracing
-from appliance.store.request_log import RequestLogWriter, RequestRecord
+from appliance.store.request_log import RequestLogWriter
 from appliance.store.worker import StoreWorker
-from engines.interface import FinishEvent
 from policy.budgets import Price
-from policy.identity import Principal
 
 log = logging.getLogger("appliance")
 
@@ -48,64 +44,6 @@ class Services:
         log.warning("shutdown grace period ending: ending the requests still running")
         for model in self.registry.all():
             model.engine.abort_all("The server is shutting down; retry the request.")
-
-    def record(
-        self, prepared: Prepared, model: LoadedModel, endpoint: str, started: float, finish: FinishEvent | None, status: str | None,
-        principal: Principal | None = None, completion_tokens: int | None = None, cost_nanos: int | None = None,
-    ) -> None:
-        """Metrics and the request log for one finished (or abandoned) generation."""
-        alias = model.settings.alias
-        now = time.time()
-        if finish is not None:
-            status = status or ("ok" if finish.reason in ("stop", "length") else finish.reason)
-        status = status or "error"
-        m = self.metrics
-        m.requests.labels(alias, endpoint, status).inc()
-        prompt_tokens = finish.usage.prompt_tokens if finish is not None else prepared.request.prompt_length
-        if completion_tokens is None:
-            completion_tokens = finish.usage.completion_tokens if finish else 0
-        # A cache hit replays a stored answer: no model computed a first token or generated a token.
-        hit = status == "cache_hit"
-        ttft = finish.time_to_first_token_s if finish is not None and not hit else None
-        m.prompt_tokens.labels(alias).inc(prompt_tokens)
-        if not hit:
-            m.completion_tokens.labels(alias).inc(completion_tokens)
-        if finish is not None:
-            m.cached_prompt_tokens.labels(alias).inc(finish.usage.cached_prompt_tokens)
-            if ttft is not None:
-                m.ttft.labels(alias).observe(ttft)
-                decode_time = finish.total_time_s - ttft
-                if completion_tokens > 1 and decode_time > 0:
-                    m.tokens_per_second.labels(alias).observe((completion_tokens - 1) / decode_time)
-            if finish.queue_time_s is not None:
-                m.queue_seconds.labels(alias).observe(finish.queue_time_s)
-            if finish.inter_token_s:
-                gaps = m.inter_token_seconds.labels(alias)
-                for gap in finish.inter_token_s:
-                    gaps.observe(gap)
-        m.request_seconds.labels(alias).observe(now - started)
-        if status != "cache_hit":  # a hit replays a stored answer: the engine ended nothing
-            m.finish_reasons.labels(alias, finish.reason if finish is not None else "cancelled").inc()
-        self.request_log.record(
-            RequestRecord(
-                id=prepared.request.id,
-                created_at=started,
-                endpoint=endpoint,
-                model=alias,
-                status=status,
-                finish_reason=finish.reason if finish else None,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                ttft_ms=None if ttft is None else ttft * 1000,
-                total_ms=(now - started) * 1000,
-                error=finish.error if finish else None,
-                tenant=principal.tenant if principal else None,
-                app=principal.app if principal else None,
-                user=principal.user if principal else None,
-                key_id=principal.key_id if principal else None,
-                cost_nanos=price_of(model).cost(prompt_tokens, completion_tokens) if cost_nanos is None else cost_nanos,
-            )
-        )
 
 
 def price_of(model: LoadedModel) -> Price:

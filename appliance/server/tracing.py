@@ -212,13 +212,8 @@ class RequestTrace:
         context = self.root.get_span_context()
         return format(context.trace_id, "032x") if context.is_valid else None
 
-    def stamp(self, response: Any) -> Any:
-        """The trace id in a response header, so a caller can find its trace."""
-        if self.trace_id is not None:
-            response.headers["x-trace-id"] = self.trace_id
-        return response
-
     def fail(self, exc: BaseException) -> None:
+        """The call failed before its response began: the error on the span, and the trace ends."""
         status = getattr(exc, "status", None)
         if hasattr(exc, "trace_id") and getattr(exc, "trace_id", None) is None:
             exc.trace_id = self.trace_id  # type: ignore[attr-defined]  # an APIError's response carries it
@@ -227,6 +222,7 @@ class RequestTrace:
         # error.type: the API error's code (or type), else the exception's class; low-cardinality either way.
         kind = getattr(exc, "code", None) or getattr(exc, "type", None)
         self.annotate(http__status_code=status, error__type=kind if isinstance(kind, str) else type(exc).__name__)
+        self.end()
 
     def end(self, **attributes: Any) -> None:
         if self._ended:

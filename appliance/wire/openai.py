@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from appliance.fleet.registry import LoadedModel
 from appliance.pipeline.choices import Collected
 from appliance.pipeline.errors import APIError
 from appliance.pipeline.prepare import Prepared
-from appliance.fleet.registry import LoadedModel
 from appliance.prompt.tool_calls import ToolCall, argument_pieces, parse
 from engines.interface import FinishEvent, TokenLogprob
 

@@ -22,9 +22,9 @@ from appliance.wire.responses_input import (
     output_items,
     output_text_part,
 )
-from appliance.wire.schemas import ResponsesRequest
 from appliance.pipeline.prepare import Prepared
 from appliance.prompt.tool_calls import ToolCall, argument_pieces, parse
+from appliance.wire.schemas import ResponsesRequest
 from engines.interface import FinishEvent, TokenLogprob
 
 _encoder = msgspec.json.Encoder()

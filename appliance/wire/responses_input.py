@@ -11,9 +11,10 @@ from typing import Any
 
 import msgspec
 
-from appliance.pipeline.errors import APIError, from_validation, invalid
-from appliance.wire.schemas import ChatCompletionRequest, ChatMessage, ResponsesRequest
+from appliance.pipeline.errors import APIError, invalid
 from appliance.pipeline.prepare import check_metadata
+from appliance.wire.decode import from_validation
+from appliance.wire.schemas import ChatCompletionRequest, ChatMessage, ResponsesRequest
 
 Message = dict[str, Any]  # one chat message as the chat API's JSON has it
 

@@ -2,8 +2,9 @@
 limits), can they pay (budget reservation), and, when the response ends for any reason, the
 settlement that charges the actual tokens exactly once.
 
-The decisions live in `policy/`; this module wires them to HTTP errors, the store thread and the
-lease reaper, and owns the in-memory state of one process (key cache, buckets, live requests).
+The decisions live in `policy/`; this module wires them to the store thread and the lease reaper,
+and owns the in-memory state of one process (key cache, buckets, live requests). A refusal (401,
+403, 429) is an APIError, which imports nothing of HTTP: the HTTP layer writes it in the envelope.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.config.settings import Settings
 from appliance.pipeline.errors import APIError
 from appliance.server.metrics import Metrics
-from appliance.config.settings import Settings
+from appliance.store.keys import FailureTally, KeyStore
+from appliance.store.ledger import Ledger, Payer, settle_logged, sweep
 from appliance.store.worker import StoreWorker
 from policy.budgets import Price, Refuse, Reserve, ReservationPolicy, seconds_until_reset, usd
 from policy.identity import AuthFailure, KeyRecord, Principal, bearer_token, check_key, fingerprint, secret_hash
-from appliance.store.keys import FailureTally, KeyStore
-from appliance.store.ledger import Ledger, Payer, settle_logged, sweep
 from policy.limits import RateLimiter
 
 log = logging.getLogger("appliance.gate")
