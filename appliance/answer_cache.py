@@ -61,6 +61,7 @@ def policy_of(cache: CacheSettings, threshold: float | None = None) -> CachePoli
         judge_band=min(cache.judge_band, threshold if threshold is not None else cache.judge_band),
         judge_min_probability=cache.judge_min_probability, freshness_s=cache.freshness_s,
         serve_unverified=cache.serve_unverified, max_temperature=cache.max_temperature,
+        cache_unset_temperature=cache.cache_unset_temperature,
         max_entries_per_tenant=cache.max_entries_per_tenant,
     )
 

@@ -34,6 +34,8 @@ class CachePolicy:
     serve_unverified: bool = True
     # Requests sampled hotter than this are not cached: their answers are meant to vary.
     max_temperature: float = 0.3
+    # A request that sets no temperature asks for the server's usual answer, not for variety: cacheable.
+    cache_unset_temperature: bool = True
     max_entries_per_tenant: int = 10_000
 
 
@@ -84,15 +86,16 @@ def prompt_version(context: object) -> str:
 
 def classify(
     *, tenant: str, role: str, model: str, model_version: str, messages: list[dict[str, object]], settings: dict[str, object],
-    temperature: float, n: int, wants_logprobs: bool, has_tools: bool, policy: CachePolicy,
+    temperature: float | None, n: int, wants_logprobs: bool, has_tools: bool, policy: CachePolicy,
 ) -> Cacheable | NotCacheable:
     """Whether a chat request may use the cache, and its bucket. `messages` are plain dicts
-    (role, content as text); `settings` are the answer-changing request settings."""
+    (role, content as text); `settings` are the answer-changing request settings; `temperature` is
+    None when the request sets none and the policy caches such requests."""
     if not policy.enabled:
         return NotCacheable("disabled")
     if n != 1:
         return NotCacheable("n")
-    if temperature > policy.max_temperature:
+    if temperature is not None and temperature > policy.max_temperature:
         return NotCacheable("temperature")
     if wants_logprobs:
         return NotCacheable("logprobs")

@@ -225,6 +225,26 @@ def test_a_sweep_marks_a_changed_answer_stale_and_the_next_miss_replaces_it(cach
     assert 'appliance_cache_saved_nanousd_total{state="consistent"}' in saved  # counted apart from verified hits
 
 
+def test_a_request_that_sets_no_temperature_is_served_from_the_cache(cached: tuple[Server, dict[str, str]]) -> None:
+    # Most clients set no temperature: they leave sampling to the server ([defaults] temperature, 1.0 here,
+    # above max_temperature) and ask for its usual answer, so the cache may serve them; one that sets a
+    # hot temperature still bypasses it.
+    server, keys = cached
+    question = "Which ocean is the largest?"
+    body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 12}
+
+    def send(**extra: object) -> httpx.Response:
+        return httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, **extra},
+                          headers={"Authorization": f"Bearer {keys['acme']}"}, timeout=120)
+
+    first = send()
+    assert first.headers["x-cache"] == "miss"
+    assert stored(server, question)
+    again = send()
+    assert again.headers["x-cache"] == "hit" and again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert send(temperature=1.0).headers["x-cache"] == "bypass"
+
+
 def test_concurrent_identical_misses_store_one_entry(cached: tuple[Server, dict[str, str]]) -> None:
     server, keys = cached
     question = "What is the tallest animal?"

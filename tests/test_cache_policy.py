@@ -58,6 +58,7 @@ def test_the_bucket_is_tenant_role_model_version_and_prompt_version() -> None:
 
 def test_what_is_not_cached() -> None:
     assert _classify(temperature=1.0) == NotCacheable("temperature")
+    assert isinstance(_classify(temperature=None), Cacheable)  # set by nobody: the server's usual answer
     assert _classify(n=2) == NotCacheable("n")
     assert _classify(wants_logprobs=True) == NotCacheable("logprobs")
     assert _classify(has_tools=True) == NotCacheable("tools")

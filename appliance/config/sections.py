@@ -102,6 +102,8 @@ class CacheSettings(Table, frozen=True, kw_only=True):
     freshness_s: Annotated[float, Meta(ge=1.0, le=3650 * DAY_S, description="how long an answer is served")] = 7 * 86400.0
     serve_unverified: Annotated[bool, Meta(description="serve answers nobody has confirmed yet")] = True
     max_temperature: Annotated[float, Meta(ge=0.0, le=2.0, description="hotter requests are not cached")] = 0.3
+    cache_unset_temperature: Annotated[bool, Meta(description="a request that sets no temperature leaves sampling to the server and "
+                                                  "may be cached; false: it is judged by [defaults] temperature")] = True
     max_entries_per_tenant: Annotated[int, Meta(ge=1, le=10**8, description="entries kept per tenant")] = 10_000
     sweep_interval_s: Annotated[float, Meta(ge=0.0, le=DAY_S, description="re-ask valuable entries when idle this often; 0: no sweeps")] = 300.0
     sweep_batch: Annotated[int, Meta(ge=1, le=1000, description="entries re-asked per sweep")] = 2

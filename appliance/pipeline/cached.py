@@ -106,9 +106,10 @@ def _plan(ctx: CallContext, body: ChatCompletionRequest, model: str, version: st
     services, principal = ctx.services, ctx.principal
     # Never cached with tools offered or tool turns in the chat: a tool call's answer depends on the
     # tool set and on results from outside, which the question's text does not capture.
+    unset = body.temperature is None and services.cache.policy.cache_unset_temperature
     decision = classify(
         tenant=principal.tenant, role=principal.role, model=model, model_version=version, messages=chat_messages(body),
-        settings=settings, temperature=temperature, n=body.n or 1, wants_logprobs=body.logprobs, has_tools=has_tools(body),
+        settings=settings, temperature=None if unset else temperature, n=body.n or 1, wants_logprobs=body.logprobs, has_tools=has_tools(body),
         policy=services.cache.policy,
     )
     if isinstance(decision, NotCacheable):
