@@ -77,7 +77,7 @@ async def embeddings(request: Request[Any, Any, Any], services: Services) -> Res
 
 async def _embeddings(ctx: CallContext, body: EmbeddingRequest) -> Answer:
     services, principal, request_id = ctx.services, ctx.principal, ctx.request_id
-    model = resolve_model(services, body.model, "embedding", "embeddings")
+    model = resolve_model(services, body.model, "embedding")
     check_dimensions(body.dimensions, model.settings)
     inputs = inputs_of(body.input)
     token_lists = await asyncio.to_thread(_tokens, model, inputs)  # thousands of inputs take a while

@@ -49,7 +49,7 @@ async def serve_chat(ctx: CallContext, body: ChatCompletionRequest) -> Answer:
         routed = await routed_chat(ctx, body, route)
         ctx.trace.end(http__status_code=200)
         return routed
-    model, adapters = model_with_adapters(ctx.services, body.model, body.adapters, ctx.endpoint)
+    model, adapters = model_with_adapters(ctx.services, body.model, body.adapters)
     ctx.trace.annotate(model=model.settings.alias, stream=body.stream, end_user=body.user)
     prepared = with_adapters(await prepare_chat(body, model, ctx.services.settings.defaults, ctx.request_id), adapters)
     ctx = ctx.serving(model, prepared)
@@ -76,7 +76,7 @@ async def serve_chat(ctx: CallContext, body: ChatCompletionRequest) -> Answer:
 async def serve_completion(ctx: CallContext, body: CompletionRequest) -> Answer:
     """A legacy completion: the guards, the model it names, the call."""
     await guard(ctx, [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)])
-    model, adapters = model_with_adapters(ctx.services, body.model, body.adapters, ctx.endpoint)
+    model, adapters = model_with_adapters(ctx.services, body.model, body.adapters)
     ctx.trace.annotate(model=model.settings.alias, stream=body.stream, end_user=body.user)
     prepared = with_adapters(prepare_completion(body, model, ctx.services.settings.defaults, ctx.request_id), adapters)
     return await call.respond(ctx.serving(model, prepared))

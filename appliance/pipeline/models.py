@@ -1,5 +1,4 @@
-"""The model a request names (a model policy decision: policy/pipeline.py), of the kind its
-endpoint serves, and the LoRA adapters it asks for on it."""
+"""The model a request names, of the kind its endpoint serves, and the LoRA adapters it asks for on it."""
 
 from __future__ import annotations
 
@@ -8,26 +7,23 @@ from typing import Any
 from appliance.fleet.registry import LoadedModel
 from appliance.pipeline.errors import APIError, invalid
 from appliance.server.services import Services
-from policy.pipeline import Refusal, RequestFacts, decide
 
 
-def resolve_model(services: Services, alias: str, kind: str, endpoint: str) -> LoadedModel:
-    decision = decide(RequestFacts(endpoint, alias), services.registry.aliases())
-    if isinstance(decision, Refusal):
-        raise APIError(decision.status, decision.message, param=decision.param, code=decision.code)
-    model = services.registry.get(decision.model)
-    assert model is not None
+def resolve_model(services: Services, alias: str, kind: str) -> LoadedModel:
+    model = services.registry.get(alias)
+    if model is None:
+        raise APIError(404, f"The model '{alias}' does not exist.", param="model", code="model_not_found")
     if model.settings.kind != kind:
         raise invalid(f"The model '{alias}' is an {model.settings.kind} model and does not serve this endpoint.", "model")
     return model
 
 
-def model_with_adapters(services: Services, alias: str, chosen: list[Any] | None, endpoint: str) -> tuple[LoadedModel, tuple[tuple[str, float], ...]]:
+def model_with_adapters(services: Services, alias: str, chosen: list[Any] | None) -> tuple[LoadedModel, tuple[tuple[str, float], ...]]:
     """The model a request names, and its LoRA adapters: `<alias>:<adapter>` and/or the `adapters`
     field, each at its configured scale unless the request gives one."""
     base, _, named = alias.partition(":")
     by_name = bool(named) and services.registry.get(alias) is None  # `<alias>:<adapter>`
-    model = resolve_model(services, base if by_name else alias, "chat", endpoint)
+    model = resolve_model(services, base if by_name else alias, "chat")
     wanted: list[tuple[str, float | None]] = [(named, None)] if by_name else []
     wanted += [(a.name, a.scale) for a in chosen or []]
     if not wanted:
