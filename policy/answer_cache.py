@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import unicodedata
 from dataclasses import dataclass
 
+from policy.answer_bound import Cut
 from policy.answer_guards import NO_LEXICON, Comparison, Lexicon, compare
 
 # verified: by a caller's feedback, a validator or an operator, never by the cache itself; consistent: a
@@ -37,6 +39,9 @@ class CachePolicy:
     # A request that sets no temperature asks for the server's usual answer, not for variety: cacheable.
     cache_unset_temperature: bool = True
     max_entries_per_tenant: int = 10_000
+    # At most this share of near misses served, with 95% confidence over the known ones (policy/answer_bound.py);
+    # 0: no bound, the thresholds and the judge band alone decide.
+    max_false_hit_rate: float = 0.02
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,7 @@ class Hit:
     entry_id: int
     similarity: float
     judged: bool
+    score: float | None = None  # the pair's score, where an error bound admitted it
 
 
 @dataclass(frozen=True)
@@ -147,10 +153,21 @@ def threshold_for(comparison: Comparison, policy: CachePolicy) -> float:
     return policy.similarity_threshold - (0.0 if comparison.differs else policy.same_words_relief)
 
 
+def pair_score(comparison: Comparison, similarity: float, policy: CachePolicy) -> float:
+    """How safe serving one question's answer to the other is, for the error bound to cut: -inf for
+    a pair a guard flags or below its threshold; pairs whose content words all match rank above
+    every pair that differs in one (a slip of the keys is not a near miss; a changed word may be)."""
+    if comparison.guard is not None or similarity < threshold_for(comparison, policy):
+        return -math.inf
+    return similarity + (0.0 if comparison.differs else 1.0)
+
+
 def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy: CachePolicy,
-                     lexicon: Lexicon = NO_LEXICON) -> Hit | AskJudge | Miss:
+                     lexicon: Lexicon = NO_LEXICON, cut: Cut | None = None) -> Hit | AskJudge | Miss:
     """Nearest first: the first servable candidate at or above its threshold that no guard flags is
-    a hit; failing that, the first one in the judge band goes to the judge."""
+    a hit; failing that, the first one in the judge band goes to the judge. Under an error bound
+    (`cut`) a hit also needs a score the cut admits, and there is no judge band: a judge without
+    labelled traps of its own has no error rate to bound."""
     reason = "no candidate"
     band: Candidate | None = None
     floor = min(policy.judge_band, policy.similarity_threshold - policy.same_words_relief)
@@ -164,6 +181,15 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
         comparison = compare(c.question, asked, lexicon)
         if comparison.guard is not None:
             reason = f"guard:{comparison.guard}"
+            continue
+        if cut is not None:
+            score = pair_score(comparison, c.similarity, policy)
+            if score > -math.inf and cut.admits(score):
+                return Hit(c.entry_id, c.similarity, judged=False, score=score)
+            if score > -math.inf:
+                reason = "bound"  # a candidate only the bound refused says more than one below its threshold
+            elif reason == "no candidate":
+                reason = "similarity"
             continue
         if c.similarity >= threshold_for(comparison, policy):
             return Hit(c.entry_id, c.similarity, judged=False)

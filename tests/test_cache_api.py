@@ -325,7 +325,7 @@ def test_the_metrics_carry_the_cost_weighted_rate_on_verified_answers(cached: tu
 def test_the_judge_decides_the_band_through_the_server_and_never_overrides_a_guard(tmp_path) -> None:
     """The bundled SmolLM2 as the judge; a threshold no rewording reaches, so every reworded lookup
     in the band asks it, and a cut-off of 0 so its answer always lets the hit through."""
-    cache = (f'enabled = true\nsweep_interval_s = 0\nsimilarity_threshold = 0.99\njudge_band = 0.3\njudge_model = "{CHAT_MODEL}"\n'
+    cache = (f'enabled = true\nsweep_interval_s = 0\nsimilarity_threshold = 0.99\njudge_band = 0.3\nmax_false_hit_rate = 0\njudge_model = "{CHAT_MODEL}"\n'
              "judge_min_probability = 0.0")
     server = start_server(tmp_path / "judged", config_text(embeddings=False, price_in=1.0, price_out=2.0, cache=cache))
     try:
@@ -352,7 +352,7 @@ def test_the_judge_decides_the_band_through_the_server_and_never_overrides_a_gua
 def test_a_judged_miss_pays_for_the_judge(tmp_path) -> None:
     """A cut-off the judge never reaches: the reworded lookup asks it, misses, and the judge's tokens
     are settled apart from the model call that answers (they were charged to no one before)."""
-    cache = (f'enabled = true\nsweep_interval_s = 0\nsimilarity_threshold = 0.99\njudge_band = 0.3\njudge_model = "{CHAT_MODEL}"\n'
+    cache = (f'enabled = true\nsweep_interval_s = 0\nsimilarity_threshold = 0.99\njudge_band = 0.3\nmax_false_hit_rate = 0\njudge_model = "{CHAT_MODEL}"\n'
              "judge_min_probability = 1.0")
     server = start_server(tmp_path / "judged-miss", config_text(embeddings=False, price_in=1.0, price_out=2.0, cache=cache))
     try:

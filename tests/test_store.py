@@ -27,10 +27,13 @@ def test_migrations_apply_once_and_give_the_exact_schema():
         "run_id", "question", "ref", "family", "messages", "response_format", "adversarial_of"]
     assert [row[0] for row in db.execute("SELECT name FROM migrations")] == [
         "0001_request_log", "0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
-        "0011_responses", "0012_kept_answers", "0013_auth_failure_counts", "0014_cache_consistent_state"]
+        "0011_responses", "0012_kept_answers", "0013_auth_failure_counts", "0014_cache_consistent_state",
+        "0015_cache_hit_scores"]
     assert [row[1] for row in db.execute("PRAGMA table_info(auth_failures)")] == [
         "id", "at", "reason", "key_id", "fingerprint", "client", "path", "count", "last_at"]
     assert [row[1] for row in db.execute("PRAGMA table_info(responses)")] == ["tenant", "id", "created_at", "response", "conversation"]
+    assert [row[1] for row in db.execute("PRAGMA table_info(cache_hits)")] == [
+        "response_id", "entry_id", "tenant", "at", "similarity", "judged", "entry_state", "saved_nanos", "score", "language"]
     assert [row[1] for row in db.execute("PRAGMA table_info(kept_answers)")] == [
         "tenant", "response_id", "created_at", "route", "model", "family", "messages", "answer", "finish_reason", "validator", "rating"]
 
@@ -40,7 +43,8 @@ def test_a_database_from_before_the_ledger_migrates_forward(tmp_path: Path):
     assert migrate(db, MIGRATIONS[:1]) == ["0001_request_log"]
     db.execute("INSERT INTO request_log(id, created_at, endpoint, model, status, total_ms) VALUES ('r1', 1, 'chat', 'm', 'ok', 5)")
     assert migrate(db) == ["0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
-                           "0011_responses", "0012_kept_answers", "0013_auth_failure_counts", "0014_cache_consistent_state"]
+                           "0011_responses", "0012_kept_answers", "0013_auth_failure_counts", "0014_cache_consistent_state",
+        "0015_cache_hit_scores"]
     assert db.execute("SELECT id, tenant, cost_nanos FROM request_log").fetchall() == [("r1", None, None)]
 
 
@@ -135,7 +139,7 @@ def test_cache_entries_keep_their_rows_when_the_consistent_state_arrives(tmp_pat
     vector = np.array([1.0, 0.0, 0.0, 0.0], dtype=np.float32)
     entry_id = store.store(bucket, "What is the capital of Peru?", "h1", vector, "Lima.", "stop", 5, 2, 700, "r1", 100.0, 10)
     assert entry_id is not None
-    assert migrate(db) == ["0014_cache_consistent_state"]
+    assert migrate(db) == ["0014_cache_consistent_state", "0015_cache_hit_scores"]
     assert store.set_state(entry_id, "consistent", "sweep:agreed")
     found = store.nearest(bucket.key, vector, 1)
     assert [(c.entry_id, c.state, c.question) for c in found] == [(entry_id, "consistent", "What is the capital of Peru?")]

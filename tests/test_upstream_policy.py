@@ -192,7 +192,7 @@ def test_an_upstream_model_cannot_classify_judge_or_draft() -> None:
     with pytest.raises(ConfigError, match="routes\\[0\\].classifier_model.*must be a local model"):
         parse_settings(local + big + '[[routes]]\nalias = "auto"\ntiers = ["small", "big"]\nclassifier_model = "big"\n')
     with pytest.raises(ConfigError, match="cache.judge_model.*must be a local model"):
-        parse_settings(local + big + '[cache]\njudge_model = "big"\n')
+        parse_settings(local + big + '[cache]\nmax_false_hit_rate = 0\njudge_model = "big"\n')
     with pytest.raises(ConfigError, match="draft_model"):
         parse_settings(local.replace('"small"\n', '"small"\ndraft_model = "big"\n', 1) + big)
 

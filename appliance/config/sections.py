@@ -95,6 +95,9 @@ class CacheSettings(Table, frozen=True, kw_only=True):
     embedder: Annotated[str, Meta(description="\"minilm\" (shipped), or the alias of a model of kind \"embedding\"")] = "minilm"
     # Tuned on tests/data/cache_pairs.jsonl with the near-miss guards (bench/cache_quality.py).
     similarity_threshold: Annotated[float, Meta(ge=0.0, le=1.0, description="the cosine similarity of a hit")] = 0.70
+    max_false_hit_rate: Annotated[float, Meta(ge=0.0, le=0.5, description=(
+        "serve a similar question's answer only where, at 95% confidence, at most this share of near misses in its language "
+        "is served (counted on the shipped traps and callers' reports); 0: no bound, the thresholds and judge_band decide"))] = 0.02
     judge_band: Annotated[float, Meta(ge=0.0, le=1.0, description="from here up to the threshold, judge_model decides",
                                       extra={"default_from": "similarity_threshold"})] = 0.70
     judge_model: Annotated[str | None, Meta(description="a local chat model asked \"same answer?\" in the band; none: the band is a miss")] = None
@@ -212,6 +215,9 @@ def read_cache(raw: dict[str, Any], where: Where) -> CacheSettings:
     cache = decode(CacheSettings, table_at(raw, "cache", where), "cache", where)
     if cache.judge_band > cache.similarity_threshold:
         raise where.fail("cache.judge_band", f"must be at most similarity_threshold ({cache.similarity_threshold}), got {cache.judge_band}")
+    if cache.judge_model is not None and cache.max_false_hit_rate > 0:
+        raise where.fail("cache.judge_model", "a judge has no labelled near misses of its own, so its error cannot be bounded: "
+                         "set cache.max_false_hit_rate = 0 to use one")
     return cache
 
 

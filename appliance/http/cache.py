@@ -87,6 +87,8 @@ async def cache_stats(request: Request[Any, Any, Any], services: Services) -> di
             "judge_calls": m.cache_judge_calls._value.get(),
             "sweep_checks": {o: m.cache_sweeps.labels(o)._value.get() for o in ("agreed", "drifted")},
         },
+        # Per language: the share of near misses the cache may serve, and its own estimate of the share it does.
+        "false_hit_bound": services.cache.bounds.summary(),
         "buckets": await services.cache.admin(lambda store: store.stats()),
     }
 

@@ -15,7 +15,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from appliance import __version__
-from appliance.answer_cache import SemanticCache
+from appliance.answer_cache.service import SemanticCache
 from appliance.http import admin, cache, distill, embeddings, fleet, models, openai, responses
 from appliance.http.prologue import authenticate
 from appliance.http.errors import handle_api_error, handle_http_exception, handle_unexpected

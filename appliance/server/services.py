@@ -6,7 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from appliance.answer_cache import SemanticCache
+from appliance.answer_cache.service import SemanticCache
 from appliance.config.settings import Settings
 from appliance.fleet.embedders import OnDemand, bundled_minilm
 from appliance.fleet.registry import LoadedModel, Registry

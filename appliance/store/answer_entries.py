@@ -29,6 +29,20 @@ def allow_consistent(db: apsw.Connection) -> None:
     db.execute("CREATE INDEX cache_entries_response ON cache_entries(response_id)")
 
 
+def score_hits(db: apsw.Connection) -> None:
+    """Migration 0015: a similar hit keeps the score its error bound admitted and the language it was
+    asked in, so a caller's report of a false hit becomes a known trap of that language."""
+    db.execute("ALTER TABLE cache_hits ADD COLUMN score REAL")
+    db.execute("ALTER TABLE cache_hits ADD COLUMN language TEXT")
+
+
+@dataclass(frozen=True)
+class Reported:
+    tenant: str
+    language: str
+    score: float
+
+
 def _entries_table(name: str, states: tuple[str, ...]) -> str:
     return f"""
         CREATE TABLE {name} (
@@ -201,14 +215,31 @@ class CacheStore:
             self.db.execute("DELETE FROM cache_entries WHERE id = ?", (entry_id,))
             self.db.execute(f"DELETE FROM {self.vectors} WHERE entry_id = ?", (entry_id,))
 
-    def record_hit(self, entry: Entry, response_id: str, similarity: float, judged: bool, now: float) -> None:
+    def record_hit(self, entry: Entry, response_id: str, similarity: float, judged: bool, now: float,
+                   score: float | None = None, language: str | None = None) -> None:
         with immediate(self.db):
             self.db.execute("UPDATE cache_entries SET hits = hits + 1, last_used_at = ? WHERE id = ?", (now, entry.id))
             self.db.execute(
-                "INSERT OR IGNORE INTO cache_hits(response_id, entry_id, tenant, at, similarity, judged, entry_state, saved_nanos) "
-                "VALUES (?,?,?,?,?,?,?,?)",
-                (response_id, entry.id, entry.tenant, now, similarity, int(judged), entry.state, entry.cost_nanos),
+                "INSERT OR IGNORE INTO cache_hits(response_id, entry_id, tenant, at, similarity, judged, entry_state, saved_nanos, "
+                "score, language) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (response_id, entry.id, entry.tenant, now, similarity, int(judged), entry.state, entry.cost_nanos, score, language),
             )
+
+    def reported(self) -> list[Reported]:
+        """Every hit a caller reported wrong that an error bound had admitted: the known traps beyond the shipped ones."""
+        rows = self.db.execute(
+            "SELECT tenant, language, score FROM cache_hits WHERE score IS NOT NULL AND language IS NOT NULL AND response_id IN "
+            "(SELECT response_id FROM cache_feedback WHERE rating = 'bad' AND was_hit = 1) ORDER BY at")
+        return [Reported(*row) for row in rows]
+
+    def newly_reported(self, response_id: str, tenant: str) -> Reported | None:
+        """The hit behind a response, if a bound admitted it and this is its first report as wrong (a
+        second report of the same hit is not a second trap)."""
+        row = self.db.execute(
+            "SELECT tenant, language, score FROM cache_hits WHERE response_id = ? AND tenant = ? AND score IS NOT NULL "
+            "AND language IS NOT NULL AND (SELECT count(*) FROM cache_feedback WHERE response_id = ? AND rating = 'bad') = 1",
+            (response_id, tenant, response_id)).fetchone()
+        return Reported(*row) if row else None
 
     def set_state(self, entry_id: int, state: str, reason: str) -> bool:
         if state not in STATES:

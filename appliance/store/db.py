@@ -46,6 +46,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0012_kept_answers", kept_answers.create_tables),
     ("0013_auth_failure_counts", keystore.count_failures),
     ("0014_cache_consistent_state", cache_store.allow_consistent),
+    ("0015_cache_hit_scores", cache_store.score_hits),
 )
 
 

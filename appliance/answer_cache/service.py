@@ -1,5 +1,6 @@
 """The semantic cache at work: lookups (exact hash, then nearest neighbours in the bucket, guards,
-the judge for the borderline band), storing answers, feedback, and the refresh sweeps.
+the error bound of the question's language, or the judge for the borderline band where no bound is
+set), storing answers, feedback, and the refresh sweeps.
 
 Decisions are in policy/answer_cache.py; entries in appliance/store/answer_entries.py on this module's own store
 thread (a nearest-neighbour search must not hold up the budget ledger's thread).
@@ -20,6 +21,8 @@ from typing import Any
 import numpy as np
 from prometheus_client import Gauge
 
+from appliance.answer_cache import calibration, language as languages
+from appliance.answer_cache.calibration import Bounds
 from appliance.fleet.embedders import Embedder, EngineEmbedder, bundled_minilm
 from appliance.evaluation.judge import yes_probability
 from appliance.server.metrics import Metrics
@@ -42,6 +45,8 @@ class Lookup:
     reason: str
     vector: np.ndarray | None  # the question's embedding, kept for storing after a miss
     judge_tokens: tuple[int, int] = (0, 0)  # (prompt, completion) spent asking the judge
+    score: float | None = None  # what the error bound admitted, on a similar hit under one
+    language: str | None = None  # the question's, where a bound was looked up
 
 
 def cost_weighted_verified_hit_rate(metrics: Metrics) -> float | None:
@@ -62,7 +67,7 @@ def policy_of(cache: CacheSettings, threshold: float | None = None) -> CachePoli
         judge_min_probability=cache.judge_min_probability, freshness_s=cache.freshness_s,
         serve_unverified=cache.serve_unverified, max_temperature=cache.max_temperature,
         cache_unset_temperature=cache.cache_unset_temperature,
-        max_entries_per_tenant=cache.max_entries_per_tenant,
+        max_entries_per_tenant=cache.max_entries_per_tenant, max_false_hit_rate=cache.max_false_hit_rate,
     )
 
 
@@ -98,7 +103,21 @@ class SemanticCache:
               ).set_function(lambda: cost_weighted_verified_hit_rate(metrics) or 0.0)
         self.embedder: Embedder | None = None
         self.lexicon = NO_LEXICON
+        self.languages: languages.Languages | None = None
+        # Closed until the traps are scored: a cache that cannot count its near misses serves exact repeats only.
+        self.bounds = Bounds(self.policy.max_false_hit_rate)
+        self._reports = asyncio.Lock()  # one report at a time recomputes the cuts it touches
+        self._bound_gauges = (
+            Gauge("appliance_cache_false_hit_bound", "[cache] max_false_hit_rate: the share of near misses the cache may serve, "
+                  "by language", ["language"], registry=metrics.registry),
+            Gauge("appliance_cache_false_hit_estimate", "The cache's own estimate of the share of near misses it serves, by language "
+                  "(known traps above the cut in force / known traps: shipped ones and callers' reports)", ["language"],
+                  registry=metrics.registry),
+            Gauge("appliance_cache_false_hit_upper", "The 95% upper bound of that share (Clopper-Pearson), by language", ["language"],
+                  registry=metrics.registry),
+        )
         self._sweeper: asyncio.Task[None] | None = None
+        self._calibrating: asyncio.Task[None] | None = None
         self._store_ready = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -117,18 +136,63 @@ class SemanticCache:
             self.embedder = embedder
         embedder = self.embedder
         await self.worker.run(lambda db: CacheStore(db, embedder.name, embedder.dimension))
+        if self.policy.max_false_hit_rate > 0:
+            self.languages = await asyncio.to_thread(languages.load)
+            if self.settings.embedder == calibration.BUNDLED_EMBEDDER:
+                await self._calibrate()  # about a second: the shipped traps carry this embedder's cosines
+            else:  # another embedder measures every trap first (minutes on a small model): exact repeats only till then
+                self._calibrating = asyncio.get_running_loop().create_task(self._calibrate_logged(), name="cache-calibration")
         self._store_ready = True
         if self.settings.sweep_interval_s > 0:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="cache-sweeper")
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._sweeper, self._calibrating):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.embedder is not None:
             await asyncio.to_thread(self.embedder.close)
         await asyncio.to_thread(self.worker.close)
+
+    async def _calibrate(self) -> None:
+        """Score the shipped traps as lookups will score pairs, per language, with callers' reports
+        added: the cuts in force. The bundled embedder's cosines ship with the traps; another
+        embedder's are measured here once per start (a few seconds)."""
+        assert self.embedder is not None and self.languages is not None
+        traps = await asyncio.to_thread(calibration.shipped_traps)
+        if self.settings.embedder == calibration.BUNDLED_EMBEDDER:
+            cosines = [float(t.cosine or 0.0) for t in traps]
+        else:
+            texts = sorted({spelled(q, self.lexicon) for t in traps for q in (t.cached, t.asked)})
+            vectors: dict[str, np.ndarray] = {}
+            for start in range(0, len(texts), 32):  # a batch at a time: callers' embeddings go between
+                chunk = texts[start:start + 32]
+                vectors.update(zip(chunk, await self.embedder.embed(chunk)))
+            cosines = [float(vectors[spelled(t.cached, self.lexicon)] @ vectors[spelled(t.asked, self.lexicon)]) for t in traps]
+        reported = await self.worker.run(lambda db: self._store(db).reported())
+        by_tenant: dict[str, dict[str, list[float]]] = {}
+        for r in reported:
+            by_tenant.setdefault(r.tenant, {}).setdefault(r.language, []).append(r.score)
+        named = self.languages
+        seeds = await asyncio.to_thread(calibration.scored, traps, cosines, named.of, self.lexicon, self.policy)
+        self.bounds = await asyncio.to_thread(Bounds.of, self.policy.max_false_hit_rate, seeds, by_tenant)
+        self._publish_bounds()
+
+    async def _calibrate_logged(self) -> None:
+        try:
+            await self._calibrate()
+            log.info("cache: error bounds in force for %d languages", len(self.bounds.languages()))
+        except Exception:
+            log.exception("cache: could not score the shipped traps; similar questions stay misses")
+
+    def _publish_bounds(self) -> None:
+        bound, estimate, upper = self._bound_gauges
+        for name, row in self.bounds.summary().items():
+            bound.labels(name).set(float(row["bound"]))  # type: ignore[arg-type]
+            estimate.labels(name).set(float(row["estimate"]))  # type: ignore[arg-type]
+            upper.labels(name).set(float(row["upper"]))  # type: ignore[arg-type]
 
     def _store(self, db: Any) -> CacheStore:
         assert self.embedder is not None
@@ -147,7 +211,11 @@ class SemanticCache:
         # A slip of the keys ("recieve") is spelled right before embedding, here and so in stored vectors.
         vector = (await self.embedder.embed([spelled(item.question, self.lexicon)]))[0]
         candidates = await self.worker.run(lambda db: self._store(db).nearest(key, vector))
-        decision = judge_candidates(item.question, candidates, now, policy, self.lexicon)
+        language, cut = None, None
+        if policy.max_false_hit_rate > 0 and candidates:
+            language = await asyncio.to_thread(self._language, item.question)
+            cut = self.bounds.cut(item.bucket.tenant, language)
+        decision = judge_candidates(item.question, candidates, now, policy, self.lexicon, cut)
         judged, judge_tokens = False, (0, 0)
         if isinstance(decision, AskJudge):
             probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question, span, item.bucket.tenant)
@@ -160,18 +228,23 @@ class SemanticCache:
             entry_id = decision.entry_id
             entry = await self.worker.run(lambda db: self._store(db).get(entry_id))
             if entry is not None:
-                return Lookup(entry, decision.similarity, decision.judged, "similar", vector, judge_tokens)
+                return Lookup(entry, decision.similarity, decision.judged, "similar", vector, judge_tokens, decision.score, language)
             decision = Miss("gone")
         assert isinstance(decision, Miss)
         best = max((c.similarity for c in candidates), default=0.0)
         return Lookup(None, best, judged, decision.reason, vector, judge_tokens)
 
-    def record_hit(self, entry: Entry, response_id: str, similarity: float, judged: bool) -> None:
+    def _language(self, question: str) -> str:
+        assert self.languages is not None  # loaded wherever a bound is set
+        return self.languages.of(question)
+
+    def record_hit(self, entry: Entry, response_id: str, similarity: float, judged: bool, score: float | None = None,
+                   language: str | None = None) -> None:
         now = time.time()
         self.metrics.cache_lookups.labels("hit").inc()
         self.metrics.cache_saved_nanos.labels(entry.state).inc(entry.cost_nanos)
         self.metrics.cache_request_cost_nanos.inc(entry.cost_nanos)
-        self.worker.submit(lambda db: self._store(db).record_hit(entry, response_id, similarity, judged, now))
+        self.worker.submit(lambda db: self._store(db).record_hit(entry, response_id, similarity, judged, now, score, language))
 
     def remember(self, item: Cacheable, vector: np.ndarray | None, answer: str, finish_reason: str, prompt_tokens: int,
                  completion_tokens: int, cost_nanos: int, response_id: str, prompt_text: str = "", max_tokens: int = 0,
@@ -218,7 +291,18 @@ class SemanticCache:
         result = await self.worker.run(lambda db: self._store(db).feedback(response_id, rating, tenant, now))
         if result is not None and rating == "bad" and result[1]:
             self.metrics.cache_false_hits.inc()
+            if self.policy.max_false_hit_rate > 0:
+                await self._learn_trap(response_id, tenant)
         return result
+
+    async def _learn_trap(self, response_id: str, tenant: str) -> None:
+        """A hit the bound admitted was wrong: a known trap of its language, for this tenant's cuts."""
+        reported = await self.worker.run(lambda db: self._store(db).newly_reported(response_id, tenant))
+        if reported is None:
+            return
+        async with self._reports:
+            self.bounds = await asyncio.to_thread(self.bounds.with_report, reported.tenant, reported.language, reported.score)
+        self._publish_bounds()
 
     async def _sweep_forever(self) -> None:
         while True:

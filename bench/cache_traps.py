@@ -1,0 +1,66 @@
+"""Writes appliance/data/cache_traps.jsonl: the near misses (pairs labelled miss) of every tuning pair
+set, with each pair's cosine by the bundled embedder, from which the answer cache computes its error
+bound per language at start. Never from tests/data/sealed/ (held out, measured once).
+
+    .venv/bin/python -m bench.cache_traps [--check]
+
+--check: recompute and say whether the shipped file is what the tuning sets and the embedder give now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from appliance.answer_cache.calibration import BUNDLED_EMBEDDER, TRAPS_FILE
+from bench.kit.paths import ROOT
+
+SOURCES = sorted((ROOT / "tests" / "data").glob("cache_pairs*.jsonl")) + sorted((ROOT / "tests" / "data").glob("cache_seeds_*.jsonl"))
+OUT = ROOT / "appliance" / TRAPS_FILE
+
+
+def rows() -> list[dict[str, object]]:
+    from appliance.answer_cache.service import bundled_lexicon
+    from appliance.fleet.embedders import bundled_minilm
+    from policy.answer_guards import spelled
+
+    traps: list[dict[str, object]] = []
+    seen: set[tuple[str, str]] = set()
+    for path in SOURCES:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r["label"] != "miss" or (r["a"], r["b"]) in seen:
+                continue
+            seen.add((r["a"], r["b"]))
+            traps.append({"a": r["a"], "b": r["b"], "kind": r["kind"], "lang": r.get("lang", "en"), "source": path.name})
+    lexicon, embedder = bundled_lexicon(), bundled_minilm()
+    try:
+        # Spelled as the cache spells a question before embedding it, here and in stored vectors.
+        texts = sorted({spelled(str(t[side]), lexicon) for t in traps for side in ("a", "b")})
+        vectors = dict(zip(texts, embedder.embed_now(texts)))
+    finally:
+        embedder.close()
+    for t in traps:
+        t[BUNDLED_EMBEDDER] = round(float(vectors[spelled(str(t["a"]), lexicon)] @ vectors[spelled(str(t["b"]), lexicon)]), 6)
+    return traps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    text = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in rows())
+    if args.check:
+        same = OUT.exists() and OUT.read_text(encoding="utf-8") == text
+        print(f"{OUT.relative_to(ROOT)}: {'as the tuning sets give it' if same else 'out of date: run python -m bench.cache_traps'}")
+        return 0 if same else 1
+    OUT.write_text(text, encoding="utf-8")
+    print(f"{OUT.relative_to(ROOT)}: {text.count(chr(10))} traps from {len(SOURCES)} files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The answer cache's error bound as plain functions: the Clopper-Pearson upper bound, the cut it
+chooses over known traps, that the promise holds on traps it never saw, and per-tenant reports."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance.answer_cache.calibration import EVERYONE, SEEDS, Bounds
+from policy.answer_bound import ALPHA, Cut, cut_for, most_served, served_share, upper_bound
+from policy.answer_cache import CachePolicy, Candidate, Hit, Miss, judge_candidates, pair_score
+from policy.answer_guards import Comparison
+
+
+def test_the_upper_bound_matches_its_closed_forms() -> None:
+    # k = 0: P(X = 0) = (1 - p)^n = alpha; k = n - 1: 1 - p^n = alpha.
+    for n in (1, 10, 149, 300, 2000):
+        assert upper_bound(0, n) == pytest.approx(1 - ALPHA ** (1 / n), abs=1e-9)
+        assert upper_bound(n - 1, n) == pytest.approx((1 - ALPHA) ** (1 / n), abs=1e-9)
+    assert upper_bound(0, 0) == 1.0 and upper_bound(5, 5) == 1.0
+    # the rule of three: no trap served in 149 certifies 2%, in 148 it does not
+    assert upper_bound(0, 149) <= 0.02 < upper_bound(0, 148)
+
+
+@given(st.integers(1, 400), st.data())
+def test_the_upper_bound_rises_with_served_traps_and_sits_above_the_estimate(n: int, data: st.DataObject) -> None:
+    k = data.draw(st.integers(0, n - 1))
+    assert k / n <= upper_bound(k, n) <= upper_bound(k + 1, n)
+
+
+def test_the_most_traps_served_is_the_last_count_the_bound_allows() -> None:
+    assert most_served(100, 0.02) == -1  # too few traps to promise 2%
+    k = most_served(1000, 0.02)
+    assert k >= 0 and upper_bound(k, 1000) <= 0.02 < upper_bound(k + 1, 1000)
+    assert most_served(10, 0.5) >= 0
+
+
+def test_the_cut_serves_no_more_known_traps_than_allowed() -> None:
+    scores = [i / 1000 for i in range(1000)]
+    cut = cut_for(scores, 0.02)
+    assert cut.served == most_served(1000, 0.02) and cut.upper <= 0.02
+    assert served_share(scores, cut.score) == (cut.served, 1000)
+    assert cut.admits(0.9995) and not cut.admits(cut.score)
+    # ties at the cut are refused with it: never more than allowed
+    tied = [0.9] * 50 + [0.1] * 950
+    assert cut_for(tied, 0.02).served == 0
+    # a refused trap (-inf) counts as a trap the cache did not serve
+    assert cut_for([-math.inf] * 200, 0.02) == Cut(-math.inf, 200, 0, 0.02)
+    closed = cut_for([0.5] * 100, 0.02)
+    assert closed.score == math.inf and not closed.admits(10.0)
+
+
+def test_the_promise_holds_on_traps_the_cut_never_saw() -> None:
+    """Traps drawn from one distribution: a cut set on a sample, then its true share on the whole
+    distribution. At 95% the share may pass the bound in at most about 5% of samples."""
+    rng = random.Random(41)
+    for bound, n in ((0.02, 400), (0.01, 800), (0.05, 150)):
+        over = 0
+        for _ in range(300):
+            traps = [rng.betavariate(2, 5) for _ in range(n)]
+            cut = cut_for(traps, bound)
+            # the true share above the cut, by a large fresh sample of the same distribution
+            fresh = [rng.betavariate(2, 5) for _ in range(4000)]
+            over += served_share(fresh, cut.score)[0] / len(fresh) > bound
+        assert over / 300 <= ALPHA + 0.04, (bound, n, over)
+
+
+def test_a_pair_whose_words_all_match_ranks_above_any_that_differs() -> None:
+    policy = CachePolicy(similarity_threshold=0.7, same_words_relief=0.06)
+    same, differs = Comparison(None), Comparison(None, ("iphone",))
+    assert pair_score(same, 0.66, policy) > pair_score(differs, 0.99, policy)
+    assert pair_score(differs, 0.69, policy) == -math.inf  # below its threshold
+    assert pair_score(same, 0.63, policy) == -math.inf
+    assert pair_score(Comparison("negation"), 1.0, policy) == -math.inf
+
+
+def _candidate(similarity: float, question: str) -> Candidate:
+    return Candidate(7, question, similarity, "unverified", 1000.0)
+
+
+def test_under_a_bound_a_hit_needs_a_score_the_cut_admits_and_the_judge_band_is_gone() -> None:
+    policy = CachePolicy(similarity_threshold=0.7, judge_band=0.5)
+    stored = "How do I reset my password?"
+    reworded = _candidate(0.85, stored)
+    asked = "What steps reset my password quickly?"
+    score = pair_score(Comparison(None, ("quickly", "steps")), 0.85, policy)
+    assert score == 0.85
+    assert judge_candidates(asked, [reworded], 1000.0, policy, cut=Cut(0.8, 900, 10, 0.02)) == Hit(7, 0.85, judged=False, score=score)
+    assert judge_candidates(asked, [reworded], 1000.0, policy, cut=Cut(0.9, 900, 5, 0.02)) == Miss("bound")
+    assert judge_candidates(asked, [reworded], 1000.0, policy, cut=Cut(math.inf, 100, 0, 0.02)) == Miss("bound")
+    # in the band, no bound: the judge; under a bound: a miss
+    assert judge_candidates(asked, [_candidate(0.6, stored)], 1000.0, policy, cut=Cut(-math.inf, 900, 900, 0.02)) == Miss("similarity")
+    assert judge_candidates("How do I reset my password on Android?", [_candidate(0.95, stored)], 1000.0, policy,
+                            cut=Cut(-math.inf, 900, 900, 0.02)) == Miss("guard:entity")
+
+
+def test_a_tenants_reports_tighten_its_own_cuts_only() -> None:
+    seeds = {"en": [i / 1000 for i in range(1000)], "pt": [0.5] * 100}
+    bounds = Bounds.of(0.02, seeds, {})
+    before = bounds.cut("acme", "en")
+    assert before == bounds.cut(SEEDS, "en") and before.traps == 1000
+    assert bounds.cut("acme", "pt").score == math.inf  # 100 traps cannot promise 2%
+    assert bounds.cut("acme", "de").score == math.inf and bounds.cut("acme", "de").traps == 0  # no traps: exact repeats only
+    after = bounds
+    for _ in range(30):  # thirty hits acme's callers said were wrong, all scored above today's cut
+        after = after.with_report("acme", "en", 0.9999)
+    assert after.cut("acme", "en").score > before.score and after.cut("acme", "en").traps == 1030
+    assert after.cut("globex", "en") == before
+    summary = after.summary()["en"]
+    assert summary["traps"] == 1030 and summary["bound"] == 0.02 and summary["upper"] <= 0.02
+    assert after.cut(EVERYONE, "en").traps == 1030
+    assert bounds.cut("acme", "en") == before  # the old bounds are not changed under a lookup reading them
+    reloaded = Bounds.of(0.02, seeds, {"acme": {"en": [0.9999] * 30}})
+    assert reloaded.cut("acme", "en") == after.cut("acme", "en")
