@@ -322,6 +322,24 @@ def test_the_metrics_carry_the_cost_weighted_rate_on_verified_answers(cached: tu
     assert stats["since_start"]["cost_weighted_verified_hit_rate"] == pytest.approx(gauge)
 
 
+def test_the_cache_shows_its_false_hit_bound_and_its_own_estimate_by_language(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    scraped = httpx.get(f"{server.base_url}/metrics").text
+
+    def gauge(name: str, language: str) -> float:
+        return float(re.search(rf'^{name}\{{language="{language}"\}} (\S+)$', scraped, re.MULTILINE).group(1))  # type: ignore[union-attr]
+
+    stats = httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {keys['admin']}"}).json()["false_hit_bound"]
+    for language in ("en", "pt", "es", "de"):
+        row = stats[language]
+        assert row["bound"] == gauge("appliance_cache_false_hit_bound", language) == 0.02
+        assert row["estimate"] == pytest.approx(gauge("appliance_cache_false_hit_estimate", language))
+        assert row["upper"] == pytest.approx(gauge("appliance_cache_false_hit_upper", language))
+        assert row["estimate"] <= row["upper"] <= 0.02
+        assert row["traps"] >= 150 and row["open"]
+    assert stats["en"]["traps"] >= 900
+
+
 def test_the_judge_decides_the_band_through_the_server_and_never_overrides_a_guard(tmp_path) -> None:
     """The bundled SmolLM2 as the judge; a threshold no rewording reaches, so every reworded lookup
     in the band asks it, and a cut-off of 0 so its answer always lets the hit through."""

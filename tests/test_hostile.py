@@ -633,3 +633,59 @@ def test_a_program_the_caller_steers_is_never_run(tmp_path: Path) -> None:
         assert not marker.exists()
     finally:
         stop_server(server)
+
+
+def _cache_ask(server: Server, key: str, question: str) -> httpx.Response:
+    body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 8, "temperature": 0}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _stored(server: Server, question: str) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if apsw.Connection(str(server.home / "appliance.db")).execute("SELECT 1 FROM cache_entries WHERE question = ?", (question,)).fetchone():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never stored: {question}")
+
+
+def test_near_misses_in_another_language_and_reports_of_false_hits_stay_in_bounds(tmp_path: Path) -> None:
+    """A Portuguese negation the English guards cannot read is refused by the error bound, not served
+    (the default cache served one such near miss in four); and a tenant that reports false hits by
+    the dozen tightens only its own cache: another tenant's rewordings are still served."""
+    text = config_text(embeddings=False, auth="keys", cache="enabled = true\nsweep_interval_s = 0")
+    text = text.replace('[auth]\nmode = "keys"\n\n[auth.open_principal]\nadmin = true\n', '[auth]\nmode = "keys"\nkey_cache_s = 0.5\n')
+    server = start_server(tmp_path / "srv", text)
+    try:
+        mallory, bob = new_key(server, "victims", user="mallory"), new_key(server, "rivals", user="bob")
+        stored_pt = "Por que o aplicativo do banco abre no meu celular?"
+        _cache_ask(server, mallory, stored_pt)
+        _stored(server, stored_pt)
+        negated = _cache_ask(server, mallory, "Por que o aplicativo do banco não abre no meu celular?")
+        assert negated.headers["x-cache"] == "miss" and negated.headers["x-cache-reason"] == "bound"
+
+        stored_en, reworded_en = "How can I change the wifi password on my router?", "How do I update my router's wifi password?"
+        for key in (mallory, bob):
+            _cache_ask(server, key, stored_en)
+        _stored(server, stored_en)
+        reported = 0
+        for i in range(15):  # mallory's callers say every hit was wrong: typo repeats, the safest pairs there are
+            question = f"How do I renew the passport of my {['mother', 'father', 'sister', 'brother', 'uncle'][i % 5]} number {i} online?"
+            _cache_ask(server, mallory, question)
+            _stored(server, question)
+            hit = _cache_ask(server, mallory, question.replace("renew", "renwe").lower())
+            if hit.headers["x-cache"] != "hit":
+                continue
+            feedback = call(server, mallory, "/v1/cache/feedback", {"response_id": hit.json()["id"], "rating": "bad"})
+            assert feedback.status_code == 200 and feedback.json()["was_hit"] is True
+            reported += 1
+        assert reported >= 12
+        assert _cache_ask(server, mallory, reworded_en).headers["x-cache-reason"] == "bound"
+        assert _cache_ask(server, bob, reworded_en).headers["x-cache"] == "hit"
+        admin = new_key(server, "ops", user="root", admin=True)
+        english = admin_call(server, admin, "GET", "/admin/cache").json()["false_hit_bound"]["en"]
+        assert english["bound"] == 0.02 and english["upper"] <= 0.02 and english["traps"] >= 900 + reported
+    finally:
+        stop_server(server)

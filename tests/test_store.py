@@ -143,3 +143,30 @@ def test_cache_entries_keep_their_rows_when_the_consistent_state_arrives(tmp_pat
     assert store.set_state(entry_id, "consistent", "sweep:agreed")
     found = store.nearest(bucket.key, vector, 1)
     assert [(c.entry_id, c.state, c.question) for c in found] == [(entry_id, "consistent", "What is the capital of Peru?")]
+
+
+def test_reported_false_hits_are_each_one_trap_and_outlive_a_restart(tmp_path: Path):
+    import numpy as np
+
+    from appliance.store.answer_entries import CacheStore, Reported
+    from policy.answer_cache import Bucket
+
+    db = connect(tmp_path / "cache.db")
+    migrate(db)
+    store = CacheStore(db, "minilm", 4)
+    bucket = Bucket("acme", "dev", "m", "v1", "p1")
+    entry_id = store.store(bucket, "What is the capital of Peru?", "h1", np.array([1.0, 0, 0, 0], dtype=np.float32), "Lima.", "stop",
+                           5, 2, 700, "r1", 100.0, 10)
+    entry = store.get(entry_id)
+    assert entry is not None
+    store.record_hit(entry, "r2", 0.97, False, 101.0, score=0.97, language="en")
+    store.record_hit(entry, "r3", 1.0, False, 102.0)  # an exact repeat: no bound admitted it, no trap
+    assert store.feedback("r2", "bad", "acme", 103.0) == (entry_id, True)
+    assert store.newly_reported("r2", "acme") == Reported("acme", "en", 0.97)
+    store.feedback("r2", "bad", "acme", 104.0)
+    assert store.newly_reported("r2", "acme") is None  # the same hit reported twice is one trap
+    assert store.newly_reported("r2", "globex") is None
+    store.feedback("r3", "bad", "acme", 105.0)
+    db.close()
+    again = CacheStore(connect(tmp_path / "cache.db"), "minilm", 4)
+    assert again.reported() == [Reported("acme", "en", 0.97)]
