@@ -1,0 +1,139 @@
+"""The answer cache through HTTP on labelled question pairs, as a team would meet it: the shipped
+models.toml (sweeps off), each pair in its own bucket (its own system prompt), the stored question
+asked first, then the new one at temperature 0; per set and kind, what was served, and next to it
+the cache's own estimate of the share of near misses it serves (GET /admin/cache).
+
+    .venv/bin/python -m bench.cache_http --bounds 0,0.02,0.01 tests/data/cache_pairs_blind_tune_pt.jsonl
+    .venv/bin/python -m bench.cache_http --bounds 0,0.02,0.01 --sealed   # the held-out sets: once
+
+--sealed reads tests/data/sealed/*.jsonl.gz after checking each against the digest it was frozen with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import apsw
+import httpx
+
+from bench.kit.paths import ROOT
+from bench.kit.server import start, write_config
+
+SEALED = ROOT / "tests" / "data" / "sealed"
+DIGESTS = ROOT / "tests" / "data" / "cache_pairs_blind_heldout.sha256"
+REWORDINGS = ("paraphrase", "typo")
+
+
+def sealed_sets() -> list[tuple[str, list[dict[str, str]]]]:
+    frozen = dict(line.split()[::-1] for line in DIGESTS.read_text().splitlines() if line.strip())
+    out = []
+    for path in sorted(SEALED.glob("*.jsonl.gz")):
+        raw = gzip.decompress(path.read_bytes())
+        name = path.name.removesuffix(".gz")
+        digest = hashlib.sha256(raw).hexdigest()
+        expected = next((v for k, v in frozen.items() if k.endswith(name)), None)
+        if digest != expected:
+            raise SystemExit(f"{path}: sha256 {digest}, frozen as {expected}")
+        out.append((name, [json.loads(line) for line in raw.decode().splitlines() if line.strip()]))
+    return out
+
+
+def config(bound: float) -> str:
+    text = (ROOT / "models.toml").read_text()
+    text = re.sub(r"(?m)^max_false_hit_rate = .*$", f"max_false_hit_rate = {bound}", text)
+    text = re.sub(r"(?m)^sweep_interval_s = .*$", "sweep_interval_s = 0", text)
+    assert f"max_false_hit_rate = {bound}" in text
+    return text
+
+
+def stored(db: Path, question: str, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY) as conn:
+            if conn.execute("SELECT 1 FROM cache_entries WHERE question = ?", (question,)).fetchone():
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def run_set(client: httpx.Client, db: Path, model: str, name: str, pairs: list[dict[str, str]]) -> list[dict[str, object]]:
+    results = []
+    for i, pair in enumerate(pairs):
+        system = f"You answer questions for team {name} #{i}."  # its own bucket: nothing else is ever compared with it
+        for question in (pair["a"], pair["b"]):
+            body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                    "max_tokens": 4, "temperature": 0}
+            response = client.post("/v1/chat/completions", json=body)
+            response.raise_for_status()
+            if question == pair["a"] and not stored(db, question):
+                raise RuntimeError(f"never stored: {question!r}")
+        results.append({"kind": pair["kind"], "label": pair["label"], "lang": pair.get("lang", "en"),
+                        "served": response.headers.get("x-cache") == "hit", "reason": response.headers.get("x-cache-reason", "")})
+    return results
+
+
+def summarise(name: str, results: list[dict[str, object]]) -> dict[str, object]:
+    kinds = Counter(str(r["kind"]) for r in results)
+    served = Counter(str(r["kind"]) for r in results if r["served"])
+    traps = [r for r in results if r["label"] == "miss"]
+    rewordings = [r for r in results if r["kind"] in REWORDINGS]
+    return {"set": name, "pairs": len(results),
+            "traps_served": sum(bool(r["served"]) for r in traps), "traps": len(traps),
+            "rewordings_served": sum(bool(r["served"]) for r in rewordings), "rewordings": len(rewordings),
+            "by_kind": {k: f"{served[k]}/{kinds[k]}" for k in sorted(kinds)},
+            "miss_reasons": dict(Counter(str(r["reason"]) for r in rewordings if not r["served"]).most_common(5))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pairs", nargs="*", type=Path)
+    parser.add_argument("--sealed", action="store_true")
+    parser.add_argument("--bounds", default="0.02", help="max_false_hit_rate values, one server each")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    sets = sealed_sets() if args.sealed else []
+    sets += [(p.name, [json.loads(line) for line in p.read_text().splitlines() if line.strip()]) for p in args.pairs]
+    if not sets:
+        parser.error("give pair files or --sealed")
+    report: list[dict[str, object]] = []
+    for bound in (float(b) for b in args.bounds.split(",")):
+        with tempfile.TemporaryDirectory(prefix="cache-http-") as tmp:
+            workdir = Path(tmp)
+            write_config(workdir, config(bound))
+            server = start(workdir)
+            try:
+                with httpx.Client(base_url=server.base, timeout=300) as client:
+                    model = client.get("/v1/models").json()["data"][0]["id"]
+                    started = time.monotonic()
+                    for name, pairs in sets:
+                        row = summarise(name, run_set(client, workdir / "home" / "appliance.db", model, name, pairs))
+                        row["bound"] = bound
+                        row["estimate"] = client.get("/admin/cache").json().get("false_hit_bound", {})
+                        report.append(row)
+                        t, r = row["traps"], row["rewordings"]
+                        print(f"bound {bound}: {name}: traps served {row['traps_served']}/{t} ({row['traps_served'] / t:.1%}), "  # type: ignore[operator]
+                              f"rewordings served {row['rewordings_served']}/{r} ({row['rewordings_served'] / r:.1%}); "  # type: ignore[operator]
+                              f"by kind {row['by_kind']}; rewordings missed for {row['miss_reasons']}", flush=True)
+                    estimate = report[-1]["estimate"]
+                    print(f"bound {bound}: the cache's own estimate by language: "
+                          + ", ".join(f"{k} {v['estimate']:.2%} (upper {v['upper']:.2%}, {v['traps']} traps)"  # type: ignore[index]
+                                      for k, v in estimate.items() if v["traps"] >= 50)  # type: ignore[union-attr,index]
+                          + f"; {time.monotonic() - started:.0f} s", flush=True)
+            finally:
+                server.stop()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
