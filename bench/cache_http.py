@@ -40,7 +40,7 @@ def sealed_sets() -> list[tuple[str, list[dict[str, str]]]]:
         raw = gzip.decompress(path.read_bytes())
         name = path.name.removesuffix(".gz")
         digest = hashlib.sha256(raw).hexdigest()
-        expected = next((v for k, v in frozen.items() if k.endswith(name)), None)
+        expected = next((v for k, v in frozen.items() if name.endswith(k)), None)
         if digest != expected:
             raise SystemExit(f"{path}: sha256 {digest}, frozen as {expected}")
         out.append((name, [json.loads(line) for line in raw.decode().splitlines() if line.strip()]))
