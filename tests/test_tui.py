@@ -102,6 +102,9 @@ async def test_cache_entries_are_searched_and_marked(served: Server) -> None:
         await pilot.press("3")
         buckets = app.query_one("#cache-buckets", DataTable)
         await settle(pilot, app, lambda: buckets.row_count >= 1)
+        # the cache's promise beside its own estimate, per language, from the running server
+        await settle(pilot, app, lambda: "false hits ≤2.0%, est. en " in text_of(app, "#cache-summary"))
+        assert "consistent" in [str(c.label) for c in buckets.columns.values()]
         await pilot.press("slash", *keys("Peru"), "enter")
         entries = app.query_one("#cache-entries", DataTable)
         await settle(pilot, app, lambda: entries.row_count == 1)
@@ -129,6 +132,16 @@ def test_views_are_plain_functions() -> None:
     shown = views.overview(now, then, None)
     assert shown.requests_per_s == 3.0 and shown.models == [("m", "1/8", 0)]
     assert views.sparkline([0, 1, 2, 4]) == "▁▂▄█"
+    bound = {"en": {"traps": 944, "estimate": 0.0117, "upper": 0.0192, "bound": 0.02, "open": True},
+             "pt": {"traps": 370, "estimate": 0.0054, "upper": 0.0169, "bound": 0.02, "open": True},
+             "ja": {"traps": 0, "estimate": 0.0, "upper": 1.0, "bound": 0.02, "open": False}}
+    assert views.false_hit_line({"false_hit_bound": bound}) == "false hits ≤2.0%, est. en 1.2% pt 0.5%, others exact only"
+    closed = {"ja": bound["ja"]}
+    assert views.false_hit_line({"false_hit_bound": closed}) == "false hits ≤2.0%: exact repeats only (too few known near misses)"
+    assert views.false_hit_line({}) == "false hits: no bound (thresholds decide)"
+    bucket = {"bucket": "b" * 32, "tenant": "t", "role": "r", "model": "m", "entries": 3, "hits": 2, "verified": 1, "consistent": 1,
+              "rejected": 0, "stale": None}
+    assert views.cache_rows({"buckets": [bucket]}) == [("b" * 12, "t", "r", "m", "3", "2", "1", "1", "0", "0")]
     tree = views.budget_tree({"budgets": [{"level": "tenant", "name": "acme", "limit_usd": 5, "spent_usd": 1, "held_usd": 0, "period": "day"}],
                               "reservations": []})
     assert tree.children[0].children[0].label == "acme" and "$1.00 of $5.00 per day" in tree.children[0].children[0].detail

@@ -147,7 +147,7 @@ class ApplianceTUI(App[None]):
 
     def on_mount(self) -> None:
         self._log_to_textual()
-        self.query_one("#cache-buckets", DataTable).add_columns("bucket", "tenant", "role", "model", "entries", "hits", "verified", "rejected", "stale")
+        self.query_one("#cache-buckets", DataTable).add_columns(*views.CACHE_COLUMNS)
         self.query_one("#cache-entries", DataTable).add_columns("id", "state", "hits", "question")
         self.query_one("#trace-table", DataTable).add_columns("trace", "call", "tenant", "model", "cache", "time", "status")
         self.query_one("#key-table", DataTable).add_columns("id", "tenant", "app", "user", "role", "admin", "state")
@@ -258,7 +258,7 @@ class ApplianceTUI(App[None]):
         verified = "–" if s["cost_weighted_verified_hit_rate"] is None else f"{s['cost_weighted_verified_hit_rate']:.0%}"
         self.query_one("#cache-summary", Static).update(
             f"hits {s['lookups']['hit']:.0f}  misses {s['lookups']['miss']:.0f}  hit rate {rate}  verified cost-weighted {verified}  "
-            f"false hits {s['false_hits_reported']:.0f}")
+            f"false hits {s['false_hits_reported']:.0f}\n{views.false_hit_line(stats)}")
         _fill(self.query_one("#cache-buckets", DataTable), views.cache_rows(stats))
 
     def _render_traces(self, traces: dict[str, Any]) -> None:

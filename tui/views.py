@@ -226,9 +226,26 @@ def timeline(tree: dict[str, Any], width: int = 40) -> list[str]:
     return lines
 
 
+CACHE_COLUMNS = ("bucket", "tenant", "role", "model", "entries", "hits", "verified", "consistent", "rejected", "stale")
+
+
 def cache_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
     return [(b["bucket"][:12], b["tenant"], b["role"], b["model"], str(b["entries"]), str(b["hits"] or 0),
-             str(b["verified"] or 0), str(b["rejected"] or 0), str(b["stale"] or 0)) for b in stats.get("buckets", [])]
+             str(b["verified"] or 0), str(b.get("consistent") or 0), str(b["rejected"] or 0), str(b["stale"] or 0))
+            for b in stats.get("buckets", [])]
+
+
+def false_hit_line(stats: dict[str, Any], most: int = 4) -> str:
+    """The cache's promise and its own estimate by language, most traps first, in one 80-column
+    line: "false hits ≤2.0%, est. en 1.2% pt 0.5%, others exact only" (a language it cannot
+    promise anything for serves exact repeats only)."""
+    rows = sorted(stats.get("false_hit_bound", {}).items(), key=lambda kv: -kv[1]["traps"])
+    if not rows:
+        return "false hits: no bound (thresholds decide)"
+    shown = [f"{lang} {r['estimate']:.1%}" for lang, r in rows if r["open"]][:most]
+    if not shown:
+        return f"false hits ≤{rows[0][1]['bound']:.1%}: exact repeats only (too few known near misses)"
+    return f"false hits ≤{rows[0][1]['bound']:.1%}, est. " + " ".join(shown) + ", others exact only"
 
 
 def sparkline(values: list[float], width: int = 30) -> str:
