@@ -322,6 +322,22 @@ def test_the_metrics_carry_the_cost_weighted_rate_on_verified_answers(cached: tu
     assert stats["since_start"]["cost_weighted_verified_hit_rate"] == pytest.approx(gauge)
 
 
+def test_an_answer_that_meets_the_callers_json_schema_is_stored_verified_by_that_validator(cached: tuple[Server, dict[str, str]]) -> None:
+    server, keys = cached
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": False}
+    question = "Name the capital of Chile as JSON."
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    first = ask(server, keys["zeta"], question, response_format=fmt, max_tokens=40)
+    assert first.status_code == 200 and first.headers["x-cache"] == "miss"
+    assert stored(server, question)
+    row = db(server).execute("SELECT state, state_reason FROM cache_entries WHERE question = ?", (question,)).fetchone()
+    assert row == ("verified", "validator:json_schema")
+    plain = "Name the capital of Chile in one word."
+    ask(server, keys["zeta"], plain)
+    assert stored(server, plain)
+    assert db(server).execute("SELECT state, state_reason FROM cache_entries WHERE question = ?", (plain,)).fetchone() == ("unverified", None)
+
+
 def test_the_cache_shows_its_false_hit_bound_and_its_own_estimate_by_language(cached: tuple[Server, dict[str, str]]) -> None:
     server, keys = cached
     scraped = httpx.get(f"{server.base_url}/metrics").text

@@ -248,7 +248,7 @@ class SemanticCache:
 
     def remember(self, item: Cacheable, vector: np.ndarray | None, answer: str, finish_reason: str, prompt_tokens: int,
                  completion_tokens: int, cost_nanos: int, response_id: str, prompt_text: str = "", max_tokens: int = 0,
-                 stop: tuple[str, ...] = ()) -> None:
+                 stop: tuple[str, ...] = (), verified_by: str | None = None) -> None:
         """Store a fresh answer (fire and forget). Validators first: a non-empty answer that ended
         normally. One cut at max_tokens is kept too: max_tokens is part of the bucket, so only a
         request that would have been cut at the same place can get it."""
@@ -260,7 +260,7 @@ class SemanticCache:
             try:
                 self._store(db).store(item.bucket, item.question, item.question_hash, vector, answer, finish_reason,
                                       prompt_tokens, completion_tokens, cost_nanos, response_id, now, cap,
-                                      prompt_text, max_tokens, json.dumps(list(stop)))
+                                      prompt_text, max_tokens, json.dumps(list(stop)), verified_by)
             except Exception:
                 log.exception("could not store a cache entry")
 

@@ -23,6 +23,7 @@ from appliance.wire.schemas import ChatCompletionRequest
 from engines.interface import FinishEvent, Usage
 from policy.answer_cache import Cacheable, NotCacheable, classify
 from policy.programs import wants_program
+from policy.router import validate
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class CachePlan:
     read: bool
     write: bool
     lookup: Lookup | None = None
+    schema: dict[str, Any] | None = None  # the caller's JSON Schema: an answer that meets it is verified by a validator
 
     def headers(self) -> dict[str, str]:
         if self.item is None or not self.read:
@@ -56,9 +58,12 @@ class CachePlan:
             if self.write:
                 with traced.child("cache.store", cache__bucket=item.bucket.key, completion_tokens=finish.usage.completion_tokens):
                     pass  # queued to the cache's store thread
+                # The caller's own check, met: verified by a validator (the sweep's agreement never verifies).
+                met = self.schema is not None and validate(text, finish.reason, [], self.schema, True, 0.0, 1.0).ok
                 services.cache.remember(item, lookup.vector if lookup else None, text, finish.reason, finish.usage.prompt_tokens,
                                         finish.usage.completion_tokens, cost, prepared.request.id, prepared.replay,
-                                        prepared.request.max_tokens, prepared.request.stop)
+                                        prepared.request.max_tokens, prepared.request.stop,
+                                        verified_by="validator:json_schema" if met else None)
 
         return done
 
@@ -119,7 +124,9 @@ def _plan(ctx: CallContext, body: ChatCompletionRequest, model: str, version: st
     read, write = "no-cache" not in directives, "no-store" not in directives
     if not read:
         services.metrics.cache_lookups.labels("bypass").inc()
-    return CachePlan(decision, read, write)
+    fmt = body.response_format
+    schema = fmt.json_schema.schema if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None else None
+    return CachePlan(decision, read, write, schema=schema)
 
 
 def answered_by_program(route: RouteSettings, body: ChatCompletionRequest) -> bool:

@@ -171,10 +171,12 @@ class CacheStore:
     def store(
         self, bucket: Bucket, question: str, question_hash: str, vector: np.ndarray | None, answer: str, finish_reason: str,
         prompt_tokens: int, completion_tokens: int, cost_nanos: int, response_id: str, now: float, max_entries_per_tenant: int,
-        prompt_text: str = "", max_tokens: int = 0, stop: str = "[]",
+        prompt_text: str = "", max_tokens: int = 0, stop: str = "[]", verified_by: str | None = None,
     ) -> int | None:
-        """Insert an entry (unverified) unless the bucket already has this question: concurrent
-        identical misses store one. Evicts the tenant's least recently used beyond the cap."""
+        """Insert an entry (unverified, or verified when a validator of the caller's passed it: `verified_by`)
+        unless the bucket already has this question: concurrent identical misses store one. Evicts the
+        tenant's least recently used beyond the cap."""
+        state, reason = ("verified", verified_by) if verified_by else ("unverified", None)
         with immediate(self.db):
             row = self.db.execute("SELECT id, state FROM cache_entries WHERE bucket = ? AND question_hash = ?",
                                   (bucket.key, question_hash)).fetchone()
@@ -184,19 +186,19 @@ class CacheStore:
                 # A stale entry is replaced by the next miss's answer.
                 self.db.execute(
                     "UPDATE cache_entries SET answer = ?, finish_reason = ?, prompt_tokens = ?, completion_tokens = ?, cost_nanos = ?, "
-                    "state = 'unverified', state_reason = 'replaced', response_id = ?, created_at = ?, last_used_at = ?, "
+                    "state = ?, state_reason = ?, response_id = ?, created_at = ?, last_used_at = ?, "
                     "prompt_text = ?, max_tokens = ?, stop = ? WHERE id = ?",
-                    (answer, finish_reason, prompt_tokens, completion_tokens, cost_nanos, response_id, now, now,
+                    (answer, finish_reason, prompt_tokens, completion_tokens, cost_nanos, state, reason or "replaced", response_id, now, now,
                      prompt_text, max_tokens, stop, row[0]),
                 )
                 return int(row[0])
             self.db.execute(
                 "INSERT INTO cache_entries(bucket, tenant, role, model, model_version, prompt_version, question, question_hash, "
                 "answer, finish_reason, prompt_tokens, completion_tokens, cost_nanos, state, response_id, embedder, created_at, "
-                "last_used_at, prompt_text, max_tokens, stop) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,'unverified',?,?,?,?,?,?,?)",
+                "last_used_at, prompt_text, max_tokens, stop, state_reason) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (bucket.key, bucket.tenant, bucket.role, bucket.model, bucket.model_version, bucket.prompt_version, question,
-                 question_hash, answer, finish_reason, prompt_tokens, completion_tokens, cost_nanos, response_id,
-                 self.embedder if vector is not None else None, now, now, prompt_text, max_tokens, stop),
+                 question_hash, answer, finish_reason, prompt_tokens, completion_tokens, cost_nanos, state, response_id,
+                 self.embedder if vector is not None else None, now, now, prompt_text, max_tokens, stop, reason),
             )
             entry_id = self.db.last_insert_rowid()
             if vector is not None:
