@@ -299,7 +299,7 @@ def test_an_embedding_model_of_the_fleet_can_be_the_embedder(tmp_path) -> None:
         assert first.headers["x-cache"] == "miss"
         assert stored(server, QUESTION)
         assert ask(server, "unused", QUESTION).headers["x-cache"] == "hit"
-        tables = [r[0] for r in db(server).execute("SELECT name FROM sqlite_master WHERE name LIKE 'cache_vec_engine%'")]
+        tables = [r[0] for r in db(server).execute("SELECT name FROM sqlite_master WHERE name LIKE 'cache_vectors_engine%'")]
         assert tables, "the vectors live in the engine embedder's own space"
     finally:
         stop_server(server)

@@ -653,8 +653,9 @@ def _stored(server: Server, question: str) -> None:
 
 def test_near_misses_in_another_language_and_reports_of_false_hits_stay_in_bounds(tmp_path: Path) -> None:
     """A Portuguese negation the English guards cannot read is refused by the error bound, not served
-    (the default cache served one such near miss in four); and a tenant that reports false hits by
-    the dozen tightens only its own cache: another tenant's rewordings are still served."""
+    (the default cache served one such near miss in four); a tenant that reports false hits by the
+    dozen tightens only its own cache: another tenant's rewordings are still served; and a caller who
+    varies its system prompt (a new bucket each time) does not fill the disk."""
     text = config_text(embeddings=False, auth="keys", cache="enabled = true\nsweep_interval_s = 0")
     text = text.replace('[auth]\nmode = "keys"\n\n[auth.open_principal]\nadmin = true\n', '[auth]\nmode = "keys"\nkey_cache_s = 0.5\n')
     server = start_server(tmp_path / "srv", text)
@@ -687,5 +688,17 @@ def test_near_misses_in_another_language_and_reports_of_false_hits_stay_in_bound
         admin = new_key(server, "ops", user="root", admin=True)
         english = admin_call(server, admin, "GET", "/admin/cache").json()["false_hit_bound"]["en"]
         assert english["bound"] == 0.02 and english["upper"] <= 0.02 and english["traps"] >= 900 + reported
+
+        # A new system prompt is a new bucket: twenty of them must not cost a vector chunk of 1.6 MB each.
+        files = [server.home / name for name in ("appliance.db", "appliance.db-wal")]
+        before = sum(f.stat().st_size for f in files if f.exists())
+        for i in range(20):
+            body = {"model": CHAT_MODEL, "messages": [{"role": "system", "content": f"You are bot {i}."}, {"role": "user", "content": "Hi?"}],
+                    "max_tokens": 4, "temperature": 0}
+            assert call(server, mallory, "/v1/chat/completions", body).status_code == 200
+        _stored(server, "Hi?")
+        time.sleep(1)
+        grown = sum(f.stat().st_size for f in files if f.exists()) - before
+        assert grown < 20 * 400_000, grown
     finally:
         stop_server(server)

@@ -28,7 +28,7 @@ def test_migrations_apply_once_and_give_the_exact_schema():
     assert [row[0] for row in db.execute("SELECT name FROM migrations")] == [
         "0001_request_log", "0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
         "0011_responses", "0012_kept_answers", "0013_auth_failure_counts", "0014_cache_consistent_state",
-        "0015_cache_hit_scores"]
+        "0015_cache_hit_scores", "0016_cache_vector_chunks"]
     assert [row[1] for row in db.execute("PRAGMA table_info(auth_failures)")] == [
         "id", "at", "reason", "key_id", "fingerprint", "client", "path", "count", "last_at"]
     assert [row[1] for row in db.execute("PRAGMA table_info(responses)")] == ["tenant", "id", "created_at", "response", "conversation"]
@@ -44,7 +44,7 @@ def test_a_database_from_before_the_ledger_migrates_forward(tmp_path: Path):
     db.execute("INSERT INTO request_log(id, created_at, endpoint, model, status, total_ms) VALUES ('r1', 1, 'chat', 'm', 'ok', 5)")
     assert migrate(db) == ["0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
                            "0011_responses", "0012_kept_answers", "0013_auth_failure_counts", "0014_cache_consistent_state",
-        "0015_cache_hit_scores"]
+        "0015_cache_hit_scores", "0016_cache_vector_chunks"]
     assert db.execute("SELECT id, tenant, cost_nanos FROM request_log").fetchall() == [("r1", None, None)]
 
 
@@ -139,7 +139,7 @@ def test_cache_entries_keep_their_rows_when_the_consistent_state_arrives(tmp_pat
     vector = np.array([1.0, 0.0, 0.0, 0.0], dtype=np.float32)
     entry_id = store.store(bucket, "What is the capital of Peru?", "h1", vector, "Lima.", "stop", 5, 2, 700, "r1", 100.0, 10)
     assert entry_id is not None
-    assert migrate(db) == ["0014_cache_consistent_state", "0015_cache_hit_scores"]
+    assert migrate(db) == ["0014_cache_consistent_state", "0015_cache_hit_scores", "0016_cache_vector_chunks"]
     assert store.set_state(entry_id, "consistent", "sweep:agreed")
     found = store.nearest(bucket.key, vector, 1)
     assert [(c.entry_id, c.state, c.question) for c in found] == [(entry_id, "consistent", "What is the capital of Peru?")]
@@ -170,3 +170,41 @@ def test_reported_false_hits_are_each_one_trap_and_outlive_a_restart(tmp_path: P
     db.close()
     again = CacheStore(connect(tmp_path / "cache.db"), "minilm", 4)
     assert again.reported() == [Reported("acme", "en", 0.97)]
+
+
+def test_vector_tables_move_to_small_chunks_with_their_vectors(tmp_path: Path):
+    """Before 0016 a bucket's first vector took a whole 1,024-vector chunk (1.6 MB at 384 dimensions):
+    the vectors move to tables of small chunks, searchable as before, and a bucket costs little."""
+    import os
+
+    import numpy as np
+
+    from appliance.store.answer_entries import CacheStore
+    from policy.answer_cache import Bucket
+
+    path = tmp_path / "old.db"
+    db = connect(path)
+    migrate(db, MIGRATIONS[:15])
+    old = 1024
+    db.execute("CREATE VIRTUAL TABLE cache_vec_minilm_384 USING vec0(entry_id INTEGER PRIMARY KEY, bucket TEXT PARTITION KEY, "
+               "embedding float[384] distance_metric=cosine)")
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((3, 384)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    for i, v in enumerate(vectors):
+        db.execute("INSERT INTO cache_vec_minilm_384(entry_id, bucket, embedding) VALUES (?, ?, ?)", (i + 1, f"b{i % 2}", v.tobytes()))
+    assert migrate(db) == ["0016_cache_vector_chunks"]
+    names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE name LIKE 'cache_vec%'")}
+    assert "cache_vec_minilm_384" not in names and "cache_vectors_minilm_384" in names
+    store = CacheStore(db, "minilm", 384)
+    assert store.vectors == "cache_vectors_minilm_384"
+    found = db.execute(f"SELECT entry_id, distance FROM {store.vectors} WHERE embedding MATCH ? AND k = 1 AND bucket = 'b0'",
+                       (vectors[2].tobytes(),)).fetchall()
+    assert found[0][0] == 3 and found[0][1] < 1e-5
+    before = os.path.getsize(path)
+    db.execute("BEGIN")
+    for b in range(50):  # fifty more buckets of one entry each
+        store.db.execute(f"INSERT INTO {store.vectors}(entry_id, bucket, embedding) VALUES (?, ?, ?)", (100 + b, f"n{b}", vectors[0].tobytes()))
+    db.execute("COMMIT")
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    assert (os.path.getsize(path) - before) / 50 < 384 * 4 * old / 8  # far under a whole default chunk per bucket

@@ -136,8 +136,33 @@ _ENTRY = ("id, bucket, tenant, role, model, question, answer, finish_reason, pro
           "state, response_id, created_at, hits, prompt_text, max_tokens, stop")
 
 
+# vec0 allocates whole chunks per partition (bucket): at its default of 1,024 vectors a bucket holding one
+# 384-dimension entry took 1.6 MB on disk, so a caller could fill the disk by varying its system prompt.
+# At 64 a bucket costs about 100 KB, and a 10,000-entry bucket is still searched in milliseconds.
+VECTOR_CHUNK = 64
+
+
 def _vec_table(embedder: str) -> str:
-    return "cache_vec_" + re.sub(r"[^a-z0-9]+", "_", embedder.lower()).strip("_")
+    return "cache_vectors_" + re.sub(r"[^a-z0-9]+", "_", embedder.lower()).strip("_")
+
+
+def _create_vectors(db: apsw.Connection, name: str, dimension: int) -> None:
+    db.execute(
+        f"CREATE VIRTUAL TABLE IF NOT EXISTS {name} USING vec0(entry_id INTEGER PRIMARY KEY, bucket TEXT PARTITION KEY, "
+        f"embedding float[{dimension}] distance_metric=cosine, chunk_size={VECTOR_CHUNK})"
+    )
+
+
+def small_vector_chunks(db: apsw.Connection) -> None:
+    """Migration 0016: every vector table again with small chunks (VECTOR_CHUNK), its vectors copied over."""
+    tables = db.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table' AND name LIKE 'cache\\_vec\\_%' ESCAPE '\\' "
+                        "AND sql LIKE 'CREATE VIRTUAL TABLE%'").fetchall()
+    for name, sql in tables:
+        dimension = int(re.search(r"float\[(\d+)\]", sql).group(1))  # type: ignore[union-attr]
+        new = "cache_vectors_" + name.removeprefix("cache_vec_")
+        _create_vectors(db, new, dimension)
+        db.execute(f"INSERT INTO {new}(entry_id, bucket, embedding) SELECT entry_id, bucket, embedding FROM {name}")
+        db.execute(f"DROP TABLE {name}")
 
 
 class CacheStore:
@@ -147,10 +172,7 @@ class CacheStore:
     def __init__(self, db: apsw.Connection, embedder: str, dimension: int) -> None:
         self.db, self.embedder, self.dimension = db, embedder, dimension
         self.vectors = _vec_table(f"{embedder}_{dimension}")
-        db.execute(
-            f"CREATE VIRTUAL TABLE IF NOT EXISTS {self.vectors} USING vec0("
-            f"entry_id INTEGER PRIMARY KEY, bucket TEXT PARTITION KEY, embedding float[{dimension}] distance_metric=cosine)"
-        )
+        _create_vectors(db, self.vectors, dimension)
 
     def exact(self, bucket: str, question_hash: str) -> Entry | None:
         row = self.db.execute(f"SELECT {_ENTRY} FROM cache_entries WHERE bucket = ? AND question_hash = ?", (bucket, question_hash)).fetchone()

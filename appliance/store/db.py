@@ -47,6 +47,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0013_auth_failure_counts", keystore.count_failures),
     ("0014_cache_consistent_state", cache_store.allow_consistent),
     ("0015_cache_hit_scores", cache_store.score_hits),
+    ("0016_cache_vector_chunks", cache_store.small_vector_chunks),
 )
 
 
