@@ -6,7 +6,8 @@ the cache's own estimate of the share of near misses it serves (GET /admin/cache
     .venv/bin/python -m bench.cache_http --bounds 0,0.02,0.01 tests/data/cache_pairs_blind_tune_pt.jsonl
     .venv/bin/python -m bench.cache_http --bounds 0,0.02,0.01 --sealed   # the held-out sets: once
 
---sealed reads tests/data/sealed/*.jsonl.gz after checking each against the digest it was frozen with.
+--sealed reads tests/data/sealed/*.jsonl.gz after checking each against the digest it was frozen with
+(tests/data/cache_pairs_*.sha256); once used, a set moves out of that folder and is a tuning set.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from bench.kit.paths import ROOT
 from bench.kit.server import start, write_config
 
 SEALED = ROOT / "tests" / "data" / "sealed"
-DIGESTS = ROOT / "tests" / "data" / "cache_pairs_blind_heldout.sha256"
+DIGESTS = sorted((ROOT / "tests" / "data").glob("cache_pairs_*.sha256"))
 REWORDINGS = ("paraphrase", "typo")
 
 
 def sealed_sets() -> list[tuple[str, list[dict[str, str]]]]:
-    frozen = dict(line.split()[::-1] for line in DIGESTS.read_text().splitlines() if line.strip())
+    frozen = dict(line.split()[::-1] for digests in DIGESTS for line in digests.read_text().splitlines() if line.strip())
     out = []
     for path in sorted(SEALED.glob("*.jsonl.gz")):
         raw = gzip.decompress(path.read_bytes())

@@ -54,8 +54,9 @@ class Cut:
 
     @property
     def estimate(self) -> float:
-        """The point estimate of the share of traps served."""
-        return self.served / self.traps if self.traps else 0.0
+        """The share of traps served, by the rule of succession ((k + 1) / (n + 2)): the cut is set where
+        few known traps pass it, so k / n reads low on traps it never saw, and 0 would claim too much."""
+        return (self.served + 1) / (self.traps + 2)
 
     @property
     def upper(self) -> float:

@@ -353,7 +353,7 @@ def test_the_cache_shows_its_false_hit_bound_and_its_own_estimate_by_language(ca
         assert row["upper"] == pytest.approx(gauge("appliance_cache_false_hit_upper", language))
         assert row["estimate"] <= row["upper"] <= 0.02
         assert row["traps"] >= 150 and row["open"]
-    assert stats["en"]["traps"] >= 900
+    assert stats["en"]["traps"] >= 400 and stats["pt"]["traps"] >= 400
 
 
 def test_the_judge_decides_the_band_through_the_server_and_never_overrides_a_guard(tmp_path) -> None:

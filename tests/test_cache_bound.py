@@ -44,6 +44,7 @@ def test_the_cut_serves_no_more_known_traps_than_allowed() -> None:
     cut = cut_for(scores, 0.02)
     assert cut.served == most_served(1000, 0.02) and cut.upper <= 0.02
     assert served_share(scores, cut.score) == (cut.served, 1000)
+    assert cut.estimate == (cut.served + 1) / 1002 < cut.upper
     assert cut.admits(0.9995) and not cut.admits(cut.score)
     # ties at the cut are refused with it: never more than allowed
     tied = [0.9] * 50 + [0.1] * 950

@@ -667,12 +667,16 @@ def test_near_misses_in_another_language_and_reports_of_false_hits_stay_in_bound
         negated = _cache_ask(server, mallory, "Por que o aplicativo do banco não abre no meu celular?")
         assert negated.headers["x-cache"] == "miss" and negated.headers["x-cache-reason"] == "bound"
 
-        stored_en, reworded_en = "How can I change the wifi password on my router?", "How do I update my router's wifi password?"
+        stored_en, reworded_en = "How can I change the wifi password on my router?", "Steps to change the router wifi password?"
         for key in (mallory, bob):
             _cache_ask(server, key, stored_en)
         _stored(server, stored_en)
         reported = 0
-        for i in range(15):  # mallory's callers say every hit was wrong: typo repeats, the safest pairs there are
+        # Mallory's callers say every hit was wrong, on typo repeats, the safest pairs there are: each report
+        # raises her own cut, so fewer and fewer of her repeats get through to be reported.
+        for i in range(30):
+            if reported == 8:
+                break
             question = f"How do I renew the passport of my {['mother', 'father', 'sister', 'brother', 'uncle'][i % 5]} number {i} online?"
             _cache_ask(server, mallory, question)
             _stored(server, question)
@@ -682,12 +686,12 @@ def test_near_misses_in_another_language_and_reports_of_false_hits_stay_in_bound
             feedback = call(server, mallory, "/v1/cache/feedback", {"response_id": hit.json()["id"], "rating": "bad"})
             assert feedback.status_code == 200 and feedback.json()["was_hit"] is True
             reported += 1
-        assert reported >= 12
+        assert reported >= 5
         assert _cache_ask(server, mallory, reworded_en).headers["x-cache-reason"] == "bound"
         assert _cache_ask(server, bob, reworded_en).headers["x-cache"] == "hit"
         admin = new_key(server, "ops", user="root", admin=True)
         english = admin_call(server, admin, "GET", "/admin/cache").json()["false_hit_bound"]["en"]
-        assert english["bound"] == 0.02 and english["upper"] <= 0.02 and english["traps"] >= 900 + reported
+        assert english["bound"] == 0.02 and english["upper"] <= 0.02 and english["traps"] >= 400 + reported
 
         # A new system prompt is a new bucket: twenty of them must not cost a vector chunk of 1.6 MB each.
         files = [server.home / name for name in ("appliance.db", "appliance.db-wal")]
