@@ -91,6 +91,11 @@ def summarise(name: str, results: list[dict[str, object]]) -> dict[str, object]:
             "traps_served": sum(bool(r["served"]) for r in traps), "traps": len(traps),
             "rewordings_served": sum(bool(r["served"]) for r in rewordings), "rewordings": len(rewordings),
             "by_kind": {k: f"{served[k]}/{kinds[k]}" for k in sorted(kinds)},
+            # code-switched pairs apart from the rest of their file
+            "by_lang": {lang: {"traps": f"{sum(bool(r['served']) for r in traps if r['lang'] == lang)}/{sum(r['lang'] == lang for r in traps)}",
+                               "rewordings": f"{sum(bool(r['served']) for r in rewordings if r['lang'] == lang)}/"
+                                             f"{sum(r['lang'] == lang for r in rewordings)}"}
+                        for lang in sorted({str(r['lang']) for r in results})},
             "miss_reasons": dict(Counter(str(r["reason"]) for r in rewordings if not r["served"]).most_common(5))}
 
 
@@ -123,7 +128,8 @@ def main() -> int:
                         t, r = row["traps"], row["rewordings"]
                         print(f"bound {bound}: {name}: traps served {row['traps_served']}/{t} ({row['traps_served'] / t:.1%}), "  # type: ignore[operator]
                               f"rewordings served {row['rewordings_served']}/{r} ({row['rewordings_served'] / r:.1%}); "  # type: ignore[operator]
-                              f"by kind {row['by_kind']}; rewordings missed for {row['miss_reasons']}", flush=True)
+                              f"by kind {row['by_kind']}; by language {row['by_lang']}; rewordings missed for {row['miss_reasons']}",
+                              flush=True)
                     estimate = report[-1]["estimate"]
                     print(f"bound {bound}: the cache's own estimate by language: "
                           + ", ".join(f"{k} {v['estimate']:.2%} (upper {v['upper']:.2%}, {v['traps']} traps)"  # type: ignore[index]
