@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from policy.answer_bound import Cut
 from policy.answer_guards import NO_LEXICON, Comparison, Lexicon, compare
+from policy.answer_negation import negation_differs
 
 # verified: by a caller's feedback, a validator or an operator, never by the cache itself; consistent: a
 # sweep asked again and the model agreed with itself (consistency, not correctness).
@@ -163,11 +164,12 @@ def pair_score(comparison: Comparison, similarity: float, policy: CachePolicy) -
 
 
 def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy: CachePolicy,
-                     lexicon: Lexicon = NO_LEXICON, cut: Cut | None = None) -> Hit | AskJudge | Miss:
+                     lexicon: Lexicon = NO_LEXICON, cut: Cut | None = None, language: str | None = None) -> Hit | AskJudge | Miss:
     """Nearest first: the first servable candidate at or above its threshold that no guard flags is
     a hit; failing that, the first one in the judge band goes to the judge. Under an error bound
     (`cut`) a hit also needs a score the cut admits, and there is no judge band: a judge without
-    labelled traps of its own has no error rate to bound."""
+    labelled traps of its own has no error rate to bound. `language`, where known, adds that
+    language's negators to the English guards."""
     reason = "no candidate"
     band: Candidate | None = None
     floor = min(policy.judge_band, policy.similarity_threshold - policy.same_words_relief)
@@ -181,6 +183,9 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
         comparison = compare(c.question, asked, lexicon)
         if comparison.guard is not None:
             reason = f"guard:{comparison.guard}"
+            continue
+        if language is not None and negation_differs(c.question, asked, language):
+            reason = "guard:negation"
             continue
         if cut is not None:
             score = pair_score(comparison, c.similarity, policy)

@@ -58,7 +58,9 @@ def ask(server: Server, key: str, question: str, *, model: str = CHAT_MODEL, sys
 
 
 def db(server: Server) -> apsw.Connection:
-    return apsw.Connection(str(server.home / "appliance.db"))
+    conn = apsw.Connection(str(server.home / "appliance.db"))
+    conn.setbusytimeout(10_000)  # the server's store thread may be writing a hit this moment
+    return conn
 
 
 def stored(server: Server, question: str, timeout: float = 10.0, count: int = 1) -> list[tuple]:

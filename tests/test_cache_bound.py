@@ -14,6 +14,7 @@ from appliance.answer_cache.calibration import EVERYONE, SEEDS, Bounds
 from policy.answer_bound import ALPHA, Cut, cut_for, most_served, served_share, upper_bound
 from policy.answer_cache import CachePolicy, Candidate, Hit, Miss, judge_candidates, pair_score
 from policy.answer_guards import Comparison
+from policy.answer_negation import negation_differs
 
 
 def test_the_upper_bound_matches_its_closed_forms() -> None:
@@ -117,3 +118,30 @@ def test_a_tenants_reports_tighten_its_own_cuts_only() -> None:
     assert bounds.cut("acme", "en") == before  # the old bounds are not changed under a lookup reading them
     reloaded = Bounds.of(0.02, seeds, {"acme": {"en": [0.9999] * 30}})
     assert reloaded.cut("acme", "en") == after.cut("acme", "en")
+
+
+@pytest.mark.parametrize(("language", "cached", "asked"), [
+    ("pt", "Quais linhas de ônibus funcionam de madrugada?", "Quais linhas de ônibus não funcionam de madrugada?"),
+    ("pt", "Posso viajar com o RG?", "Posso viajar sem o RG?"),
+    ("es", "¿Puedo pagar con tarjeta?", "¿No puedo pagar con tarjeta?"),
+    ("de", "Kann ich online kündigen?", "Kann ich nicht online kündigen?"),
+    ("it", "Posso pagare con la carta?", "Non posso pagare con la carta?"),
+    ("fr", "Puis-je payer par carte ?", "Je ne peux pas payer par carte ?"),
+])
+def test_a_negation_in_the_questions_language_is_a_near_miss(language: str, cached: str, asked: str) -> None:
+    assert negation_differs(cached, asked, language)
+    assert not negation_differs(cached, cached.upper(), language)
+
+
+def test_a_negator_of_one_language_is_an_ordinary_word_of_another() -> None:
+    # "no" is "in the" in Portuguese, a negator in Spanish
+    assert not negation_differs("Como pago o boleto?", "Como pago o boleto no app?", "pt")
+    assert negation_differs("¿Cómo pago la factura?", "¿Cómo no pago la factura?", "es")
+    assert not negation_differs("How do I pay?", "How do I not pay?", "en")  # English is the guards' job
+    from appliance.answer_cache.service import bundled_lexicon
+
+    policy, lexicon = CachePolicy(similarity_threshold=0.7), bundled_lexicon()
+    candidate = Candidate(7, "Quais linhas de ônibus funcionam de madrugada em São Paulo?", 0.99, "unverified", 1000.0)
+    asked = "Quais linhas de ônibus não funcionam de madrugada em São Paulo?"  # the English guards let it through
+    assert isinstance(judge_candidates(asked, [candidate], 1000.0, policy, lexicon, cut=Cut(-math.inf, 900, 0, 0.02)), Hit)
+    assert judge_candidates(asked, [candidate], 1000.0, policy, lexicon, cut=Cut(-math.inf, 900, 0, 0.02), language="pt") == Miss("guard:negation")

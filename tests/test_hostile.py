@@ -652,8 +652,8 @@ def _stored(server: Server, question: str) -> None:
 
 
 def test_near_misses_in_another_language_and_reports_of_false_hits_stay_in_bounds(tmp_path: Path) -> None:
-    """A Portuguese negation the English guards cannot read is refused by the error bound, not served
-    (the default cache served one such near miss in four); a tenant that reports false hits by the
+    """Portuguese near misses the English guards cannot read are refused, a negation by Portuguese
+    negators and a narrowed question by the error bound (the default cache served one in four); a tenant that reports false hits by the
     dozen tightens only its own cache: another tenant's rewordings are still served; and a caller who
     varies its system prompt (a new bucket each time) does not fill the disk."""
     text = config_text(embeddings=False, auth="keys", cache="enabled = true\nsweep_interval_s = 0")
@@ -665,7 +665,12 @@ def test_near_misses_in_another_language_and_reports_of_false_hits_stay_in_bound
         _cache_ask(server, mallory, stored_pt)
         _stored(server, stored_pt)
         negated = _cache_ask(server, mallory, "Por que o aplicativo do banco não abre no meu celular?")
-        assert negated.headers["x-cache"] == "miss" and negated.headers["x-cache-reason"] == "bound"
+        assert negated.headers["x-cache"] == "miss" and negated.headers["x-cache-reason"] == "guard:negation"  # Portuguese negators
+        stored_scope = "Como fazer backup do Mac?"
+        _cache_ask(server, mallory, stored_scope)
+        _stored(server, stored_scope)
+        narrowed = _cache_ask(server, mallory, "Como fazer backup do Mac na nuvem?")  # no guard reads it; the bound refuses it
+        assert narrowed.headers["x-cache"] == "miss" and narrowed.headers["x-cache-reason"] == "bound"
 
         stored_en, reworded_en = "How can I change the wifi password on my router?", "Steps to change the router wifi password?"
         for key in (mallory, bob):

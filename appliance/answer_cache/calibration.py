@@ -17,6 +17,7 @@ from importlib import resources
 from policy.answer_bound import Cut, cut_for
 from policy.answer_cache import CachePolicy, pair_score
 from policy.answer_guards import Lexicon, compare
+from policy.answer_negation import negation_differs
 
 TRAPS_FILE = "data/cache_traps.jsonl"
 # The stored cosine of each shipped trap, by the embedder it was measured with.
@@ -42,8 +43,10 @@ def scored(traps: Iterable[SeedTrap], cosines: Iterable[float], language_of: Cal
     """Each trap's score, by the language of its asked question (blocking: a few hundred ms)."""
     pools: dict[str, list[float]] = {}
     for trap, cosine in zip(traps, cosines, strict=True):
-        score = pair_score(compare(trap.cached, trap.asked, lexicon), cosine, policy)
-        pools.setdefault(language_of(trap.asked), []).append(score)
+        language = language_of(trap.asked)
+        refused = negation_differs(trap.cached, trap.asked, language)  # as a lookup in that language refuses it
+        score = -math.inf if refused else pair_score(compare(trap.cached, trap.asked, lexicon), cosine, policy)
+        pools.setdefault(language, []).append(score)
     return pools
 
 

@@ -215,7 +215,7 @@ class SemanticCache:
         if policy.max_false_hit_rate > 0 and candidates:
             language = await asyncio.to_thread(self._language, item.question)
             cut = self.bounds.cut(item.bucket.tenant, language)
-        decision = judge_candidates(item.question, candidates, now, policy, self.lexicon, cut)
+        decision = judge_candidates(item.question, candidates, now, policy, self.lexicon, cut, language)
         judged, judge_tokens = False, (0, 0)
         if isinstance(decision, AskJudge):
             probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question, span, item.bucket.tenant)
