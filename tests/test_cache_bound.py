@@ -145,3 +145,19 @@ def test_a_negator_of_one_language_is_an_ordinary_word_of_another() -> None:
     asked = "Quais linhas de ônibus não funcionam de madrugada em São Paulo?"  # the English guards let it through
     assert isinstance(judge_candidates(asked, [candidate], 1000.0, policy, lexicon, cut=Cut(-math.inf, 900, 0, 0.02)), Hit)
     assert judge_candidates(asked, [candidate], 1000.0, policy, lexicon, cut=Cut(-math.inf, 900, 0, 0.02), language="pt") == Miss("guard:negation")
+
+
+def test_the_shipped_traps_are_what_the_blind_tuning_sets_give() -> None:
+    """appliance/data/cache_traps.jsonl against `python -m bench.cache_traps` now: every near miss of the
+    blind-written sets, none of the sealed ones, each with the bundled embedder's cosine."""
+    import json
+
+    from appliance.answer_cache.calibration import BUNDLED_EMBEDDER, shipped_traps
+    from bench import cache_traps
+
+    assert all("sealed" not in str(path.parent) for path in cache_traps.SOURCES)
+    fresh = cache_traps.rows()
+    shipped = [json.loads(line) for line in cache_traps.OUT.read_text(encoding="utf-8").splitlines()]
+    assert [(t["a"], t["b"], t["kind"]) for t in fresh] == [(t["a"], t["b"], t["kind"]) for t in shipped]
+    assert all(abs(f[BUNDLED_EMBEDDER] - s[BUNDLED_EMBEDDER]) < 1e-3 for f, s in zip(fresh, shipped))
+    assert len(shipped_traps()) == len(shipped) >= 1500
