@@ -358,6 +358,46 @@ def test_the_cache_shows_its_false_hit_bound_and_its_own_estimate_by_language(ca
     assert stats["en"]["traps"] >= 400 and stats["pt"]["traps"] >= 400
 
 
+def test_an_operator_opens_a_language_with_labelled_near_misses(tmp_path) -> None:
+    """At a 1% bound German starts with too few known traps (exact repeats only); 150 labelled German
+    near misses from an operator open it. The same pair twice counts once; bad input is a 400."""
+    config = config_text(embeddings=False, auth="keys", cache="enabled = true\nsweep_interval_s = 0\nmax_false_hit_rate = 0.01")
+    config = config.replace('[auth]\nmode = "keys"\n\n[auth.open_principal]\nadmin = true\n', '[auth]\nmode = "keys"\nkey_cache_s = 0.5\n')
+    server = start_server(tmp_path / "traps", config)
+    try:
+        admin, caller = new_key(server, "ops", user="root", admin=True), new_key(server, "acme")
+
+        def post(body: object, key: str = admin) -> httpx.Response:
+            return httpx.post(f"{server.base_url}/admin/cache/traps", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+        stats = httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {admin}"}).json()["false_hit_bound"]
+        assert not stats["de"]["open"] and stats["de"]["traps"] < 299
+        products = ["Girokonto", "Kreditkarte", "Handyvertrag", "Stromtarif", "Reiseversicherung", "Bausparvertrag", "Mietvertrag",
+                    "Fitnessstudio", "Zeitungsabo", "Streamingdienst"]
+        pairs = [{"cached": f"Wie kündige ich meinen {p} nach {n} Monaten?", "asked": f"Wie kündige ich meinen {p} nach {n + 1} Monaten?"}
+                 for p in products for n in range(1, 16)]
+        added = post({"pairs": pairs})
+        assert added.status_code == 200, added.text
+        assert added.json()["added"] == 150
+        german = added.json()["false_hit_bound"]["de"]
+        assert german["open"] and german["traps"] >= 299 and german["upper"] <= 0.01
+        assert post({"pairs": pairs[:10]}).json()["added"] == 0  # known already
+        assert post({"pairs": pairs[:3], "tenant": "acme"}).json()["added"] == 3  # one tenant's own
+        for body, param in (({"pairs": [{"cached": "Wie spät ist es?", "asked": "Wie spät ist es?"}]}, "pairs[0]"),
+                            ({"pairs": []}, None), ({"pairs": [{"cached": "x" * 2001, "asked": "y"}]}, None),
+                            ({"pairs": [{"cached": "a", "asked": "b", "label": "miss"}]}, None)):
+            refused = post(body)
+            assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error", refused.text
+            assert param is None or refused.json()["error"]["param"] == param
+        assert post({"pairs": pairs[:1]}, caller).status_code == 403
+        stop_server(server)
+        server = start_server(tmp_path / "traps", config)  # the labelled traps outlive a restart
+        stats = httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {admin}"}).json()["false_hit_bound"]
+        assert stats["de"]["open"] and stats["de"]["traps"] >= 299
+    finally:
+        stop_server(server)
+
+
 def test_the_judge_decides_the_band_through_the_server_and_never_overrides_a_guard(tmp_path) -> None:
     """The bundled SmolLM2 as the judge; a threshold no rewording reaches, so every reworded lookup
     in the band asks it, and a cut-off of 0 so its answer always lets the hit through."""

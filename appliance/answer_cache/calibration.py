@@ -50,6 +50,11 @@ def scored(traps: Iterable[SeedTrap], cosines: Iterable[float], language_of: Cal
     return pools
 
 
+def merge(into: dict[str, list[float]], more: dict[str, list[float]]) -> None:
+    for language, scores in more.items():
+        into.setdefault(language, []).extend(scores)
+
+
 SEEDS, EVERYONE = "", "*"  # the keys of the cuts from shipped traps only, and over every tenant's reports
 
 

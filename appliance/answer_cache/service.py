@@ -33,7 +33,7 @@ from appliance.server.tracing import Tracing, annotate
 from engines.interface import FinishEvent, GenerationRequest, SamplingParams
 from policy.answer_cache import AskJudge, Cacheable, CachePolicy, Hit, Miss, judge_candidates, normalise, servable
 from policy.answer_guards import NO_LEXICON, Lexicon, lexicon_from_vocab, spelled
-from appliance.store.answer_entries import CacheStore, Entry
+from appliance.store.answer_entries import CacheStore, Entry, LabelledTrap
 
 log = logging.getLogger("appliance.cache")
 
@@ -157,28 +157,60 @@ class SemanticCache:
         await asyncio.to_thread(self.worker.close)
 
     async def _calibrate(self) -> None:
-        """Score the shipped traps as lookups will score pairs, per language, with callers' reports
-        added: the cuts in force. The bundled embedder's cosines ship with the traps; another
-        embedder's are measured here once per start (a few seconds)."""
+        """Score the shipped traps and those an operator added as lookups will score pairs, per
+        language, with callers' reports: the cuts in force. The bundled embedder's cosines ship with
+        the traps; another embedder's are measured here once per start (minutes on a small model)."""
         assert self.embedder is not None and self.languages is not None
         traps = await asyncio.to_thread(calibration.shipped_traps)
         if self.settings.embedder == calibration.BUNDLED_EMBEDDER:
             cosines = [float(t.cosine or 0.0) for t in traps]
         else:
-            texts = sorted({spelled(q, self.lexicon) for t in traps for q in (t.cached, t.asked)})
-            vectors: dict[str, np.ndarray] = {}
-            for start in range(0, len(texts), 32):  # a batch at a time: callers' embeddings go between
-                chunk = texts[start:start + 32]
-                vectors.update(zip(chunk, await self.embedder.embed(chunk)))
-            cosines = [float(vectors[spelled(t.cached, self.lexicon)] @ vectors[spelled(t.asked, self.lexicon)]) for t in traps]
-        reported = await self.worker.run(lambda db: self._store(db).reported())
+            cosines = await self._cosines([(t.cached, t.asked) for t in traps])
+        seeds = await asyncio.to_thread(calibration.scored, traps, cosines, self.languages.of, self.lexicon, self.policy)
         by_tenant: dict[str, dict[str, list[float]]] = {}
-        for r in reported:
+        for r in await self.worker.run(lambda db: self._store(db).reported()):
             by_tenant.setdefault(r.tenant, {}).setdefault(r.language, []).append(r.score)
-        named = self.languages
-        seeds = await asyncio.to_thread(calibration.scored, traps, cosines, named.of, self.lexicon, self.policy)
+        labelled = await self.worker.run(lambda db: self._store(db).labelled_traps())
+        for tenant, pools in (await self._scored(labelled)).items():
+            calibration.merge(seeds if tenant == "" else by_tenant.setdefault(tenant, {}), pools)
         self.bounds = await asyncio.to_thread(Bounds.of, self.policy.max_false_hit_rate, seeds, by_tenant)
         self._publish_bounds()
+
+    async def _cosines(self, pairs: list[tuple[str, str]]) -> list[float]:
+        assert self.embedder is not None
+        texts = sorted({spelled(q, self.lexicon) for pair in pairs for q in pair})
+        vectors: dict[str, np.ndarray] = {}
+        for start in range(0, len(texts), 32):  # a batch at a time: callers' embeddings go between
+            chunk = texts[start:start + 32]
+            vectors.update(zip(chunk, await self.embedder.embed(chunk)))
+        return [float(vectors[spelled(a, self.lexicon)] @ vectors[spelled(b, self.lexicon)]) for a, b in pairs]
+
+    async def _scored(self, labelled: list[LabelledTrap]) -> dict[str, dict[str, list[float]]]:
+        """Labelled traps' scores, by tenant ("" for everyone) and language."""
+        assert self.languages is not None
+        cosines = await self._cosines([(t.cached, t.asked) for t in labelled])
+        out: dict[str, dict[str, list[float]]] = {}
+        for tenant in {t.tenant for t in labelled}:
+            mine = [(calibration.SeedTrap(t.cached, t.asked, "labelled", None), c) for t, c in zip(labelled, cosines) if t.tenant == tenant]
+            out[tenant] = await asyncio.to_thread(calibration.scored, [t for t, _ in mine], [c for _, c in mine], self.languages.of,
+                                                  self.lexicon, self.policy)
+        return out
+
+    async def add_traps(self, labelled: list[LabelledTrap]) -> int:
+        """An operator's labelled near misses: stored (the same pair twice is one), scored, and counted
+        in the cuts of their language, for everyone or one tenant. Returns how many were new."""
+        now = time.time()
+        added = await self.worker.run(lambda db: self._store(db).add_traps(labelled, now))
+        if added and self.policy.max_false_hit_rate > 0:
+            scored = await self._scored(added)
+            async with self._reports:
+                seeds = {lang: list(v) for lang, v in self.bounds.seeds.items()}
+                reported = {t: {lang: list(v) for lang, v in by.items()} for t, by in self.bounds.reported.items()}
+                for tenant, pools in scored.items():
+                    calibration.merge(seeds if tenant == "" else reported.setdefault(tenant, {}), pools)
+                self.bounds = await asyncio.to_thread(Bounds.of, self.policy.max_false_hit_rate, seeds, reported)
+            self._publish_bounds()
+        return len(added)
 
     async def _calibrate_logged(self) -> None:
         try:

@@ -1,9 +1,9 @@
 """Cache feedback for callers, and the cache's admin endpoints (stats per bucket, search,
-invalidate, mark entries, run a sweep, the measures)."""
+invalidate, mark entries, run a sweep, add labelled near misses, the measures)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import Request, get, post
@@ -12,6 +12,7 @@ from appliance.http.prologue import authenticate
 from appliance.pipeline.errors import APIError, invalid
 from appliance.server.services import Services
 from appliance.store import kept_answers
+from appliance.store.answer_entries import LabelledTrap
 from appliance.wire.decode import decode_body
 from policy.budgets import usd
 
@@ -25,6 +26,23 @@ class InvalidateBody(msgspec.Struct, forbid_unknown_fields=True):
     bucket: str | None = None
     tenant: str | None = None
     prompt_version: str | None = None
+
+
+# Bounds on what an operator may add in one call: the pairs are embedded and scored before the reply.
+MAX_TRAPS = 5000
+MAX_TRAP_CHARS = 2000
+
+
+class TrapPair(msgspec.Struct, forbid_unknown_fields=True):
+    cached: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TRAP_CHARS)]
+    asked: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TRAP_CHARS)]
+
+
+class TrapsBody(msgspec.Struct, forbid_unknown_fields=True):
+    """Pairs of questions that need different answers (a near miss: a negation, another entity,
+    number or scope), in any language; for every tenant, or one."""
+    pairs: Annotated[list[TrapPair], msgspec.Meta(min_length=1, max_length=MAX_TRAPS)]
+    tenant: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
 
 
 class MarkBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -121,10 +139,23 @@ async def invalidate(request: Request[Any, Any, Any], services: Services) -> dic
     return {"invalidated": count}
 
 
+@post("/admin/cache/traps", status_code=200)
+async def add_traps(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    """Labelled near misses, counted in the error bound of their language: how a team whose language
+    the appliance ships too few traps for opens its cache to more than exact repeats."""
+    await _admin(request, services)
+    body: TrapsBody = decode_body(await request.body(), TrapsBody)
+    same = next((i for i, p in enumerate(body.pairs) if p.cached.strip() == p.asked.strip()), None)
+    if same is not None:
+        raise invalid("A near miss needs two different questions; these are the same.", f"pairs[{same}]")
+    added = await services.cache.add_traps([LabelledTrap(body.tenant or "", p.cached, p.asked) for p in body.pairs])
+    return {"added": added, "false_hit_bound": services.cache.bounds.summary()}
+
+
 @post("/admin/cache/sweep", status_code=200)
 async def sweep(request: Request[Any, Any, Any], services: Services, limit: int = 8) -> dict[str, Any]:
     await _admin(request, services)
     return await services.cache.sweep(limit)
 
 
-ROUTES = [feedback, cache_stats, search_entries, mark_entry, invalidate, sweep]
+ROUTES = [feedback, cache_stats, search_entries, mark_entry, invalidate, add_traps, sweep]

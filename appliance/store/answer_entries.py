@@ -36,6 +36,27 @@ def score_hits(db: apsw.Connection) -> None:
     db.execute("ALTER TABLE cache_hits ADD COLUMN language TEXT")
 
 
+def labelled_traps_table(db: apsw.Connection) -> None:
+    """Migration 0017: near misses an operator labelled (pairs needing different answers), for
+    everyone (tenant '') or one tenant: more known traps for the error bound, in the team's language."""
+    db.execute("""
+        CREATE TABLE cache_traps (
+            id INTEGER PRIMARY KEY,
+            tenant TEXT NOT NULL,
+            cached TEXT NOT NULL,
+            asked TEXT NOT NULL,
+            added_at REAL NOT NULL,
+            UNIQUE (tenant, cached, asked)
+        ) STRICT""")
+
+
+@dataclass(frozen=True)
+class LabelledTrap:
+    tenant: str  # "" for everyone
+    cached: str
+    asked: str
+
+
 @dataclass(frozen=True)
 class Reported:
     tenant: str
@@ -255,6 +276,20 @@ class CacheStore:
             "SELECT tenant, language, score FROM cache_hits WHERE score IS NOT NULL AND language IS NOT NULL AND response_id IN "
             "(SELECT response_id FROM cache_feedback WHERE rating = 'bad' AND was_hit = 1) ORDER BY at")
         return [Reported(*row) for row in rows]
+
+    def add_traps(self, traps: list[LabelledTrap], now: float) -> list[LabelledTrap]:
+        """Store labelled near misses; returns those not already known (the same pair twice is one trap)."""
+        added = []
+        with immediate(self.db):
+            for t in traps:
+                self.db.execute("INSERT OR IGNORE INTO cache_traps(tenant, cached, asked, added_at) VALUES (?, ?, ?, ?)",
+                                (t.tenant, t.cached, t.asked, now))
+                if self.db.changes():
+                    added.append(t)
+        return added
+
+    def labelled_traps(self) -> list[LabelledTrap]:
+        return [LabelledTrap(*row) for row in self.db.execute("SELECT tenant, cached, asked FROM cache_traps ORDER BY id")]
 
     def newly_reported(self, response_id: str, tenant: str) -> Reported | None:
         """The hit behind a response, if a bound admitted it and this is its first report as wrong (a

@@ -48,6 +48,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0014_cache_consistent_state", cache_store.allow_consistent),
     ("0015_cache_hit_scores", cache_store.score_hits),
     ("0016_cache_vector_chunks", cache_store.small_vector_chunks),
+    ("0017_cache_labelled_traps", cache_store.labelled_traps_table),
 )
 
 
