@@ -17,14 +17,15 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from appliance.answer_cache import language
+from appliance.answer_cache import calibration, language
+from appliance.answer_cache.calibration import Bounds
+from appliance.answer_cache.service import bundled_lexicon
 from appliance.fleet.embedders import bundled_minilm
 from appliance.store.answer_entries import CacheStore
 from appliance.store.db import connect, migrate
-from policy.answer_bound import Cut
-from policy.answer_cache import Bucket, CachePolicy, judge_candidates, question_hash
 from bench.kit.server import start, write_config
 from bench.kit.stats import percentile
+from policy.answer_cache import Bucket, CachePolicy, judge_candidates, question_hash
 
 
 def ms(values: list[float], q: float) -> float:
@@ -62,7 +63,8 @@ def lookups(store: CacheStore, keys: list[str], n: int, rng: np.random.Generator
     bucket, the question's language, the decision under the error bound, and reading the entry."""
     policy = CachePolicy()
     languages = language.load()
-    cut = Cut(0.80, 944, 11, policy.max_false_hit_rate)  # English's cut at the shipped bound
+    pools = calibration.shipped_pools(languages.of, bundled_lexicon(), policy)
+    cut = Bounds.of(policy.max_false_hit_rate, pools, {}).cut("", "en")  # English's cut at the shipped bound
     times = []
     for i in range(n):
         key = keys[i % len(keys)]

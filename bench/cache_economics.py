@@ -44,8 +44,7 @@ def main() -> int:
     # Each request's stored answer's cost, as the cache keeps it: what its model call cost when first answered.
     policy = CachePolicy(max_false_hit_rate=args.bound)
     lexicon, languages, embedder = bundled_lexicon(), language.load(), bundled_minilm()
-    traps = calibration.shipped_traps()
-    bounds = Bounds.of(args.bound, calibration.scored(traps, [t.cosine or 0.0 for t in traps], languages.of, lexicon, policy), {})
+    bounds = Bounds.of(args.bound, calibration.shipped_pools(languages.of, lexicon, policy), {})
 
     def decided(request: dict[str, object]) -> tuple[bool, str]:
         """Whether today's cache serves this request the answer stored for its cache_of, and why."""

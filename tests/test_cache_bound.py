@@ -109,7 +109,7 @@ def test_a_tenants_reports_tighten_its_own_cuts_only() -> None:
     assert bounds.cut("acme", "de").score == math.inf and bounds.cut("acme", "de").traps == 0  # no traps: exact repeats only
     after = bounds
     for _ in range(30):  # thirty hits acme's callers said were wrong, all scored above today's cut
-        after = after.with_report("acme", "en", 0.9999)
+        after = after.with_traps("acme", {"en": [0.9999]})
     assert after.cut("acme", "en").score > before.score and after.cut("acme", "en").traps == 1030
     assert after.cut("globex", "en") == before
     summary = after.summary()["en"]

@@ -1,6 +1,6 @@
 """The labelled traps the answer cache's error bound is computed from: the near misses shipped with
-the appliance (appliance/data/cache_traps.jsonl, written from the tuning pair sets by
-`python -m bench.cache_traps`), and the false hits a tenant's callers reported since.
+the appliance (appliance/data/cache_traps.jsonl, written from the blind-written pair sets by
+`python -m bench.cache_traps`), those an operator labels, and the false hits a tenant's callers reported.
 
 Each trap is scored as a lookup would score it (policy/answer_cache.py: pair_score) and filed under
 the language of its asked question, so a language's cut comes from its own traps only.
@@ -50,6 +50,12 @@ def scored(traps: Iterable[SeedTrap], cosines: Iterable[float], language_of: Cal
     return pools
 
 
+def shipped_pools(language_of: Callable[[str], str], lexicon: Lexicon, policy: CachePolicy) -> dict[str, list[float]]:
+    """The shipped traps scored with the bundled embedder's cosines they carry (blocking)."""
+    traps = shipped_traps()
+    return scored(traps, [t.cosine or 0.0 for t in traps], language_of, lexicon, policy)
+
+
 def merge(into: dict[str, list[float]], more: dict[str, list[float]]) -> None:
     for language, scores in more.items():
         into.setdefault(language, []).extend(scores)
@@ -62,7 +68,7 @@ SEEDS, EVERYONE = "", "*"  # the keys of the cuts from shipped traps only, and o
 class Bounds:
     """The cuts in force: shipped traps per language plus each tenant's reported false hits, so one
     tenant's reports tighten its own cache and nobody else's. Computing a cut takes milliseconds, so
-    it happens off the event loop (`with_report`), and lookups only read `cuts`."""
+    it happens off the event loop (`of`, `with_traps`), and lookups only read `cuts`."""
 
     bound: float
     seeds: dict[str, list[float]] = field(default_factory=dict)
@@ -88,15 +94,13 @@ class Bounds:
     def all_reported(self, language: str) -> list[float]:
         return [s for by_language in self.reported.values() for s in by_language.get(language, [])]
 
-    def with_report(self, tenant: str, language: str, score: float) -> Bounds:
-        """A caller said a hit was wrong: one more known trap, and the cuts that count it (blocking)."""
+    def with_traps(self, tenant: str, pools: dict[str, list[float]]) -> Bounds:
+        """More known traps, by language, for one tenant or ("") everyone: new bounds, every cut
+        recomputed (blocking); lookups go on reading the old ones until they are swapped in."""
+        seeds = {lang: list(scores) for lang, scores in self.seeds.items()}
         reported = {t: {lang: list(scores) for lang, scores in by.items()} for t, by in self.reported.items()}
-        reported.setdefault(tenant, {}).setdefault(language, []).append(score)
-        bounds = Bounds(self.bound, self.seeds, reported, dict(self.cuts))
-        own = reported[tenant][language]
-        bounds.cuts[(tenant, language)] = cut_for(self.seeds.get(language, []) + own, self.bound)
-        bounds.cuts[(EVERYONE, language)] = cut_for(self.seeds.get(language, []) + bounds.all_reported(language), self.bound)
-        return bounds
+        merge(seeds if tenant == "" else reported.setdefault(tenant, {}), pools)
+        return Bounds.of(self.bound, seeds, reported)
 
     def languages(self) -> list[str]:
         return sorted(set(self.seeds) | {lang for by_language in self.reported.values() for lang in by_language})

@@ -21,19 +21,20 @@ from typing import Any
 import numpy as np
 from prometheus_client import Gauge
 
-from appliance.answer_cache import calibration, language as languages
+from appliance.answer_cache import calibration
+from appliance.answer_cache import language as languages
 from appliance.answer_cache.calibration import Bounds
-from appliance.fleet.embedders import Embedder, EngineEmbedder, bundled_minilm
-from appliance.evaluation.judge import yes_probability
-from appliance.server.metrics import Metrics
-from appliance.fleet.registry import LoadedModel, Registry
 from appliance.config.settings import CacheSettings, ModelSettings, TracingSettings
-from appliance.store.worker import StoreWorker
+from appliance.evaluation.judge import yes_probability
+from appliance.fleet.embedders import Embedder, EngineEmbedder, bundled_minilm
+from appliance.fleet.registry import LoadedModel, Registry
+from appliance.server.metrics import Metrics
 from appliance.server.tracing import Tracing, annotate
+from appliance.store.answer_entries import CacheStore, Entry, LabelledTrap
+from appliance.store.worker import StoreWorker
 from engines.interface import FinishEvent, GenerationRequest, SamplingParams
 from policy.answer_cache import AskJudge, Cacheable, CachePolicy, Hit, Miss, judge_candidates, normalise, servable
 from policy.answer_guards import NO_LEXICON, Lexicon, lexicon_from_vocab, spelled
-from appliance.store.answer_entries import CacheStore, Entry, LabelledTrap
 
 log = logging.getLogger("appliance.cache")
 
@@ -161,12 +162,12 @@ class SemanticCache:
         language, with callers' reports: the cuts in force. The bundled embedder's cosines ship with
         the traps; another embedder's are measured here once per start (minutes on a small model)."""
         assert self.embedder is not None and self.languages is not None
-        traps = await asyncio.to_thread(calibration.shipped_traps)
         if self.settings.embedder == calibration.BUNDLED_EMBEDDER:
-            cosines = [float(t.cosine or 0.0) for t in traps]
+            seeds = await asyncio.to_thread(calibration.shipped_pools, self.languages.of, self.lexicon, self.policy)
         else:
+            traps = await asyncio.to_thread(calibration.shipped_traps)
             cosines = await self._cosines([(t.cached, t.asked) for t in traps])
-        seeds = await asyncio.to_thread(calibration.scored, traps, cosines, self.languages.of, self.lexicon, self.policy)
+            seeds = await asyncio.to_thread(calibration.scored, traps, cosines, self.languages.of, self.lexicon, self.policy)
         by_tenant: dict[str, dict[str, list[float]]] = {}
         for r in await self.worker.run(lambda db: self._store(db).reported()):
             by_tenant.setdefault(r.tenant, {}).setdefault(r.language, []).append(r.score)
@@ -202,14 +203,8 @@ class SemanticCache:
         now = time.time()
         added = await self.worker.run(lambda db: self._store(db).add_traps(labelled, now))
         if added and self.policy.max_false_hit_rate > 0:
-            scored = await self._scored(added)
-            async with self._reports:
-                seeds = {lang: list(v) for lang, v in self.bounds.seeds.items()}
-                reported = {t: {lang: list(v) for lang, v in by.items()} for t, by in self.bounds.reported.items()}
-                for tenant, pools in scored.items():
-                    calibration.merge(seeds if tenant == "" else reported.setdefault(tenant, {}), pools)
-                self.bounds = await asyncio.to_thread(Bounds.of, self.policy.max_false_hit_rate, seeds, reported)
-            self._publish_bounds()
+            for tenant, pools in (await self._scored(added)).items():
+                await self._add_known(tenant, pools)
         return len(added)
 
     async def _calibrate_logged(self) -> None:
@@ -222,6 +217,8 @@ class SemanticCache:
     def _publish_bounds(self) -> None:
         bound, estimate, upper = self._bound_gauges
         for name, row in self.bounds.summary().items():
+            if name not in self.bounds.seeds:  # a language only a tenant's reports name: not shown to whoever reads /metrics
+                continue
             bound.labels(name).set(float(row["bound"]))  # type: ignore[arg-type]
             estimate.labels(name).set(float(row["estimate"]))  # type: ignore[arg-type]
             upper.labels(name).set(float(row["upper"]))  # type: ignore[arg-type]
@@ -332,8 +329,12 @@ class SemanticCache:
         reported = await self.worker.run(lambda db: self._store(db).newly_reported(response_id, tenant))
         if reported is None:
             return
+        await self._add_known(reported.tenant, {reported.language: [reported.score]})
+
+    async def _add_known(self, tenant: str, pools: dict[str, list[float]]) -> None:
+        """More known traps for one tenant or ("") everyone, one change at a time, the cuts computed off the loop."""
         async with self._reports:
-            self.bounds = await asyncio.to_thread(self.bounds.with_report, reported.tenant, reported.language, reported.score)
+            self.bounds = await asyncio.to_thread(self.bounds.with_traps, tenant, pools)
         self._publish_bounds()
 
     async def _sweep_forever(self) -> None:
