@@ -4,6 +4,7 @@ answer in the request's wire format, whole or streamed, marked `x-cache: hit`.""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from appliance.pipeline.context import Answer, CallContext, Remember
 from appliance.pipeline.prepare import chat_messages
 from appliance.pipeline.tool_request import has_tools
 from appliance.server.services import price_of
+from appliance.server.tracing import annotate
 from appliance.wire.schemas import ChatCompletionRequest
 from engines.interface import FinishEvent, Usage
 from policy.answer_cache import Cacheable, NotCacheable, classify
@@ -33,6 +35,11 @@ class CachePlan:
     write: bool
     lookup: Lookup | None = None
     schema: dict[str, Any] | None = None  # the caller's JSON Schema: an answer that meets it is verified by a validator
+
+    @property
+    def hit(self) -> Lookup | None:
+        """The lookup that found an answer to serve; None on a miss or when the cache was not read."""
+        return self.lookup if self.lookup is not None and self.lookup.entry is not None else None
 
     def headers(self) -> dict[str, str]:
         if self.item is None or not self.read:
@@ -71,7 +78,26 @@ class CachePlan:
 _DIRECTIVE = re.compile(r"[a-z-]+")
 
 
-def cache_plan(ctx: CallContext, body: ChatCompletionRequest) -> CachePlan:
+def cache_plan(ctx: CallContext, body: ChatCompletionRequest, route: RouteSettings | None) -> CachePlan:
+    """Whether and where the request reads and writes the cache: a routed alias's bucket, or the
+    bucket of the model `ctx` serves."""
+    return _model_plan(ctx, body) if route is None else _route_plan(ctx, body, route)
+
+
+async def look_up(ctx: CallContext, plan: CachePlan, payer: LoadedModel) -> CachePlan:
+    """The plan with its lookup, when it reads the cache: `plan.hit` is an answer to serve; a miss
+    the judge was asked about pays for the judge's tokens at `payer`'s price."""
+    if not plan.read or plan.item is None:
+        return plan
+    with ctx.trace.child("cache.lookup", cache__bucket=plan.item.bucket.key) as span:
+        found = await ctx.services.cache.lookup(plan.item, span=span)
+        annotate(span, cache__result="hit" if found.entry is not None else "miss", cache__similarity=found.similarity,
+                 cache__reason=found.reason, cache__judged=found.judged)
+    await charge_judge(ctx, payer, found)
+    return dataclasses.replace(plan, lookup=found)
+
+
+def _model_plan(ctx: CallContext, body: ChatCompletionRequest) -> CachePlan:
     """A request to a model by name: its bucket names the model (and its adapters) and its version."""
     services = ctx.services
     if not services.cache.ready:
@@ -136,7 +162,7 @@ def answered_by_program(route: RouteSettings, body: ChatCompletionRequest) -> bo
     return wants_program(route.program_families, body.metadata, body.tools is None and body.functions is None and not json_form)
 
 
-def route_cache_plan(ctx: CallContext, body: ChatCompletionRequest, route: RouteSettings) -> CachePlan:
+def _route_plan(ctx: CallContext, body: ChatCompletionRequest, route: RouteSettings) -> CachePlan:
     """A routed request's place in the cache: its bucket names the route and a digest of its tiers'
     versions, so any tier's validated answer serves the same question, and changing the fleet
     changes the bucket."""

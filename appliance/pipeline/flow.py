@@ -5,13 +5,10 @@ CompletionRequest, and skip the route and the cache."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from appliance.pipeline import call
-from appliance.pipeline.cached import cache_plan, charge_judge, serve_hit
+from appliance.pipeline.cached import cache_plan, look_up, serve_hit
 from appliance.pipeline.collect import both, keeper
 from appliance.pipeline.context import Answer, CallContext, Remember
-from appliance.pipeline.errors import invalid
 from appliance.pipeline.guards import guard
 from appliance.pipeline.models import model_with_adapters
 from appliance.pipeline.prepare import (
@@ -22,8 +19,7 @@ from appliance.pipeline.prepare import (
     unsupported_chat,
     with_adapters,
 )
-from appliance.pipeline.routed import routed_chat
-from appliance.server.tracing import annotate
+from appliance.pipeline.routed import routable, routed_chat, tier_model
 from appliance.wire.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -33,42 +29,34 @@ async def serve_chat(ctx: CallContext, body: ChatCompletionRequest) -> Answer:
     unsupported_chat(body)
     check_metadata(body.metadata)
     await guard(ctx, [m.get("content", "") for m in chat_messages(body) if m.get("role") == "user"])
-    route = ctx.services.settings.route(body.model)
+    services = ctx.services
+    route = services.settings.route(body.model)
     if route is not None:
-        if body.n != 1:
-            # A route validates and escalates one answer; n answers would each take their own path.
-            raise invalid(f"The route '{route.alias}' answers with one choice: send n=1, or name a model for n > 1.", "n")
-        if body.logit_bias:
-            # Token ids belong to one vocabulary; a route's tiers may each have another.
-            raise invalid(f"The route '{route.alias}' spans models with their own vocabularies: name a model to use logit_bias.",
-                          "logit_bias")
-        if body.adapters:
-            # A route's tiers are its own models and adapters (a tier may name one); the caller's would apply to whichever answers.
-            raise invalid(f"The route '{route.alias}' chooses its tiers' adapters: name a model to use adapters.", "adapters")
+        routable(body, route)
         ctx.trace.annotate(model=route.alias, stream=body.stream, end_user=body.user)
-        routed = await routed_chat(ctx, body, route)
+        payer, _ = tier_model(services, route.tiers[0])  # where a routed request's cached answer is counted
+    else:
+        payer, adapters = model_with_adapters(services, body.model, body.adapters)
+        ctx.trace.annotate(model=payer.settings.alias, stream=body.stream, end_user=body.user)
+        ctx = ctx.serving(payer, with_adapters(await prepare_chat(body, payer, services.settings.defaults, ctx.request_id), adapters))
+    plan = await look_up(ctx, cache_plan(ctx, body, route), payer)
+    if plan.hit is not None:
+        if route is not None:  # the hit stands for the route's first tier
+            ctx = ctx.serving(payer, await prepare_chat(body, payer, services.settings.defaults, ctx.request_id))
+            ctx.trace.annotate(route__model="cache")
+        answer = await serve_hit(ctx, plan.hit)
+        if route is not None:
+            answer.headers["x-route"] = route.alias
+        ctx.trace.end(cache__result="hit", cache__entry_state=plan.hit.entry.state, http__status_code=200)
+        return answer
+    ctx.trace.annotate(cache__result="miss" if plan.read and plan.item is not None else "bypass")
+    if route is not None:
+        routed = await routed_chat(ctx, body, route, plan)
         ctx.trace.end(http__status_code=200)
         return routed
-    model, adapters = model_with_adapters(ctx.services, body.model, body.adapters)
-    ctx.trace.annotate(model=model.settings.alias, stream=body.stream, end_user=body.user)
-    prepared = with_adapters(await prepare_chat(body, model, ctx.services.settings.defaults, ctx.request_id), adapters)
-    ctx = ctx.serving(model, prepared)
-    plan = cache_plan(ctx, body)
-    if plan.read and plan.item is not None:
-        with ctx.trace.child("cache.lookup", cache__bucket=plan.item.bucket.key) as span:
-            found = await ctx.services.cache.lookup(plan.item, span=span)
-            annotate(span, cache__result="hit" if found.entry is not None else "miss", cache__similarity=found.similarity,
-                     cache__reason=found.reason, cache__judged=found.judged)
-        if found.entry is not None:
-            answer = await serve_hit(ctx, found)
-            ctx.trace.end(cache__result="hit", cache__entry_state=found.entry.state, http__status_code=200)
-            return answer
-        await charge_judge(ctx, model, found)
-        plan = dataclasses.replace(plan, lookup=found)
-    ctx.trace.annotate(cache__result="miss" if plan.read and plan.item is not None else "bypass")
 
     def remember_for(ran: CallContext) -> Remember | None:
-        return both(plan.remember(ran), keeper(ran, body, None, model.settings.alias))
+        return both(plan.remember(ran), keeper(ran, body, None, payer.settings.alias))
 
     return await call.respond(ctx, headers=plan.headers(), remember_for=remember_for)
 

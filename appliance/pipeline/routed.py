@@ -1,4 +1,4 @@
-"""Requests to a routed alias (`model: "auto"`): the route's cache bucket, then the tier chosen for
+"""Requests to a routed alias (`model: "auto"`) that the cache did not answer: the tier chosen for
 the request (route_choice.py), validated, escalating to the next tier on a failed validation or a
 transport failure, and the route's deterministic default when every tier has failed. Each attempt
 reserves and settles its own budget under its own id (`<request id>.<n>`), and is traced.
@@ -21,11 +21,11 @@ import msgspec
 from appliance.config.settings import RouteSettings, split_tier
 from appliance.fleet.registry import LoadedModel
 from appliance.pipeline import call
-from appliance.pipeline.cached import CachePlan, answered_by_program, charge_judge, route_cache_plan, serve_hit
+from appliance.pipeline.cached import CachePlan, answered_by_program
 from appliance.pipeline.call import known_answer
 from appliance.pipeline.collect import keeper
 from appliance.pipeline.context import Answer, CallContext
-from appliance.pipeline.errors import APIError
+from appliance.pipeline.errors import APIError, invalid
 from appliance.pipeline.prepare import Prepared, chat_messages, prepare_chat, with_adapters
 from appliance.pipeline.route_choice import choose_tier
 from appliance.prompt.tool_calls import answer_problem
@@ -41,26 +41,24 @@ _NOT_SERVED = ("cooling down", "timeout", "failed to serve")
 _cooling: dict[str, float] = {}  # model alias -> until when it is skipped after failing to serve
 
 
-async def routed_chat(ctx: CallContext, body: ChatCompletionRequest, route: RouteSettings) -> Answer:
-    """The cache first (a route's bucket), then the tier the request needs, up the chain until an
-    answer passes the route's validators; the route's default when none does."""
+def routable(body: ChatCompletionRequest, route: RouteSettings) -> None:
+    """What a routed request may not ask for, refused before any work."""
+    if body.n != 1:
+        # A route validates and escalates one answer; n answers would each take their own path.
+        raise invalid(f"The route '{route.alias}' answers with one choice: send n=1, or name a model for n > 1.", "n")
+    if body.logit_bias:
+        # Token ids belong to one vocabulary; a route's tiers may each have another.
+        raise invalid(f"The route '{route.alias}' spans models with their own vocabularies: name a model to use logit_bias.",
+                      "logit_bias")
+    if body.adapters:
+        # A route's tiers are its own models and adapters (a tier may name one); the caller's would apply to whichever answers.
+        raise invalid(f"The route '{route.alias}' chooses its tiers' adapters: name a model to use adapters.", "adapters")
+
+
+async def routed_chat(ctx: CallContext, body: ChatCompletionRequest, route: RouteSettings, plan: CachePlan) -> Answer:
+    """A request the cache did not answer (`plan`, the route's bucket): the tier it needs, up the
+    chain until an answer passes the route's validators; the route's default when none does."""
     started = time.time()
-    services, traced = ctx.services, ctx.trace
-    first, _ = tier_model(services, route.tiers[0])  # where a cached answer is counted
-    plan = route_cache_plan(ctx, body, route)
-    if plan.read and plan.item is not None:
-        with traced.child("cache.lookup", cache__bucket=plan.item.bucket.key) as span:
-            found = await services.cache.lookup(plan.item, span=span)
-            annotate(span, cache__result="hit" if found.entry is not None else "miss", cache__similarity=found.similarity,
-                     cache__reason=found.reason)
-        if found.entry is not None:
-            prepared = await prepare_chat(body, first, services.settings.defaults, ctx.request_id)
-            traced.annotate(cache__result="hit", route__model="cache")
-            answer = await serve_hit(ctx.serving(first, prepared), found)
-            answer.headers["x-route"] = route.alias
-            return answer
-        await charge_judge(ctx, first, found)
-        plan = dataclasses.replace(plan, lookup=found)
     run = _Run(body, route, plan)
     bounded, floor, ceiling = await choose_tier(ctx, route, chat_messages(body), run.checks.wants_json, plan)
     reply = await _up_the_chain(ctx, run, bounded, floor, ceiling)
