@@ -582,7 +582,8 @@ class LocalEngine:
         usage = Usage(len(job.request.prompt_tokens), job.generated, job.reused)
         job.emit(FinishEvent(reason, usage, tail, ttft, end - job.submitted_at, error, error_status=status,
                              error_code=SHUTTING_DOWN if status else None, retry_after_s=SHUTDOWN_RETRY_AFTER_S if status else None,
-                             queue_time_s=queued, inter_token_s=tuple(job.token_gaps)))
+                             queue_time_s=queued, inter_token_s=tuple(job.token_gaps),
+                             stop_sequence=job.stops.matched if reason == "stop" else None))
 
     def _fail_all(self, message: str, status: int | None = None) -> None:
         """Ends every request with an error: the engine's own failure (500), or with `status` the

@@ -30,6 +30,7 @@ class ModelKey:
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: every token stays a candidate
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
@@ -151,6 +152,7 @@ class FinishEvent:
     # An upstream engine's: which server answered (or failed last), after how many attempts.
     upstream: str | None = None
     upstream_attempts: int = 0
+    stop_sequence: str | None = None  # the caller's stop string that ended the answer (reason "stop"), when one did
     # Measured where the engine knows (the local engines; None upstream): the wait before the request's first
     # step, and the gap before each sampled token after the first, for vLLM's histograms of the same.
     queue_time_s: float | None = None

@@ -30,6 +30,7 @@ class StopMatcher:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string found
 
     def feed(self, text: str) -> str:
         """Returns the text that is safe to emit; sets `stopped` once a stop string is seen."""
@@ -39,8 +40,9 @@ class StopMatcher:
         if not self._stops:
             self._held = ""
             return buffer
-        first = min((i for i in (buffer.find(s) for s in self._stops) if i >= 0), default=-1)
-        if first >= 0:
+        found = [(i, n, s) for n, s in enumerate(self._stops) if (i := buffer.find(s)) >= 0]
+        if found:
+            first, _, self.matched = min(found)  # the earliest; at one place, the first listed
             self.stopped = True
             self._held = ""
             return buffer[:first]

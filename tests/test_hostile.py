@@ -95,7 +95,7 @@ CHAT_NUMBERS += [(field, value) for field in ("temperature", "top_p", "frequency
                  for value in (1e308, -1e308, 3.5, -3.5)]
 CHAT_NUMBERS = [(f, v) for f, v in CHAT_NUMBERS if not (f == "seed" and -(2**63) <= v < 2**63)]  # any int64 is a seed
 CHAT_NUMBERS += [("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", "12"), ("max_tokens", True),
-                 ("temperature", "hot"), ("n", 0), ("top_logprobs", -1)]
+                 ("temperature", "hot"), ("n", 0), ("top_logprobs", -1), ("top_k", -1), ("top_k", 2**31), ("top_k", 2**63)]
 
 CASES: list[tuple[str, str, Any]] = []
 CASES += [(f"chat {f}={v!r}", "/v1/chat/completions", chat(**{f: v}, **({"logprobs": True} if f == "top_logprobs" else {})))
@@ -156,7 +156,45 @@ CASES += [
     ("responses an image", "/v1/responses", {"model": CHAT_MODEL, "input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "x"}]}]}),
 ]
+
+
+def message(**fields: Any) -> dict[str, Any]:
+    return {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4, **fields}
+
+
+# Anthropic's Messages API (issue 42): the same limits, Anthropic's envelope (which has "error" too).
+CASES += [(f"messages {f}={v!r}", "/v1/messages", message(**{f: v})) for f, v in
+          [("max_tokens", 2**63 - 1), ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", "12"), ("temperature", 1e308),
+           ("temperature", 1.5), ("top_p", 3.5), ("top_k", -1), ("top_k", 2**63), ("top_k", 2**31), ("stop_sequences", ["x"] * 100),
+           ("stop_sequences", [""]), ("stream", "yes"), ("messages", []), ("messages", "hi"), ("system", 5), ("model", 5)]]
+CASES += [
+    ("messages a role no one has", "/v1/messages", message(messages=[{"role": "system", "content": "x"}])),
+    ("messages a block type no one has", "/v1/messages", message(messages=[{"role": "user", "content": [{"type": "video"}]}])),
+    ("messages an image", "/v1/messages", message(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])),
+    ("messages a document", "/v1/messages", message(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}])),
+    ("messages tool_use from the user", "/v1/messages", message(messages=[{"role": "user", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}])),
+    ("messages tool_result from the assistant", "/v1/messages", message(messages=[{"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}])),
+    ("messages tool input not an object", "/v1/messages", message(messages=[{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": [1]}]}])),
+    ("messages a server tool", "/v1/messages", message(tools=[{"type": "bash_20250124", "name": "bash"}])),
+    ("messages a tool with a broken schema", "/v1/messages", message(tools=[{"name": "f", "input_schema": {"type": 5}}])),
+    ("messages tool_choice naming no tool", "/v1/messages", message(tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                                                                   tool_choice={"type": "tool", "name": "g"})),
+    ("messages mcp servers", "/v1/messages", message(mcp_servers=[{"type": "url", "url": "http://127.0.0.1:1", "name": "x"}])),
+    ("messages a schema without a schema", "/v1/messages", message(output_config={"format": {"type": "json_schema"}})),
+    ("messages a prompt past the context", "/v1/messages", message(messages=[{"role": "user", "content": "word " * 2100}])),
+    ("messages unknown model", "/v1/messages", message(model="../../etc/passwd")),
+    ("count_tokens no messages", "/v1/messages/count_tokens", {"model": CHAT_MODEL, "messages": []}),
+    ("count_tokens unknown model", "/v1/messages/count_tokens", {"model": "x" * 10_000, "messages": [{"role": "user", "content": "x"}]}),
+]
 RAW: list[tuple[str, str, bytes]] = [
+    ("messages deep nesting", "/v1/messages", b'{"model": "smollm2-135m", "max_tokens": 4, "messages": ' + deep(100_000).encode() + b"}"),
+    ("messages deep tool input", "/v1/messages", json.dumps(message()).encode()[:-1] + b', "tools": [{"name": "f", "input_schema": '
+     + b'{"a": ' * 5_000 + b"1" + b"}" * 5_000 + b"}]}"),
+    ("messages not json", "/v1/messages", b"model=smollm2-135m"),
+    ("count_tokens not json", "/v1/messages/count_tokens", b"{"),
     ("deep nesting in messages", "/v1/chat/completions", b'{"model": "smollm2-135m", "messages": ' + deep(100_000).encode() + b"}"),
     ("deep nesting in an unknown field", "/v1/chat/completions",
      json.dumps(chat()).encode()[:-1] + b', "x": ' + deep(100_000).encode() + b"}"),
@@ -359,6 +397,26 @@ def test_slow_and_disconnecting_clients(hostile: dict[str, Any]) -> None:
                 break
     server.wait_idle(timeout=20)
     assert call(server, key, "/v1/chat/completions", chat()).status_code == 200
+
+
+def test_an_abandoned_messages_stream_frees_its_slot_and_pays_for_what_it_read(hostile: dict[str, Any]) -> None:
+    server, key = hostile["server"], hostile["admin"]
+    body = message(max_tokens=400, stream=True, temperature=0, messages=[{"role": "user", "content": "Write a long story about the sea."}])
+    message_id, deltas = None, 0
+    with httpx.stream("POST", f"{server.base_url}/v1/messages", json=body, headers={"x-api-key": key}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = json.loads(line.removeprefix("data: "))
+                message_id = data["message"]["id"] if data["type"] == "message_start" else message_id
+                deltas += data["type"] == "content_block_delta"
+                if deltas == 3:
+                    break
+    assert message_id is not None and deltas == 3
+    server.wait_idle(timeout=20)
+    settled(server)
+    outcome, completion = database(server).execute(
+        "SELECT outcome, completion_tokens FROM settlements WHERE request_id = ?", (message_id,)).fetchone()
+    assert outcome == "cancelled" and 3 <= completion < 400
 
 
 def test_after_the_suite_the_server_answers_and_the_store_is_sound(hostile: dict[str, Any]) -> None:

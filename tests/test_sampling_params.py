@@ -80,6 +80,13 @@ def test_penalties_change_a_repetitive_greedy_answer_deterministically(client: o
     assert max(Counter(first.split()).values()) < max(words.values())
 
 
+def test_top_k_of_one_draws_the_greedy_answer_at_any_temperature(client: openai.OpenAI) -> None:
+    greedy = text(chat(client, STORY, max_tokens=24, temperature=0))
+    drawn = [text(chat(client, STORY, max_tokens=24, temperature=1.5, seed=seed, extra_body={"top_k": k})) for seed in (1, 2, 3) for k in (1, 0)]
+    assert drawn[0::2] == [greedy] * 3  # top_k 1: the likeliest token every step
+    assert len(set(drawn[1::2])) > 1  # top_k 0 (off): the same seeds draw other answers
+
+
 def test_n_choices_follow_the_seed_stream_and_add_up(client: openai.OpenAI) -> None:
     many = chat(client, STORY, temperature=1, seed=7, n=3)
     assert [c.index for c in many.choices] == [0, 1, 2]

@@ -20,17 +20,18 @@ def split(data, cuts):
 def run_matcher(stops, pieces):
     m = StopMatcher(tuple(stops))
     out = "".join(m.feed(p) for p in pieces)
-    return out + m.flush(), m.stopped
+    return out + m.flush(), m.stopped, m.matched
 
 
 @given(st.text(max_size=60), st.lists(st.text(min_size=1, max_size=4), max_size=3), st.lists(st.integers(0, 200), max_size=10))
 def test_output_is_text_up_to_first_stop_for_any_split(text, stops, cuts):
-    out, stopped = run_matcher(stops, split(text, cuts))
+    out, stopped, matched = run_matcher(stops, split(text, cuts))
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     if hits:
-        assert stopped and out == text[: min(hits)]
+        # the stop string named (Anthropic's stop_sequence) is one that starts where the text was cut
+        assert stopped and out == text[: min(hits)] and matched in stops and text.find(matched) == min(hits)
     else:
-        assert not stopped and out == text
+        assert not stopped and out == text and matched is None
 
 
 def test_partial_stop_is_held_then_released():

@@ -1,10 +1,12 @@
-"""Every error leaves the API in OpenAI's envelope: {"error": {message, type, param, code}}
-(the envelope itself is the OpenAI wire's: appliance/wire/openai.py)."""
+"""Every error leaves the API in its protocol's envelope: OpenAI's {"error": {message, type, param,
+code}} (appliance/wire/openai.py) unless a route names another (Anthropic's, for /v1/messages),
+through `handlers(envelope)`."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -19,35 +21,45 @@ from engines.interface import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN
 log = logging.getLogger("appliance.api")
 
 
-def error_response(error: APIError) -> Response[bytes]:
+Envelope = Callable[[APIError], dict[str, Any]]
+
+
+def error_response(error: APIError, envelope: Envelope = error_envelope) -> Response[bytes]:
     headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else {}
     if error.trace_id is not None:
         headers["x-trace-id"] = error.trace_id
-    return Response(msgspec.json.encode(error_envelope(error)), status_code=error.status, media_type="application/json", headers=headers)
+    return Response(msgspec.json.encode(envelope(error)), status_code=error.status, media_type="application/json", headers=headers)
 
 
-def handle_api_error(request: Request, exc: APIError) -> Response[bytes]:
+def handlers(envelope: Envelope = error_envelope) -> dict[type[Exception], Callable[[Request, Any], Response[bytes]]]:
+    """The exception handlers that answer in one protocol's envelope: the app's (OpenAI's), or a route's own."""
+    return {APIError: lambda request, exc: error_response(refused(request, exc), envelope),
+            HTTPException: lambda _, exc: error_response(from_http(exc), envelope),
+            Exception: lambda _, exc: error_response(unexpected(exc), envelope)}
+
+
+def refused(request: Request, exc: APIError) -> APIError:
     # Operators see every refusal, not only the failures: one line, never the request's content.
     log.info("%s %s -> %d %s: %s (request %s)", request.method, request.url.path, exc.status, exc.code or exc.type, exc.message[:200],
              request_id_of(request.scope))
-    return error_response(exc)
+    return exc
 
 
 _HTTP_TYPES = {404: ("not_found_error", None), 405: ("invalid_request_error", "method_not_allowed"), 413: ("invalid_request_error", "request_too_large")}
 
 
-def handle_http_exception(_: Request, exc: HTTPException) -> Response[bytes]:
+def from_http(exc: HTTPException) -> APIError:
     status = exc.status_code
     kind, code = _HTTP_TYPES.get(status, ("invalid_request_error" if status < 500 else "server_error", None))
     message = exc.detail or "error"
     if status == 413:
         message = f"The request body is too large: {exc.detail}"
-    return error_response(APIError(status, message, type=kind, code=code))
+    return APIError(status, message, type=kind, code=code)
 
 
-def handle_unexpected(_: Request, exc: Exception) -> Response[bytes]:
+def unexpected(exc: Exception) -> APIError:
     log.exception("unhandled error", exc_info=exc)
-    return error_response(APIError(500, "The server had an error while processing your request.", type="server_error"))
+    return APIError(500, "The server had an error while processing your request.", type="server_error")
 
 
 def envelope_when_cut(app: Any) -> Any:

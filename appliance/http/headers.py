@@ -60,6 +60,8 @@ def response_headers(gate: Gate) -> Callable[[Message, Scope], Awaitable[None]]:
             return
         headers = MutableScopeHeaders.from_message(message)
         headers["x-request-id"] = request_id_of(scope)
+        if scope.get("path", "").startswith("/v1/messages"):
+            headers["request-id"] = request_id_of(scope)  # where Anthropic's SDK reads the id to quote
         principal = scope.get("state", {}).get(_PRINCIPAL)
         if principal is not None and scope.get("path", "").startswith("/v1/"):
             for name, value in rate_limit_headers(gate.limiter.states(principal, time.time())).items():

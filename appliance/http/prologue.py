@@ -79,6 +79,14 @@ def response(answer: Answer, trace_id: str | None) -> Response[Any]:
 
 async def authenticate(request: Request[Any, Any, Any], services: Services) -> Principal:
     client = request.client.host if request.client else None
-    principal = await services.gate.authenticate(request.headers.get("authorization"), client, request.url.path)
+    principal = await services.gate.authenticate(credentials(request.headers), client, request.url.path)
     remember_principal(request.scope, principal)  # the response's rate-limit headers are this caller's
     return principal
+
+
+def credentials(headers: Any) -> str | None:
+    """The caller's key: OpenAI's `Authorization: Bearer`, or Anthropic's `x-api-key` (its SDK and
+    Claude Code send the key so), read as the same bearer key."""
+    authorization = headers.get("authorization")
+    key = headers.get("x-api-key")
+    return f"Bearer {key}" if authorization is None and key else authorization

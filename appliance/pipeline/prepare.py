@@ -31,6 +31,7 @@ MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 # Choices per request: each is a full completion (a slot, its tokens in the budget), so a few only.
 MAX_CHOICES = 8
+MAX_TOP_K = 1_000_000  # past any vocabulary (Gemma's is 262,144); llama.cpp takes an int32
 # OpenAI's limits on `metadata` (chat completions and responses).
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
@@ -85,6 +86,8 @@ def _check_common(body: ChatCompletionRequest | CompletionRequest, model: Loaded
         raise invalid(f"{body.temperature} is not a valid temperature: it must be between 0 and 2.", "temperature")
     if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
         raise invalid(f"{body.top_p} is not a valid top_p: it must be greater than 0 and at most 1.", "top_p")
+    if body.top_k is not None and not 0 <= body.top_k <= MAX_TOP_K:
+        raise invalid(f"{body.top_k} is not a valid top_k: it must be between 0 (off) and {MAX_TOP_K}.", "top_k")
     for param in ("frequency_penalty", "presence_penalty"):
         value = getattr(body, param)
         if value is not None and not -2.0 <= value <= 2.0:
@@ -177,6 +180,7 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, defaults: Default
     return SamplingParams(
         temperature=defaults.temperature if body.temperature is None else body.temperature,
         top_p=defaults.top_p if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
         seed=body.seed,
         logprobs=logprobs,
         top_logprobs=top,

@@ -10,16 +10,14 @@ from typing import Any
 
 from litestar import Litestar, Request, Response, get
 from litestar.di import Provide
-from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from appliance import __version__
 from appliance.answer_cache.service import SemanticCache
-from appliance.http import admin, cache, distill, embeddings, fleet, models, openai, responses
+from appliance.http import admin, cache, distill, embeddings, fleet, messages, models, openai, responses
 from appliance.http.prologue import authenticate
-from appliance.http.errors import handle_api_error, handle_http_exception, handle_unexpected
-from appliance.pipeline.errors import APIError
+from appliance.http.errors import handlers
 from appliance.http.headers import response_headers
 from appliance.config.settings import Settings
 from appliance.fleet.registry import Registry
@@ -108,11 +106,11 @@ def create_app(services: Services) -> Litestar:
     return Litestar(
         route_handlers=[
             health, metrics,
-            *openai.ROUTES, *embeddings.ROUTES, *responses.ROUTES, *admin.ROUTES, *cache.ROUTES, *models.ROUTES, *fleet.ROUTES,
+            *openai.ROUTES, *embeddings.ROUTES, *responses.ROUTES, *messages.ROUTES, *admin.ROUTES, *cache.ROUTES, *models.ROUTES, *fleet.ROUTES,
             *distill.ROUTES,
         ],
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
-        exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected},
+        exception_handlers=handlers(),
         request_max_body_size=services.settings.server.max_body_bytes,
         before_send=[response_headers(services.gate), count_responses(services.metrics)],
         on_startup=[startup],

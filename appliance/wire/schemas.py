@@ -90,6 +90,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None  # an extension, as llama-server and vLLM take it: only the k likeliest tokens are drawn from
     seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False

@@ -191,7 +191,7 @@ class LlamaCppEngine(SpeaksVocabulary, LocalEngine):
 
     def _make_sampler(self, request: GenerationRequest) -> Sampler:
         s = request.sampling
-        return Sampler(self.model, temperature=s.temperature, top_p=s.top_p, seed=s.seed, grammar=s.grammar)
+        return Sampler(self.model, temperature=s.temperature, top_p=s.top_p, seed=s.seed, grammar=s.grammar, top_k=s.top_k)
 
     def _on_thread_start(self) -> None:
         # Signals go to the main thread only. A signal landing on this thread or on the OpenMP

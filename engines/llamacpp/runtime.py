@@ -311,10 +311,11 @@ _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
 
 class Sampler:
-    """A llama.cpp sampler chain for one request: grammar, then top-p and temperature, then a
-    seeded draw (or greedy at temperature 0)."""
+    """A llama.cpp sampler chain for one request: grammar, then top-k, top-p and temperature, then
+    a seeded draw (or greedy at temperature 0)."""
 
-    def __init__(self, model: Model, *, temperature: float, top_p: float, seed: int | None, grammar: str | None) -> None:
+    def __init__(self, model: Model, *, temperature: float, top_p: float, seed: int | None, grammar: str | None,
+                 top_k: int = 0) -> None:
         params = L.llama_sampler_chain_default_params()
         params.no_perf = True
         self.ptr = L.llama_sampler_chain_init(params)
@@ -331,6 +332,8 @@ class Sampler:
             if temperature <= 0.0:
                 L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_greedy())
             else:
+                if top_k > 0:
+                    L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_top_k(top_k))
                 if top_p < 1.0:
                     L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_top_p(top_p, 1))
                 L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_temp(temperature))

@@ -335,7 +335,8 @@ class MlxEngine(SpeaksVocabulary, LocalEngine):
             return None
         from engines.llamacpp.runtime import Sampler
 
-        return Sampler(self._grammar_vocabulary, temperature=s.temperature, top_p=s.top_p, seed=s.seed, grammar=s.grammar)
+        return Sampler(self._grammar_vocabulary, temperature=s.temperature, top_p=s.top_p, seed=s.seed, grammar=s.grammar,
+                       top_k=s.top_k)
 
     def _sampler(self, job: _BatchJob):  # type: ignore[no-untyped-def]
         import mlx.core as mx
@@ -347,7 +348,7 @@ class MlxEngine(SpeaksVocabulary, LocalEngine):
             draw = lambda logprobs: mx.array([chain.pick(np.array(logprobs.astype(mx.float32)))], dtype=mx.uint32)  # noqa: E731
         else:
             s = job.request.sampling
-            draw = make_sampler(temp=max(s.temperature, 0.0), top_p=s.top_p if 0 < s.top_p < 1 else 0.0)
+            draw = make_sampler(temp=max(s.temperature, 0.0), top_p=s.top_p if 0 < s.top_p < 1 else 0.0, top_k=max(s.top_k, 0))
         adjuster = job.adjuster
         if adjuster is None:
             return draw

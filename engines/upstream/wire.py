@@ -28,6 +28,8 @@ def request_body(request: GenerationRequest, upstream_model: str) -> dict:
     }
     if s.seed is not None:
         body["seed"] = s.seed
+    if s.top_k:
+        body["top_k"] = s.top_k  # vLLM's, llama-server's and Ollama's OpenAI routes take it
     if s.logit_bias:
         body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
     if s.frequency_penalty:
