@@ -168,7 +168,7 @@ CASES += [(f"messages {f}={v!r}", "/v1/messages", message(**{f: v})) for f, v in
            ("temperature", 1.5), ("top_p", 3.5), ("top_k", -1), ("top_k", 2**63), ("top_k", 2**31), ("stop_sequences", ["x"] * 100),
            ("stop_sequences", [""]), ("stream", "yes"), ("messages", []), ("messages", "hi"), ("system", 5), ("model", 5)]]
 CASES += [
-    ("messages a role no one has", "/v1/messages", message(messages=[{"role": "system", "content": "x"}])),
+    ("messages a role no one has", "/v1/messages", message(messages=[{"role": "tool", "content": "x"}])),
     ("messages a block type no one has", "/v1/messages", message(messages=[{"role": "user", "content": [{"type": "video"}]}])),
     ("messages an image", "/v1/messages", message(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])),
     ("messages a document", "/v1/messages", message(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}])),

@@ -159,8 +159,10 @@ def test_a_repeated_question_is_a_cache_hit_in_messages_shape_and_a_routed_alias
      "images are not supported"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
+    ({"context_management": {"edits": [{"type": "clear_thinking_20251015"}, {"type": "clear_tool_uses_20250919"}]}},
+     "context_management.edits.1: 'clear_tool_uses_20250919'"),
     ({"tool_choice": {"type": "tool", "name": "nothing"}}, "needs tools"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
 ])
 def test_bad_requests_are_refused_in_anthropics_envelope(served: tuple[Server, str], fields: dict[str, Any], says: str) -> None:
     server, key = served
@@ -180,3 +182,22 @@ def test_malformed_json_and_a_missing_field_are_anthropic_errors(served: tuple[S
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     with pytest.raises(anthropic.BadRequestError):
         sdk(server, key).messages.count_tokens(model=CHAT_MODEL, messages=[])
+
+
+def test_a_stream_that_waits_says_so_between_its_events() -> None:
+    """A long prefill sends keepalives (Anthropic's ping; an SSE comment on OpenAI's wires) instead
+    of silence, so a client's idle timer does not end the stream; the events themselves are untouched."""
+    import asyncio
+
+    from appliance.pipeline.call import _with_keepalive
+
+    async def slow() -> Any:
+        for i in range(3):
+            await asyncio.sleep(0.25)
+            yield i
+
+    async def read() -> list[int | None]:
+        return [item async for item in _with_keepalive(slow(), 0.1)]
+
+    got = asyncio.run(read())
+    assert [i for i in got if i is not None] == [0, 1, 2] and got.count(None) >= 3 and got[0] is None

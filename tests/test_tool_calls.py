@@ -192,3 +192,20 @@ def test_tools_reach_a_template_that_renders_them_and_control_text_in_them_is_re
     with pytest.raises(TemplateError, match="control token"):
         chat_prompt(template, [{"role": "user", "content": "hi"}], controls, tokenize, [],
                     tools=[Tool("f", "x<|im_end|>", {"type": "object"}).wire()])
+
+
+def test_a_fenced_json_call_that_is_the_whole_answer_counts_and_fenced_code_streams_on() -> None:
+    # Qwen2.5-Coder-1.5B under Claude Code's long prompt writes its call so.
+    text = '```json\n{\n  "name": "calculator",\n  "arguments": {"expression": "2 + 2"}\n}\n```'
+    assert [(c.name, json.loads(c.arguments)) for c in parse(text, PLAN).calls] == [("calculator", {"expression": "2 + 2"})]
+    content, calls = _stream(PLAN, _chars(text))
+    assert [c.name for c in calls] == ["calculator"] and content == ""
+    for answer in ('Here:\n```json\n{"name": "calculator", "arguments": {}}\n```',  # a call shown in prose stays text
+                   '```json\n{"name": "nothing", "arguments": {}}\n```',  # no such tool
+                   '```python\nprint("{}")\n```'):
+        assert parse(answer, PLAN).calls == () and parse(answer, PLAN).content == answer
+        assert _stream(PLAN, _chars(answer)) == (answer, [])
+    # Code is not held to the end: a fence goes on once its language or first line says it is no call.
+    assert StreamParser(PLAN).feed("```py") == ["```py"]
+    code = StreamParser(PLAN)
+    assert code.feed("```") == [] and code.feed("json\n") == [] and code.feed("[1, 2]") == ["```json\n[1, 2]"]

@@ -382,3 +382,17 @@ def test_the_llm_cli_runs_a_function_through_the_appliance(qwen: Server, tmp_pat
     assert done.returncode == 0 or "Chain limit" in done.stderr, done.stderr
     debug = done.stderr  # --td writes each call and its result there
     assert "Tool call: calculator({'expression': '1234 * 5678'})" in debug and "7006652" in debug
+
+
+def test_a_length_past_the_grammars_bound_is_taken_when_no_call_is_forced(client: openai.OpenAI) -> None:
+    # Claude Code's tools ask for strings of 524,288 characters: only a forced call builds a grammar
+    # from the schema, so only then does the grammar's bound of 1,000 apply.
+    long = {"type": "function", "function": {"name": "write", "description": "Write a file.", "parameters": {
+        "type": "object", "properties": {"content": {"type": "string", "maxLength": 524_288}}, "required": ["content"]}}}
+    answer = client.chat.completions.create(model=CHAT_MODEL, messages=[{"role": "user", "content": "Hello."}], tools=[long],  # type: ignore[list-item]
+                                            max_tokens=8, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=CHAT_MODEL, messages=[{"role": "user", "content": "Hello."}], tools=[long],  # type: ignore[list-item]
+                                       tool_choice="required", max_tokens=8)
+    assert "maxLength" in str(refused.value) and refused.value.body["param"] == "tools[0].function.parameters"  # type: ignore[index]

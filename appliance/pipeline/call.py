@@ -45,6 +45,9 @@ from engines.interface import (
 from engines.stream import EventStream
 
 T = TypeVar("T")
+# A stream that has sent nothing for this long says so (Claude Code ends one idle for 300 s; an
+# 18,000-token prompt takes longer than that to read on two cores).
+KEEPALIVE_S = 10.0
 
 
 def failure_error(finish: FinishEvent) -> APIError:
@@ -308,7 +311,12 @@ async def _sse(call: Call, wire: Wire, remember: Remember | None) -> AsyncIterat
     try:
         for frame in wire.opening(len(events)):
             yield frame
-        async for index, event in events.events():
+        async for item in _with_keepalive(events.events(), KEEPALIVE_S):
+            if item is None:
+                for frame in wire.keepalive():
+                    yield frame
+                continue
+            index, event = item
             if remember is not None:
                 text.append(event.text)
             if isinstance(event, TokenEvent):
@@ -335,6 +343,30 @@ async def _sse(call: Call, wire: Wire, remember: Remember | None) -> AsyncIterat
     finally:
         events.close()  # a client gone mid-stream lands here: the slots are freed at the next step
         call.finish(ended)
+
+
+async def _with_keepalive(items: AsyncIterator[T], every: float) -> AsyncIterator[T | None]:
+    """The items, with a None after every `every` seconds in which none came. The next item is
+    awaited in a task of its own, so a keepalive never cancels the wait for it."""
+    iterator = aiter(items)
+    waiting: asyncio.Future[T] | None = None
+    try:
+        while True:
+            if waiting is None:
+                waiting = asyncio.ensure_future(anext(iterator))
+            done, _ = await asyncio.wait({waiting}, timeout=every)
+            if not done:
+                yield None
+                continue
+            ready, waiting = waiting, None
+            try:
+                item = ready.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if waiting is not None:
+            waiting.cancel()
 
 
 def _pieces(text: str) -> list[str]:

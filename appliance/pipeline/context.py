@@ -40,6 +40,7 @@ class Wire(Protocol):
     def closing(self, index: int, finish: FinishEvent) -> list[bytes]: ...  # choice `index` ended
     def ending(self, total: FinishEvent) -> list[bytes]: ...  # every choice has ended
     def failed(self, error: APIError, total: FinishEvent) -> list[bytes]: ...
+    def keepalive(self) -> list[bytes]: ...  # said while nothing else comes (a long prefill), so a client's idle timer waits
 
 
 # The wire for an answer: (the request as answered, the model name to show, created at).

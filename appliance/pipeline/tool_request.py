@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from dataclasses import replace
 from typing import Any
 
 from appliance.pipeline.errors import invalid
-from appliance.prompt.schema_bounds import TOOLS_LIMITS, bounds_problem, validity_problem
+from appliance.prompt.schema_bounds import SCHEMA_LIMITS, TOOLS_LIMITS, SchemaLimits, bounds_problem, validity_problem
 from appliance.prompt.tool_calls import CLOSE, OPEN, Format, Mode, Tool, ToolPlan, call_text, system_prompt
 from appliance.wire.schemas import ChatCompletionRequest, ChatMessage, FunctionSpec, NamedToolChoice, ToolSpec
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# Without a forced call no grammar is built from the schemas: a length or count (`maxLength`,
+# `maxItems`) is only checked on the call afterwards and costs nothing to allow. Agents' tools ask
+# for more than a grammar could hold (Claude Code: `maxLength` 524,288); every other bound stays.
+_FREE = (replace(SCHEMA_LIMITS, repetitions=sys.maxsize), replace(TOOLS_LIMITS, repetitions=sys.maxsize))
 
 
 def has_tools(body: ChatCompletionRequest) -> bool:
@@ -31,14 +37,14 @@ def _specs(body: ChatCompletionRequest) -> tuple[list[ToolSpec], str]:
     return list(body.tools or []), "tools"
 
 
-def _tool(spec: ToolSpec, where: str) -> Tool:
+def _tool(spec: ToolSpec, where: str, limits: SchemaLimits) -> Tool:
     if spec.type != "function":
         raise invalid(f"Only tools of type 'function' are supported, not {spec.type!r}.", f"{where}.type")
     fn: FunctionSpec = spec.function
     if not _NAME.match(fn.name):
         raise invalid(f"{fn.name!r} is not a valid function name: use 1 to 64 letters, digits, '_' or '-'.", f"{where}.function.name")
     parameters = _EMPTY_PARAMETERS if fn.parameters is None else fn.parameters
-    problem = bounds_problem(parameters)  # validity once every tool and the lot are within bounds (tool_plan)
+    problem = bounds_problem(parameters, limits)  # validity once every tool and the lot are within bounds (tool_plan)
     if problem is not None:
         raise invalid(f"The parameters of {fn.name!r} cannot be taken: {problem}.", f"{where}.function.parameters")
     if parameters.get("type", "object") != "object":
@@ -59,18 +65,6 @@ def tool_plan(body: ChatCompletionRequest, fmt: Format) -> ToolPlan | None:
             param = "tool_choice" if body.tool_choice is not None else "function_call"
             raise invalid(f"'{param}' is only allowed when tools are given.", param)
         return None
-    tools = tuple(_tool(spec, where.format(i)) for i, spec in enumerate(specs))
-    problem = bounds_problem({"anyOf": [t.parameters for t in tools]}, TOOLS_LIMITS)
-    if problem is not None:
-        raise invalid(f"Together, the tools' parameters go past a bound: {problem}.", field)
-    for i, tool in enumerate(tools):
-        problem = validity_problem(tool.parameters)
-        if problem is not None:
-            raise invalid(f"The parameters of {tool.name!r} cannot be taken: {problem}.", f"{where.format(i)}.function.parameters")
-    names = [t.name for t in tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise invalid(f"The function name {name!r} is given twice.", f"{where.format(i)}.function.name")
     mode: Mode = "auto"
     forced: str | None = None
     if isinstance(choice, str):
@@ -81,9 +75,22 @@ def tool_plan(body: ChatCompletionRequest, fmt: Format) -> ToolPlan | None:
         if isinstance(choice, NamedToolChoice) and choice.type != "function":
             raise invalid(f"{choice_param} type must be 'function'.", f"{choice_param}.type")
         forced = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
-        if forced not in names:
-            raise invalid(f"{choice_param} names the function {forced!r}, which is not among the tools.", choice_param)
         mode = "required"
+    each, together = (SCHEMA_LIMITS, TOOLS_LIMITS) if mode == "required" else _FREE
+    tools = tuple(_tool(spec, where.format(i), each) for i, spec in enumerate(specs))
+    problem = bounds_problem({"anyOf": [t.parameters for t in tools]}, together)
+    if problem is not None:
+        raise invalid(f"Together, the tools' parameters go past a bound: {problem}.", field)
+    for i, tool in enumerate(tools):
+        problem = validity_problem(tool.parameters)
+        if problem is not None:
+            raise invalid(f"The parameters of {tool.name!r} cannot be taken: {problem}.", f"{where.format(i)}.function.parameters")
+    names = [t.name for t in tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise invalid(f"The function name {name!r} is given twice.", f"{where.format(i)}.function.name")
+    if forced is not None and forced not in names:
+        raise invalid(f"{choice_param} names the function {forced!r}, which is not among the tools.", choice_param)
     parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
     return ToolPlan(tools, mode, forced, parallel, fmt)
 

@@ -27,6 +27,9 @@ Mode = Literal["auto", "required", "none"]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+FENCE = "```"
+# A whole answer that is one fenced JSON object: how Qwen2.5-Coder writes a call when the prompt is long.
+_FENCED = re.compile(r"```(?:json)?[ \t]*\n(\{.*\})\s*```", re.S)
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,10 @@ def parse(text: str, plan: ToolPlan) -> Parsed:
     calls: list[ToolCall] = []
     problem: str | None = None
     body = text.strip().removeprefix(PYTHON_TAG).strip()
+    fenced = _FENCED.fullmatch(body)
+    if fenced is not None and OPEN not in text:  # a fenced call counts only as the whole answer; else it stays text
+        found = _call(_decode(fenced.group(1)), names)
+        return Parsed(None, (found,)) if isinstance(found, ToolCall) else Parsed(text)
     if body.startswith("{") and (plan.format == "llama" or OPEN not in text):
         # The llama form; and a bare JSON call, which Hermes-form models also write (Qwen2.5-Coder 0.5B does).
         found = _call(_decode(body), names)
@@ -205,6 +212,21 @@ def arguments_problem(call: ToolCall, plan: ToolPlan) -> str | None:
     return None if error is None else f"arguments of {call.name}: {error.message}"
 
 
+_FENCED_START = re.compile(r"```(?:json)?[ \t]*\n\s*\{")
+
+
+def _may_open_fenced_call(text: str) -> bool:
+    """Whether an answer's opening may still become a fenced call: held until it says (a fence,
+    `json` or nothing, a line break, then `{`); a fence for code streams on at once."""
+    if FENCE.startswith(text):
+        return True
+    if not text.startswith(FENCE) or _FENCED_START.match(text):
+        return False
+    rest = text[len(FENCE):]
+    tag, newline, after = rest.partition("\n")
+    return tag.strip() in ("", "json", "j", "js", "jso") and (not newline or not after.strip())
+
+
 @dataclass
 class StreamParser:
     """Reads calls out of text as it streams: text goes on at once unless it may be the start of a
@@ -225,10 +247,10 @@ class StreamParser:
         if not self._started:
             # An answer that opens with JSON (or the llama form's tag) may be one bare call: held whole.
             stripped = self._held.lstrip()
-            if not stripped or PYTHON_TAG.startswith(stripped):
+            if not stripped or PYTHON_TAG.startswith(stripped) or _may_open_fenced_call(stripped):
                 return []
             self._started = True
-            if stripped.startswith(("{", PYTHON_TAG)):
+            if stripped.startswith(("{", PYTHON_TAG)) or _FENCED_START.match(stripped):
                 self._whole = True
                 return []
         if self.plan.format == "llama":

@@ -133,6 +133,9 @@ class MessagesWire:
     def failed(self, error: APIError, total: FinishEvent) -> list[bytes]:
         return [event(error_envelope(error))]
 
+    def keepalive(self) -> list[bytes]:
+        return [event({"type": "ping"})]
+
 
 def messages_wire(prepared: Prepared, model: str, created: int) -> MessagesWire:
     return MessagesWire(prepared, model, created)

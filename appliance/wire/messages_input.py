@@ -41,9 +41,16 @@ class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use", kw_only=Tru
     cache_control: Any = None
 
 
+class ToolReferenceBlock(msgspec.Struct, tag_field="type", tag="tool_reference", kw_only=True):
+    """A tool named in a tool result (a tool search's answer): the model reads its name."""
+
+    tool_name: str
+    cache_control: Any = None
+
+
 class ToolResultBlock(msgspec.Struct, tag_field="type", tag="tool_result", kw_only=True):
     tool_use_id: str
-    content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
+    content: str | list[TextBlock | ImageBlock | DocumentBlock | ToolReferenceBlock] | None = None
     is_error: bool = False
     cache_control: Any = None
 
@@ -61,7 +68,7 @@ Block = TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock 
 
 
 class MessageParam(msgspec.Struct, kw_only=True):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # a system turn between others, as Claude Code sends one
     content: str | list[Block]
 
 
@@ -92,6 +99,14 @@ class OutputFormat(msgspec.Struct, kw_only=True):
 class OutputConfig(msgspec.Struct, kw_only=True):
     format: OutputFormat | None = None
     effort: str | None = None  # an allowance for reasoning, as thinking is: a model that does not reason answers directly
+
+
+class ContextEdit(msgspec.Struct, kw_only=True):
+    type: str  # clear_thinking_20251015, clear_tool_uses_20250919, ...
+
+
+class ContextManagement(msgspec.Struct, kw_only=True):
+    edits: list[ContextEdit] = []
 
 
 class MetadataParam(msgspec.Struct, kw_only=True):
@@ -129,7 +144,8 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     # Would change the answer, and are not served: declared to be refused by name.
     container: Any = None
     mcp_servers: Any = None
-    context_management: Any = None
+    # Clearing earlier thinking changes nothing here (it is never read back); clearing tool results would.
+    context_management: ContextManagement | None = None
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -187,9 +203,13 @@ def _check(body: MessagesRequest) -> None:
         raise invalid(f"temperature: {body.temperature} is not valid; it must be between 0 and 1.", "temperature")
     if not body.messages:
         raise invalid("messages: at least one message is required.", "messages")
-    for name in ("container", "mcp_servers", "context_management"):
+    for name in ("container", "mcp_servers"):
         if getattr(body, name) is not None:
             raise invalid(f"{name}: not supported by this server; the answer would not be what was asked.", name)
+    for i, edit in enumerate(body.context_management.edits if body.context_management is not None else []):
+        if not edit.type.startswith("clear_thinking"):
+            raise invalid(f"context_management.edits.{i}: '{edit.type}' is not supported by this server; only clearing thinking "
+                          "(which it never reads back) is.", f"context_management.edits.{i}")
     for i, tool in enumerate(body.tools or []):
         if tool.input_schema is None or tool.type not in (None, "custom"):
             raise invalid(f"tools.{i}: the server tool '{tool.name}' ({tool.type}) is not supported; declare a custom tool with "
@@ -217,6 +237,9 @@ def _chat_messages(message: MessageParam, where: str) -> list[dict[str, Any]]:
     read it back."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
+    if message.role == "system":
+        if any(not isinstance(block, TextBlock) for block in message.content):
+            raise invalid(f"{where}.content: a system turn holds text blocks only.", f"{where}.content")
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
@@ -236,7 +259,9 @@ def _chat_messages(message: MessageParam, where: str) -> list[dict[str, Any]]:
                 raise invalid(f"{at}: tool_result blocks belong to user turns.", at)
             results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block, at)})
     out = results
-    if message.role == "assistant":
+    if message.role == "system":
+        out.append({"role": "system", "content": "\n\n".join(texts)})
+    elif message.role == "assistant":
         out.append({"role": "assistant", "content": "\n\n".join(texts) or None, **({"tool_calls": calls} if calls else {})})
     elif texts:
         out.append({"role": "user", "content": "\n\n".join(texts)})
@@ -250,9 +275,9 @@ def _result_text(block: ToolResultBlock, at: str) -> str:
     elif isinstance(content, str):
         text = content
     else:
-        if any(not isinstance(part, TextBlock) for part in content):
-            raise invalid(f"{at}.content: only text is supported in a tool result.", f"{at}.content")
-        text = "\n\n".join(part.text for part in content)  # type: ignore[union-attr]
+        if any(isinstance(part, (ImageBlock, DocumentBlock)) for part in content):
+            raise invalid(f"{at}.content: only text and tool references are supported in a tool result.", f"{at}.content")
+        text = "\n\n".join(part.text if isinstance(part, TextBlock) else f"Tool: {part.tool_name}" for part in content)  # type: ignore[union-attr]
     # The chat template has no place for Anthropic's flag: the model reads it in the text.
     return f"Error: {text}" if block.is_error else text
 

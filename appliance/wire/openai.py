@@ -19,6 +19,7 @@ from engines.interface import FinishEvent, TokenLogprob
 FINGERPRINT = "appliance-0.1"
 _encoder = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keepalive\n\n"  # an SSE comment: every client skips it
 
 
 def error_envelope(error: APIError) -> dict[str, object]:
@@ -199,6 +200,9 @@ class ChatWire:
     def failed(self, error: APIError, total: FinishEvent) -> list[bytes]:
         # The error in the envelope, the usage it was charged, [DONE].
         return [sse(error_envelope(error)), *self.ending(total)]
+
+    def keepalive(self) -> list[bytes]:
+        return [KEEPALIVE]
 
 
 def chat_wire(kind: str, stream_options: Any = None) -> Callable[[Prepared, str, int], ChatWire]:

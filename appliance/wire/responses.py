@@ -24,6 +24,7 @@ from appliance.wire.responses_input import (
 )
 from appliance.pipeline.prepare import Prepared
 from appliance.prompt.tool_calls import ToolCall, argument_pieces, parse
+from appliance.wire.openai import KEEPALIVE
 from appliance.wire.schemas import ResponsesRequest
 from engines.interface import FinishEvent, TokenLogprob
 
@@ -208,6 +209,9 @@ class ResponsesWire:
         text = "".join(self._text)
         body = self._finished(text, self._calls, total, self._items(text))
         return [self._event({"type": f"response.{body['status']}", "response": body})]
+
+    def keepalive(self) -> list[bytes]:
+        return [KEEPALIVE]
 
     def failed(self, error: APIError, total: FinishEvent) -> list[bytes]:
         partial = "".join(self._text)
