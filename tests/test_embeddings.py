@@ -15,7 +15,7 @@ import openai
 import pytest
 from gguf import PoolingType
 
-from appliance.http.embeddings import MAX_INPUTS, inputs_of
+from appliance.pipeline.embed import MAX_INPUTS, inputs_of
 from appliance.pipeline.errors import APIError
 from appliance.config.settings import ConfigError, parse_settings
 from engines.interface import ContextLengthExceeded, EngineError

@@ -189,7 +189,39 @@ CASES += [
     ("count_tokens no messages", "/v1/messages/count_tokens", {"model": CHAT_MODEL, "messages": []}),
     ("count_tokens unknown model", "/v1/messages/count_tokens", {"model": "x" * 10_000, "messages": [{"role": "user", "content": "x"}]}),
 ]
+# Ollama's API (issue 42): the same limits, Ollama's {"error": ...} body.
+OLLAMA_ASK = [{"role": "user", "content": "Name a colour."}]
+CASES += [(f"ollama options.{f}={v!r}", "/api/chat", {"model": CHAT_MODEL, "messages": OLLAMA_ASK, "stream": False, "options": {f: v}})
+          for f, v in [("num_predict", 2**63 - 1), ("num_predict", "12"), ("temperature", 1e308), ("top_k", -1), ("top_k", 2**40),
+                       ("top_p", 3.5), ("num_ctx", 0), ("stop", ["x"] * 100), ("seed", 2**70), ("mirostat", 1), ("repeat_penalty", 1.3)]]
+CASES += [
+    ("ollama messages a string", "/api/chat", {"model": CHAT_MODEL, "messages": "hi"}),
+    ("ollama a role no one has", "/api/chat", {"model": CHAT_MODEL, "messages": [{"role": "root", "content": "x"}]}),
+    ("ollama an image", "/api/chat", {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "x", "images": ["AA=="]}]}),
+    ("ollama an orphan tool turn", "/api/chat", {"model": CHAT_MODEL, "messages": [{"role": "tool", "content": "5"}]}),
+    ("ollama tool arguments not an object", "/api/chat", {"model": CHAT_MODEL, "messages": [
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]}]}),
+    ("ollama a tool with a broken schema", "/api/chat", {"model": CHAT_MODEL, "messages": OLLAMA_ASK, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}),
+    ("ollama format a word", "/api/chat", {"model": CHAT_MODEL, "messages": OLLAMA_ASK, "format": "yaml"}),
+    ("ollama keep_alive a word", "/api/chat", {"model": CHAT_MODEL, "messages": OLLAMA_ASK, "keep_alive": "soon"}),
+    ("ollama think", "/api/chat", {"model": CHAT_MODEL, "messages": OLLAMA_ASK, "think": True}),
+    ("ollama unknown model", "/api/chat", {"model": "../../etc/passwd", "messages": OLLAMA_ASK}),
+    ("ollama a prompt past the context", "/api/generate", {"model": CHAT_MODEL, "prompt": "word " * 2100, "stream": False}),
+    ("ollama a template of its own", "/api/generate", {"model": CHAT_MODEL, "prompt": "x", "template": "{{ .Prompt }}"}),
+    ("ollama context tokens", "/api/generate", {"model": CHAT_MODEL, "prompt": "x", "context": [1, 2, 3]}),
+    ("ollama a suffix", "/api/generate", {"model": CHAT_MODEL, "prompt": "def f(", "suffix": "return 1"}),
+    ("ollama embed nothing", "/api/embed", {"model": EMBED_MODEL, "input": []}),
+    ("ollama embed too long", "/api/embed", {"model": EMBED_MODEL, "input": "word " * 3000}),
+    ("ollama embed with a chat model", "/api/embed", {"model": CHAT_MODEL, "input": "x"}),
+    ("ollama embeddings a number", "/api/embeddings", {"model": EMBED_MODEL, "prompt": 5}),
+    ("ollama show nothing", "/api/show", {}),
+    ("ollama show a traversal", "/api/show", {"model": "../../x"}),
+    ("ollama an unload by a member", "/api/chat", {"model": CHAT_MODEL, "messages": [], "keep_alive": 0}),
+]
 RAW: list[tuple[str, str, bytes]] = [
+    ("ollama deep nesting", "/api/chat", b'{"model": "smollm2-135m", "messages": ' + deep(100_000).encode() + b"}"),
+    ("ollama not json", "/api/generate", b"{"),
     ("messages deep nesting", "/v1/messages", b'{"model": "smollm2-135m", "max_tokens": 4, "messages": ' + deep(100_000).encode() + b"}"),
     ("messages deep tool input", "/v1/messages", json.dumps(message()).encode()[:-1] + b', "tools": [{"name": "f", "input_schema": '
      + b'{"a": ' * 5_000 + b"1" + b"}" * 5_000 + b"}]}"),

@@ -116,15 +116,18 @@ def test_a_tool_use_round_trip(served: tuple[Server, str]) -> None:
     assert after.content and after.usage.input_tokens + (after.usage.cache_read_input_tokens or 0) > m.usage.input_tokens
 
 
-def test_structured_output_meets_its_schema_and_thinking_is_an_allowance(served: tuple[Server, str]) -> None:
+def test_structured_output_meets_its_schema_and_adaptive_thinking_is_an_allowance(served: tuple[Server, str]) -> None:
     server, key = served
     schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
               "required": ["colour"], "additionalProperties": False}
     m = ask(sdk(server, key), "Name a primary colour.", max_tokens=32, output_config={"format": {"type": "json_schema", "schema": schema}})
     assert json.loads(m.content[0].text)["colour"] in ("red", "green", "blue")  # type: ignore[union-attr]
-    # A model that does not reason answers directly: within any thinking budget or effort.
-    thought = ask(sdk(server, key), thinking={"type": "enabled", "budget_tokens": 1024}, output_config={"effort": "low"})
+    # Adaptive thinking lets the model decide, and one that does not reason answers directly; thinking
+    # that must happen (`enabled`) cannot, and is refused.
+    thought = ask(sdk(server, key), thinking={"type": "adaptive"}, output_config={"effort": "low"})
     assert [b.type for b in thought.content] == ["text"]
+    with pytest.raises(anthropic.BadRequestError, match="thinking"):
+        ask(sdk(server, key), thinking={"type": "enabled", "budget_tokens": 1024})
 
 
 def test_count_tokens_is_what_the_message_is_charged_for(served: tuple[Server, str]) -> None:

@@ -174,7 +174,7 @@ def _entry(services: Services, alias: str) -> Any:
     return entry
 
 
-def _unavailable(exc: ModelUnavailable) -> APIError:
+def unavailable(exc: ModelUnavailable) -> APIError:
     return APIError(exc.status, str(exc), code=exc.code, retry_after_s=exc.retry_after_s)
 
 
@@ -186,7 +186,7 @@ async def load_model_now(request: Request[Any, Any, Any], services: Services, al
     try:
         await services.registry.manager.load(entry)
     except ModelUnavailable as exc:
-        raise _unavailable(exc) from None
+        raise unavailable(exc) from None
     return {"alias": alias, "loaded": True}
 
 
@@ -199,7 +199,7 @@ async def unload_model_now(request: Request[Any, Any, Any], services: Services, 
     try:
         done = await services.registry.manager.unload(entry)
     except ModelUnavailable as exc:
-        raise _unavailable(exc) from None
+        raise unavailable(exc) from None
     return {"alias": alias, "unloaded": done, "when_idle": not done}
 
 

@@ -74,7 +74,7 @@ def response(answer: Answer, trace_id: str | None) -> Response[Any]:
     headers = answer.headers if trace_id is None else {**answer.headers, "x-trace-id": trace_id}
     if isinstance(answer.body, bytes):
         return Response(answer.body, media_type="application/json", headers=headers)
-    return Stream(answer.body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    return Stream(answer.body, media_type=answer.media_type, headers={**SSE_HEADERS, **headers})
 
 
 async def authenticate(request: Request[Any, Any, Any], services: Services) -> Principal:

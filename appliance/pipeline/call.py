@@ -237,7 +237,7 @@ async def respond(ctx: CallContext, headers: dict[str, str] | None = None,
         # A grammar compiles off the loop after `generate` returns: one llama.cpp refuses is an HTTP error too.
         if model.engine.takes_messages or cold or running.request.sampling.grammar is not None:
             await _first_event_or_error(call)
-        return Answer(_sse(call, wire, remember), headers)
+        return Answer(_sse(call, wire, remember), headers, wire.media_type)
     collected: list[Collected] = []
     try:
         collected = await call.collect()
@@ -395,7 +395,7 @@ def known_answer(ctx: CallContext, model_name: str, text: str, logprobs: list[To
     wire = ctx.wire_for(prepared, model_name, int(started))
     if not ctx.stream:
         return Answer(wire.full([Collected(text, logprobs, finish)], finish), headers)
-    return Answer(replay(wire, text, finish, prepared.tools), headers)
+    return Answer(replay(wire, text, finish, prepared.tools), headers, wire.media_type)
 
 
 def record(ctx: CallContext, started: float, finish: FinishEvent | None, status: str | None, completion_tokens: int | None = None,

@@ -33,6 +33,8 @@ class Wire(Protocol):
     An answer has one choice or several (`n`); a streamed piece names its choice by index, and
     `total` is the whole answer's finish (usage counting the prompt once)."""
 
+    media_type: str  # a stream's: SSE (text/event-stream), or Ollama's NDJSON
+
     def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes: ...
     def opening(self, choices: int) -> list[bytes]: ...
     def delta(self, index: int, text: str, logprob: TokenLogprob | None) -> list[bytes]: ...
@@ -57,6 +59,7 @@ class Answer:
 
     body: bytes | AsyncIterator[bytes]
     headers: dict[str, str]
+    media_type: str = "text/event-stream"  # a stream's; a whole body is JSON
 
 
 @dataclass(frozen=True)

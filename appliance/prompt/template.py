@@ -102,6 +102,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = bounded_filter("tojson", _tojson)
+        self.source = source  # shown as it was given (Ollama's /api/show)
         try:
             self._template = env.from_string(source)
             # Whether the template renders a `tools` list itself (else tools go in a system message).

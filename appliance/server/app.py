@@ -15,7 +15,7 @@ from litestar.types import Message, Scope
 
 from appliance import __version__
 from appliance.answer_cache.service import SemanticCache
-from appliance.http import admin, cache, distill, embeddings, fleet, messages, models, openai, responses
+from appliance.http import admin, cache, distill, embeddings, fleet, messages, models, ollama, openai, responses
 from appliance.http.prologue import authenticate
 from appliance.http.errors import handlers
 from appliance.http.headers import response_headers
@@ -107,7 +107,7 @@ def create_app(services: Services) -> Litestar:
         route_handlers=[
             health, metrics,
             *openai.ROUTES, *embeddings.ROUTES, *responses.ROUTES, *messages.ROUTES, *admin.ROUTES, *cache.ROUTES, *models.ROUTES, *fleet.ROUTES,
-            *distill.ROUTES,
+            *distill.ROUTES, *ollama.ROUTES,
         ],
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers=handlers(),

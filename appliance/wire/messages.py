@@ -64,6 +64,8 @@ class MessagesWire:
     Streamed, a text block opens at the answer's first text, and each tool call is a block of its
     own, opened, filled and stopped as it completes."""
 
+    media_type = "text/event-stream"
+
     def __init__(self, prepared: Prepared, model: str, created: int) -> None:
         self.id, self.model, self.tools = prepared.request.id, model, prepared.tools
         self.prompt_tokens = prepared.request.prompt_length

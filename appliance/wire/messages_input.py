@@ -127,8 +127,8 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
     metadata: MetadataParam | None = None
-    # Allows the model to think, within a budget; a model that does not reason answers directly,
-    # which is within any budget (docs/api.md).
+    # `adaptive` lets the model decide whether to think: one that does not reason answers directly.
+    # `enabled` requires thinking, which no served model does: a 400 (docs/api.md).
     thinking: ThinkingParam | None = None
     output_config: OutputConfig | None = None
     output_format: OutputFormat | None = None  # the structured-outputs beta's name for output_config.format
@@ -203,6 +203,9 @@ def _check(body: MessagesRequest) -> None:
         raise invalid(f"temperature: {body.temperature} is not valid; it must be between 0 and 1.", "temperature")
     if not body.messages:
         raise invalid("messages: at least one message is required.", "messages")
+    if body.thinking is not None and body.thinking.type == "enabled":
+        raise invalid("thinking: 'enabled' asks for a thinking block, and the served models do not reason; send 'adaptive' "
+                      "(the model decides) or leave thinking out.", "thinking.type")
     for name in ("container", "mcp_servers"):
         if getattr(body, name) is not None:
             raise invalid(f"{name}: not supported by this server; the answer would not be what was asked.", name)

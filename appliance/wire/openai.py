@@ -174,6 +174,8 @@ class ChatWire:
     """The call's Wire for chat and legacy completions: chunks naming their choice's index, then
     the usage chunk (when asked for: once, for every choice) and `[DONE]`."""
 
+    media_type = "text/event-stream"
+
     def __init__(self, fmt: Formatter, include_usage: bool) -> None:
         self.fmt, self.include_usage = fmt, include_usage
         self.calls: set[int] = set()  # choices that streamed a tool call: their finish reason is tool_calls

@@ -100,6 +100,8 @@ class ResponsesWire:
     the order the answer brings them: the message at its first text (or at the end, when nothing
     else came), each function call whole as it completes."""
 
+    media_type = "text/event-stream"
+
     def __init__(self, prepared: Prepared, model: str, created: int, echo: Echo, turns: list[Message], save: Save | None) -> None:
         self.id, self.model, self.created, self.echo = prepared.request.id, model, created, echo
         self.turns, self.save, self.tools = turns, save, prepared.tools

@@ -1,0 +1,210 @@
+"""Ollama's API on /api: what Open WebUI, Continue, VS Code's Ollama provider and the `ollama`
+clients call. /api/chat and /api/generate are asked as the chat (or completion) request they
+translate to (appliance/wire/ollama_input.py) through the one flow chat takes (the key, rate
+limits and budgets, guards, route or model, cache, traces, the request log) and answered in
+Ollama's wire (appliance/wire/ollama.py); /api/embed and /api/embeddings go through the embedding
+pipeline. Every error is Ollama's `{"error": "..."}`.
+
+Ollama's clients send no key by default: in keys mode give one in the client's headers
+(`Authorization: Bearer <key>`); docs/clients.md says how for each client."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, get, head, post
+
+from appliance.fleet.card import Card, card
+from appliance.fleet.manager import ModelUnavailable
+from appliance.fleet.registry import LoadedModel
+from appliance.http.errors import handlers
+from appliance.http.fleet import unavailable
+from appliance.http.prologue import Endpoint, authenticate, begin, reply
+from appliance.pipeline.context import Answer, CallContext
+from appliance.pipeline.embed import embed
+from appliance.pipeline.errors import APIError
+from appliance.pipeline.flow import serve_chat, serve_completion
+from appliance.pipeline.models import resolve_model
+from appliance.server.services import Services
+from appliance.wire.decode import decode_body
+from appliance.wire.ollama import VERSION, chat_wire, error_envelope, generate_wire, lifecycle_answer
+from appliance.wire.ollama_input import (
+    ChatBody,
+    EmbedBody,
+    EmbeddingsBody,
+    GenerateBody,
+    ShowBody,
+    chat_request,
+    generate_request,
+    keep_alive_s,
+    model_name,
+)
+from appliance.wire.schemas import ChatCompletionRequest
+
+OLLAMA_ERRORS = handlers(error_envelope)
+# Served as chat, completions and embeddings: the request log and the model policy know them so.
+CHAT = Endpoint("chat", "chatcmpl-", ChatBody, "chat", trace_auth=True, trace_body=False)
+GENERATE = Endpoint("chat", "chatcmpl-", GenerateBody, "chat", trace_auth=True, trace_body=False)
+EMBED = Endpoint("embeddings", "emb-", EmbedBody, "embeddings", trace_body=False)
+EMBEDDINGS = Endpoint("embeddings", "emb-", EmbeddingsBody, "embeddings", trace_body=False)
+
+
+def _iso(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _details(c: Card) -> dict[str, Any]:
+    return {"parent_model": "", "format": c.format, "family": c.family, "families": [c.family] if c.family else None,
+            "parameter_size": c.parameter_size, "quantization_level": c.quantization}
+
+
+def _listed(services: Services) -> list[LoadedModel]:
+    return [m for m in services.registry.all() if m.settings.kind in ("chat", "embedding")]
+
+
+@get("/")
+async def root() -> Response[str]:
+    return Response("Ollama is running", media_type="text/plain")  # what Ollama's clients probe for
+
+
+@head("/")
+async def root_head() -> None:
+    return None
+
+
+@get("/api/version", exception_handlers=OLLAMA_ERRORS)
+async def version() -> dict[str, str]:
+    return {"version": VERSION}
+
+
+@get("/api/tags", exception_handlers=OLLAMA_ERRORS)
+async def tags(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    await authenticate(request, services)
+    data_dir = services.settings.server.data_dir
+    out = []
+    for model in _listed(services):
+        c = card(model, data_dir)
+        name = f"{model.settings.alias}:latest"
+        out.append({"name": name, "model": name, "modified_at": _iso(c.modified_at or services.started_at), "size": c.size_bytes,
+                    "digest": c.digest, "details": _details(c)})
+    return {"models": out}
+
+
+@post("/api/show", status_code=200, exception_handlers=OLLAMA_ERRORS)
+async def show(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    await authenticate(request, services)
+    body = decode_body(await request.body(), ShowBody)
+    asked = body.model or body.name
+    if not asked:
+        raise APIError(400, "model: name the model to show.", param="model")
+    model = services.registry.get(model_name(asked))
+    if model is None or model.settings.kind not in ("chat", "embedding"):
+        raise APIError(404, f"model '{asked}' not found", param="model", code="model_not_found")
+    c = card(model, services.settings.server.data_dir)
+    defaults = services.settings.defaults
+    parameters = f"temperature {defaults.temperature}\ntop_p {defaults.top_p}\nnum_predict {defaults.max_tokens}\nnum_ctx {c.context_length}"
+    info: dict[str, Any] = {"general.architecture": c.family, "general.size_label": c.parameter_size}
+    if c.family:
+        info[f"{c.family}.context_length"] = c.context_length
+    return {"modelfile": "", "parameters": parameters, "template": c.template, "details": _details(c), "model_info": info,
+            "capabilities": list(c.capabilities), "modified_at": _iso(c.modified_at or services.started_at)}
+
+
+@get("/api/ps", exception_handlers=OLLAMA_ERRORS)
+async def ps(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    await authenticate(request, services)
+    data_dir = services.settings.server.data_dir
+    rows = {row["alias"]: row for row in services.registry.manager.view()}
+    out = []
+    now = datetime.datetime.now(datetime.timezone.utc).timestamp()
+    for model in _listed(services):
+        row = rows.get(model.settings.alias)
+        if row is not None and not row["loaded"]:
+            continue  # on demand and not in memory now
+        c = card(model, data_dir)
+        unloads = row["unloads_in_s"] if row is not None else None
+        name = f"{model.settings.alias}:latest"
+        out.append({"name": name, "model": name, "size": (row or {}).get("memory_bytes") or c.size_bytes, "digest": c.digest,
+                    "details": _details(c), "expires_at": _iso(now + unloads) if unloads is not None else "0001-01-01T00:00:00Z",
+                    "size_vram": 0, "context_length": c.context_length})
+    return {"models": out}
+
+
+async def _lifecycle(ctx: CallContext, name: str, keep_alive: Any, kind: Any) -> Answer:
+    """An empty request loads its model, or with keep_alive 0 unloads it (an admin's to ask: it
+    takes the model from every tenant)."""
+    services = ctx.services
+    model = resolve_model(services, model_name(name), "chat")
+    manager = services.registry.manager
+    entry = manager.entry(model.settings.alias)
+    reason = "unload" if keep_alive_s(keep_alive) == 0 else "load"
+    try:
+        if entry is not None and reason == "load":
+            await manager.load(entry)
+        elif entry is not None:
+            if not ctx.principal.admin:
+                raise APIError(403, "Unloading a model is an admin key's to ask: it takes the model from every caller.",
+                               code="permission_denied")
+            await manager.unload(entry)
+    except ModelUnavailable as exc:
+        raise unavailable(exc) from None
+    ctx.trace.end()
+    return Answer(msgspec.json.encode(lifecycle_answer(f"{model.settings.alias}:latest", kind, reason)), {})
+
+
+@post("/api/chat", status_code=200, exception_handlers=OLLAMA_ERRORS)
+async def chat(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
+    ctx, body = await begin(request, services, CHAT)
+    return await reply(ctx, _chat(ctx, body))
+
+
+async def _chat(ctx: CallContext, body: ChatBody) -> Answer:
+    keep_alive_s(body.keep_alive)  # a malformed one is refused before any work
+    if not body.messages:
+        return await _lifecycle(ctx, body.model, body.keep_alive, "chat")
+    asked = chat_request(body)
+    return await serve_chat(ctx.answering(chat_wire, asked.stream), asked)
+
+
+@post("/api/generate", status_code=200, exception_handlers=OLLAMA_ERRORS)
+async def generate(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
+    ctx, body = await begin(request, services, GENERATE)
+    return await reply(ctx, _generate(ctx, body))
+
+
+async def _generate(ctx: CallContext, body: GenerateBody) -> Answer:
+    keep_alive_s(body.keep_alive)
+    if not body.prompt and body.suffix is None:
+        return await _lifecycle(ctx, body.model, body.keep_alive, "generate")
+    asked = generate_request(body)
+    if isinstance(asked, ChatCompletionRequest):
+        return await serve_chat(ctx.answering(generate_wire, asked.stream), asked)
+    return await serve_completion(ctx.answering(generate_wire, asked.stream), asked)
+
+
+@post("/api/embed", status_code=200, exception_handlers=OLLAMA_ERRORS)
+async def embed_route(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
+    ctx, body = await begin(request, services, EMBED)
+    return await reply(ctx, _embed(ctx, body))
+
+
+async def _embed(ctx: CallContext, body: EmbedBody) -> Answer:
+    done = await embed(ctx, model_name(body.model), body.input, body.dimensions)
+    return Answer(msgspec.json.encode({"model": body.model, "embeddings": done.vectors.tolist(), "total_duration": 0,
+                                       "load_duration": 0, "prompt_eval_count": done.prompt_tokens}), {})
+
+
+@post("/api/embeddings", status_code=200, exception_handlers=OLLAMA_ERRORS)
+async def embeddings_route(request: Request[Any, Any, Any], services: Services) -> Response[Any]:
+    ctx, body = await begin(request, services, EMBEDDINGS)
+    return await reply(ctx, _embeddings(ctx, body))
+
+
+async def _embeddings(ctx: CallContext, body: EmbeddingsBody) -> Answer:
+    done = await embed(ctx, model_name(body.model), body.prompt, None)
+    return Answer(msgspec.json.encode({"embedding": done.vectors[0].tolist()}), {})
+
+
+ROUTES = [root, root_head, version, tags, show, ps, chat, generate, embed_route, embeddings_route]
