@@ -261,3 +261,27 @@ def test_compaction_is_not_served_and_says_so(served: tuple[Server, openai.OpenA
     r = httpx.post(f"{server.base_url}/v1/responses/compact", json={"model": CHAT_MODEL, "input": "hi"},
                    headers={"Authorization": f"Bearer {acme.api_key}"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_a_namespaces_function_is_called_by_namespace_and_name(served: tuple[Server, openai.OpenAI, openai.OpenAI]) -> None:
+    """As Codex sends its sub-agent tools: a namespace of functions; the call names both, whole and
+    streamed, and a function_call item naming them is read back as the same call."""
+    _, acme, _ = served
+    facts = {"type": "namespace", "name": "facts", "description": "Facts about countries.",
+             "tools": [{**LOOKUP, "name": "lookup"}]}
+    r = ask(acme, input=ASK_CAPITAL, tools=[facts], tool_choice="required", max_output_tokens=60,
+            include=["reasoning.encrypted_content"], reasoning={"summary": "auto"})
+    (call,) = r.output
+    assert (call.type, call.namespace, call.name) == ("function_call", "facts", "lookup")  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(call.arguments), LOOKUP["parameters"])  # type: ignore[union-attr]
+    with acme.responses.stream(model=CHAT_MODEL, input=ASK_CAPITAL, tools=[facts], tool_choice="required",  # type: ignore[list-item]
+                               max_output_tokens=60, temperature=0) as stream:
+        streamed = stream.get_final_response()
+    assert [(i.namespace, i.name) for i in streamed.output] == [("facts", "lookup")]  # type: ignore[union-attr]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Lima"}  # type: ignore[union-attr]
+    whole = ask(acme, input=[{"role": "user", "content": ASK_CAPITAL}, *r.output, result], tools=[facts], tool_choice="none",
+                max_output_tokens=8, store=False)
+    assert whole.output_text.strip()
+    with pytest.raises(openai.BadRequestError) as clash:  # a plain function named like a namespace's is ambiguous
+        ask(acme, input="Hi", tools=[facts, {**LOOKUP, "name": "facts__lookup"}])
+    assert clash.value.body["param"] == "tools[1].name"  # type: ignore[index]

@@ -18,6 +18,7 @@ from appliance.wire.responses_input import (
     function_call_events,
     function_call_item,
     message_item,
+    namespaces,
     new_id,
     output_items,
     output_text_part,
@@ -106,6 +107,7 @@ class ResponsesWire:
         self.id, self.model, self.created, self.echo = prepared.request.id, model, created, echo
         self.turns, self.save, self.tools = turns, save, prepared.tools
         self.message_id = new_id("msg")
+        self.declared = namespaces(echo.tools)  # whose functions' calls are named as namespace and name
         self._sequence = 0
         self._text: list[str] = []
         self._order: list[dict[str, Any] | None] = []  # streamed items: a chat tool call, or None for the message
@@ -138,7 +140,7 @@ class ResponsesWire:
     def _finished(self, text: str, calls: list[dict[str, Any]], finish: FinishEvent,
                   items: Callable[[str], list[dict[str, Any]]] | None = None) -> dict[str, Any]:
         status = _status(finish)
-        output = items(status) if items is not None else output_items(text, calls, status, self.message_id)
+        output = items(status) if items is not None else output_items(text, calls, status, self.message_id, self.declared)
         body = self.response(status, output, finish)
         if self.save is not None:
             self.save(body, [*self.turns, conversation_turn(text, calls)])
@@ -184,11 +186,12 @@ class ResponsesWire:
         wired = call.wire()
         self._calls.append(wired)
         self._order.append(wired)
-        return [self._event(e) for e in function_call_events(len(self._order) - 1, wired, argument_pieces(call.arguments))]
+        return [self._event(e) for e in function_call_events(len(self._order) - 1, wired, argument_pieces(call.arguments), self.declared)]
 
     def _items(self, text: str) -> Callable[[str], list[dict[str, Any]]]:
         """The streamed items, in their stream's order, as the finished response lists them."""
-        return lambda status: [message_item(self.message_id, text, status) if item is None else function_call_item(item, status)
+        return lambda status: [message_item(self.message_id, text, status) if item is None
+                               else function_call_item(item, status, declared=self.declared)
                                for item in self._order]
 
     def closing(self, index: int, finish: FinishEvent) -> list[bytes]:
@@ -217,7 +220,8 @@ class ResponsesWire:
 
     def failed(self, error: APIError, total: FinishEvent) -> list[bytes]:
         partial = "".join(self._text)
-        output = [message_item(self.message_id, partial, "incomplete") if item is None else function_call_item(item, "completed")
+        output = [message_item(self.message_id, partial, "incomplete") if item is None
+                  else function_call_item(item, "completed", declared=self.declared)
                   for item in self._order if item is not None or partial]
         return [
             self._event({"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param}),

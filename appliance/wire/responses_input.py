@@ -47,12 +47,31 @@ def _text(content: Any, where: str) -> str:
     return "".join(out)
 
 
+# A namespace's function is one chat function, `<namespace>__<name>`, and splits back in the answer.
+NAMESPACED = "__"
+
+
 def _tool_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
     for field, value in (("call_id", call_id), ("name", name), ("arguments", arguments)):
         if not isinstance(value, str) or (field != "arguments" and not value):
             raise invalid(f"A function_call item needs a string '{field}'.", f"{where}.{field}")
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    namespace = item.get("namespace")
+    if namespace is not None and (not isinstance(namespace, str) or not namespace):
+        raise invalid("A function_call item's 'namespace' is a string.", f"{where}.namespace")
+    flat = f"{namespace}{NAMESPACED}{name}" if namespace else name
+    return {"id": call_id, "type": "function", "function": {"name": flat, "arguments": arguments}}
+
+
+def namespaces(tools: list[Any] | None) -> frozenset[str]:
+    """The namespaces a request's tools declare."""
+    return frozenset(t["name"] for t in tools or [] if isinstance(t, dict) and t.get("type") == "namespace" and isinstance(t.get("name"), str))
+
+
+def split_name(flat: str, declared: frozenset[str]) -> tuple[str | None, str]:
+    """(namespace, name) of a chat function: one of a declared namespace splits, any other is itself."""
+    namespace, sep, name = flat.partition(NAMESPACED)
+    return (namespace, name) if sep and namespace in declared and name else (None, flat)
 
 
 def input_messages(value: str | list[Any]) -> list[Message]:
@@ -94,20 +113,37 @@ def input_messages(value: str | list[Any]) -> list[Message]:
 
 
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools ({type, name, description, parameters, strict}) as chat tools."""
+    """Responses function tools ({type, name, description, parameters, strict}) as chat tools; a
+    namespace's functions as `<namespace>__<name>` (their calls come back split: function_call_item)."""
     if not tools:
         return None
+    declared = namespaces(tools)
     out = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise invalid(f"Only function tools are supported; {kind!r} is not.", f"tools[{i}].type")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise invalid("A function tool needs a 'name'.", f"tools[{i}].name")
-        function = {"name": name, **{k: tool[k] for k in ("description", "parameters", "strict") if tool.get(k) is not None}}
-        out.append({"type": "function", "function": function})
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            inner = tool.get("tools")
+            if not isinstance(inner, list) or not inner:
+                raise invalid("A namespace tool needs a list of 'tools'.", f"tools[{i}].tools")
+            out += [_chat_function(t, f"tools[{i}].tools[{j}]", tool["name"]) for j, t in enumerate(inner)]
+            continue
+        function = _chat_function(tool, f"tools[{i}]", None)
+        if split_name(function["function"]["name"], declared)[0] is not None:
+            raise invalid(f"The function name {function['function']['name']!r} reads as a namespace's function.", f"tools[{i}].name")
+        out.append(function)
     return out
+
+
+def _chat_function(tool: Any, where: str, namespace: str | None) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise invalid(f"Only function tools (and namespaces of them) are supported; {kind!r} is not.", f"{where}.type")
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise invalid("A function tool needs a 'name'.", f"{where}.name")
+    function = {"name": f"{namespace}{NAMESPACED}{name}" if namespace else name,
+                **{k: tool[k] for k in ("description", "parameters", "strict") if tool.get(k) is not None}}
+    return {"type": "function", "function": function}
 
 
 def chat_tool_choice(choice: Any, tools: list[Any] | None) -> Any:
@@ -122,14 +158,15 @@ def chat_tool_choice(choice: Any, tools: list[Any] | None) -> Any:
     raise invalid("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}.", "tool_choice")
 
 
-def output_items(text: str, tool_calls: list[dict[str, Any]], status: str, message_id: str) -> list[dict[str, Any]]:
+def output_items(text: str, tool_calls: list[dict[str, Any]], status: str, message_id: str,
+                 declared: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """An answer as Responses output items: its text (if any, or if nothing else) as one message,
     then one function_call item per chat tool call."""
     items: list[dict[str, Any]] = []
     if text or not tool_calls:
         items.append(message_item(message_id, text, status))
     for call in tool_calls:
-        items.append(function_call_item(call, status))
+        items.append(function_call_item(call, status, declared=declared))
     return items
 
 
@@ -142,20 +179,25 @@ def output_text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def function_call_item(call: dict[str, Any], status: str, arguments: str | None = None) -> dict[str, Any]:
-    """A chat tool call ({id, type, function: {name, arguments}}) as a function_call output item;
-    the item's own id is derived from the call's, so a stream and its final object agree."""
+def function_call_item(call: dict[str, Any], status: str, arguments: str | None = None,
+                       declared: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """A chat tool call ({id, type, function: {name, arguments}}) as a function_call output item
+    (a namespace's function named as its namespace and its own name); the item's own id is derived
+    from the call's, so a stream and its final object agree."""
     function = call["function"]
-    return {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "name": function["name"],
+    namespace, name = split_name(function["name"], declared)
+    item = {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "name": name,
             "arguments": function.get("arguments", "") if arguments is None else arguments, "status": status}
+    return {**item, "namespace": namespace} if namespace else item
 
 
-def function_call_events(output_index: int, call: dict[str, Any], pieces: list[str]) -> list[dict[str, Any]]:
+def function_call_events(output_index: int, call: dict[str, Any], pieces: list[str],
+                         declared: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """A streamed function call as the Responses events for it (without sequence numbers): the item
     added with empty arguments, the arguments in pieces, then done."""
-    added = function_call_item(call, "in_progress", "")
+    added = function_call_item(call, "in_progress", "", declared)
     arguments = "".join(pieces)
-    done = function_call_item(call, "completed", arguments)
+    done = function_call_item(call, "completed", arguments, declared)
     events: list[dict[str, Any]] = [{"type": "response.output_item.added", "output_index": output_index, "item": added}]
     events += [{"type": "response.function_call_arguments.delta", "output_index": output_index, "item_id": added["id"], "delta": p}
                for p in pieces if p]
@@ -185,8 +227,10 @@ def _check(body: ResponsesRequest) -> None:
         raise invalid("Reasoning effort is not supported by this model.", "reasoning.effort")
     if body.top_logprobs:
         raise invalid("'top_logprobs' is not supported by this server for responses yet.", "top_logprobs")
-    if body.include:
-        raise invalid(f"'include' values are not supported by this server: {', '.join(body.include)}.", "include")
+    # Encrypted reasoning is carried only where there is reasoning: none here, so nothing to include.
+    unserved = [value for value in body.include or [] if value != "reasoning.encrypted_content"]
+    if unserved:
+        raise invalid(f"'include' values are not supported by this server: {', '.join(unserved)}.", "include")
     if body.max_tool_calls is not None:
         raise invalid("'max_tool_calls' is not supported by this server.", "max_tool_calls")
     check_metadata(body.metadata)
