@@ -218,6 +218,8 @@ CASES += [
     ("ollama show nothing", "/api/show", {}),
     ("ollama show a traversal", "/api/show", {"model": "../../x"}),
     ("ollama an unload by a member", "/api/chat", {"model": CHAT_MODEL, "messages": [], "keep_alive": 0}),
+    ("ollama a pull by a member", "/api/pull", {"model": "hf.co/acme/smol-GGUF:smol.Q4_1.gguf"}),
+    ("ollama a copy by a member", "/api/copy", {"source": CHAT_MODEL, "destination": "mine"}),
 ]
 RAW: list[tuple[str, str, bytes]] = [
     ("ollama deep nesting", "/api/chat", b'{"model": "smollm2-135m", "messages": ' + deep(100_000).encode() + b"}"),

@@ -157,3 +157,37 @@ def test_a_keys_mode_box_serves_an_ollama_client_that_sends_a_key(tmp_path_facto
         assert unload.value.status_code == 403
     finally:
         stop_server(server)
+
+
+def test_pull_copy_and_delete_change_the_fleet_through_the_one_download_path(tmp_path_factory: pytest.TempPathFactory,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance.fleet.files import package_file
+    from tests.conftest import MODEL_FILE
+    from tests.fake_hub import FakeHub
+
+    bundled = package_file(MODEL_FILE)
+    with FakeHub({"acme/smol-GGUF/smol.Q4_1.gguf": bundled}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        server = start_server(tmp_path_factory.mktemp("ollama-pull"), config_text(embeddings=False))
+        try:
+            client = ollama.Client(host=server.base_url, timeout=120)
+            with pytest.raises(ollama.ResponseError) as library:  # Ollama's registry is not this box's
+                client.pull("llama3.2")
+            assert library.value.status_code == 400 and "hf.co/<owner>/<repo>:<file>.gguf" in library.value.error
+            progress = list(client.pull("hf.co/acme/smol-GGUF:smol.Q4_1.gguf", stream=True))
+            assert progress[0].status == "pulling manifest" and progress[-1].status == "success"
+            assert any(p.completed == p.total == bundled.stat().st_size for p in progress)
+            assert ("HEAD" in {method for method, _ in hub.requests}) and any("smol.Q4_1.gguf" in path for _, path in hub.requests)
+            assert "smol.q4_1:latest" in {m.model for m in client.list().models}
+            assert client.chat(model="smol.q4_1", messages=ASK, options={"num_predict": 4}).done
+            assert client.copy("smol.q4_1", "smol-copy").status == "success"
+            assert "smol-copy:latest" in {m.model for m in client.list().models}
+            assert client.chat(model="smol-copy:latest", messages=ASK, options={"num_predict": 4}).done
+            assert client.delete("smol-copy").status == "success"
+            assert "smol-copy:latest" not in {m.model for m in client.list().models}
+            with pytest.raises(ollama.ResponseError) as gone:
+                client.delete("smol-copy")
+            assert gone.value.status_code == 404
+        finally:
+            stop_server(server)

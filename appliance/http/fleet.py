@@ -18,7 +18,7 @@ from appliance.config.settings import ConfigError, LocalModel, names_template_fi
 from appliance.config.writer import remove_table, update_table
 from appliance.fleet.admin import ModelAdminError, alias_for, check_alias, register
 from appliance.fleet.change import FleetChange
-from appliance.fleet.files import hub_file_problem, package_file_unimported, sha256
+from appliance.fleet.files import ModelFileError, hub_file_problem, package_file_unimported, resolve, sha256
 from appliance.fleet.manager import ModelUnavailable
 from appliance.fleet.reconfigure import apply_config
 from appliance.http.admin import _admin, confined, path_not_allowed, server_path
@@ -124,11 +124,34 @@ async def remove_model(request: Request[Any, Any, Any], services: Services, alia
     """Removes a model from models.toml; it finishes its running requests, then unloads. Its file
     stays on disk. Refused while a route, the cache or a guardrail still names it."""
     await _admin(request, services)
+    return _change_view(await remove(services, alias), services)
+
+
+async def remove(services: Services, alias: str) -> FleetChange:
+    """The admin API's DELETE and Ollama's /api/delete."""
     config_file(services)
     if services.settings.model(alias) is None:
         raise APIError(404, f"The model '{alias}' does not exist.", param="model", code="model_not_found")
-    change = await change_fleet(services, lambda config: remove_table(config, "models", alias))
-    return _change_view(change, services)
+    return await change_fleet(services, lambda config: remove_table(config, "models", alias))
+
+
+async def copy(services: Services, source: str, destination: str) -> FleetChange:
+    """Ollama's /api/copy: the source's file registered again under another alias, with the
+    source's settings (`like`)."""
+    config_file(services)
+    configured = services.settings.model(source)
+    if configured is None:
+        raise APIError(404, f"The model '{source}' does not exist.", param="source", code="model_not_found")
+    try:
+        alias = check_alias(destination)
+        path = resolve(configured, services.settings.server.data_dir)
+    except ModelAdminError as exc:
+        raise invalid(str(exc), "destination") from None
+    except ModelFileError as exc:  # an upstream model, or a file not downloaded
+        raise invalid(f"The model '{source}' has no file here to copy: {exc}", "source") from None
+    if services.settings.model(alias) is not None or services.settings.route(alias) is not None:
+        raise APIError(409, f"There is already a model or route with alias {alias!r}.", param="destination", code="alias_taken")
+    return await change_fleet(services, lambda config: register(config, alias, path, sha256(path), like=source))
 
 
 def confined_values(services: Services, table: type, values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

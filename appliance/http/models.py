@@ -128,12 +128,11 @@ def _config_file(services: Services) -> Path:
     return config
 
 
-def _start_job(services: Services, kind: str, description: str, work: Any) -> dict[str, Any]:
+def _start_job(services: Services, kind: str, description: str, work: Any) -> Job:
     try:
-        job = services.jobs.start(kind, description, work)
+        return services.jobs.start(kind, description, work)
     except JobBusy as exc:
         raise APIError(409, str(exc), code="job_running") from None
-    return {"job": job.view()}
 
 
 @post("/admin/models/quantize", status_code=202)
@@ -171,7 +170,7 @@ async def quantize_model(request: Request[Any, Any, Any], services: Services) ->
         register(config, alias, dst, sha256(dst), like=configured.alias if configured else None)
         return f"wrote {dst} and registered it as {alias!r} in {config}" + apply_from_thread(services, loop)
 
-    return _start_job(services, "quantize", f"{src.name} to {body.type}", work)
+    return {"job": _start_job(services, "quantize", f"{src.name} to {body.type}", work).view()}
 
 
 @post("/admin/models/pull", status_code=202)
@@ -181,22 +180,28 @@ async def pull_model(request: Request[Any, Any, Any], services: Services) -> dic
     /admin/jobs for progress."""
     await _admin(request, services)
     body: PullBody = decode_body(await request.body(), PullBody)
+    return {"job": start_pull(services, body.repo, body.file, body.alias).view()}
+
+
+def start_pull(services: Services, repo: str, file: str, alias: str | None) -> Job:
+    """The pull job: one GGUF downloaded from the hub, registered and served (the admin API's and
+    Ollama's /api/pull). Refusals name `repo`, `file` or `alias`."""
     config = _config_file(services)
-    if "/" not in body.repo or not body.file.endswith(".gguf"):
-        raise invalid("Give a hub repo as owner/name and a .gguf file in it.", "repo" if "/" not in body.repo else "file")
-    if (problem := hub_file_problem(body.file)) is not None:
+    if "/" not in repo or not file.endswith(".gguf"):
+        raise invalid("Give a hub repo as owner/name and a .gguf file in it.", "repo" if "/" not in repo else "file")
+    if (problem := hub_file_problem(file)) is not None:
         raise invalid(f"file names {problem}.", "file")
-    alias = _new_alias(services, alias_for(Path(body.file)) if body.alias is None else body.alias)
+    alias = _new_alias(services, alias_for(Path(file)) if alias is None else alias)
     data_dir = services.settings.server.data_dir
     loop = asyncio.get_running_loop()
 
     def work(job: Job) -> str:
-        path, digest = download(body.repo, body.file, data_dir, tqdm_class=_progress_into(job))
+        path, digest = download(repo, file, data_dir, tqdm_class=_progress_into(job))
         job.done = job.total = path.stat().st_size
         register(config, alias, path, digest)
         return f"downloaded {path} and registered it as {alias!r} in {config}" + apply_from_thread(services, loop)
 
-    return _start_job(services, "pull", f"{body.repo}/{body.file}", work)
+    return _start_job(services, "pull", f"{repo}/{file}", work)
 
 
 def _new_alias(services: Services, alias: str) -> str:

@@ -10,34 +10,44 @@ Ollama's clients send no key by default: in keys mode give one in the client's h
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from litestar import Request, Response, get, head, post
+from litestar import Request, Response, delete, get, head, post
+from litestar.response import Stream
 
 from appliance.fleet.card import Card, card
 from appliance.fleet.manager import ModelUnavailable
 from appliance.fleet.registry import LoadedModel
 from appliance.http.errors import handlers
-from appliance.http.fleet import unavailable
+from appliance.http.admin import _admin
+from appliance.http.fleet import copy, remove, unavailable
+from appliance.http.models import start_pull
 from appliance.http.prologue import Endpoint, authenticate, begin, reply
 from appliance.pipeline.context import Answer, CallContext
 from appliance.pipeline.embed import embed
 from appliance.pipeline.errors import APIError
 from appliance.pipeline.flow import serve_chat, serve_completion
 from appliance.pipeline.models import resolve_model
+from appliance.server.jobs import Job
 from appliance.server.services import Services
 from appliance.wire.decode import decode_body
-from appliance.wire.ollama import VERSION, chat_wire, error_envelope, generate_wire, lifecycle_answer
+from appliance.wire.ollama import NDJSON, VERSION, chat_wire, error_envelope, generate_wire, lifecycle_answer
 from appliance.wire.ollama_input import (
     ChatBody,
+    CopyBody,
+    DeleteBody,
     EmbedBody,
     EmbeddingsBody,
     GenerateBody,
+    PullBody,
     ShowBody,
     chat_request,
     generate_request,
+    hub_file,
     keep_alive_s,
     model_name,
 )
@@ -207,4 +217,59 @@ async def _embeddings(ctx: CallContext, body: EmbeddingsBody) -> Answer:
     return Answer(msgspec.json.encode({"embedding": done.vectors[0].tolist()}), {})
 
 
-ROUTES = [root, root_head, version, tags, show, ps, chat, generate, embed_route, embeddings_route]
+@post("/api/pull", status_code=200, exception_handlers=OLLAMA_ERRORS)
+async def pull(request: Request[Any, Any, Any], services: Services) -> Any:
+    """A hub file downloaded through the server's one download path (the admin API's pull job),
+    registered and served; streamed as Ollama's progress lines unless `stream: false`. An admin
+    key's to ask, as every change to the fleet is."""
+    await _admin(request, services)
+    body = decode_body(await request.body(), PullBody)
+    repo, file = hub_file(body.model or body.name or "")
+    job = start_pull(services, repo, file, None)
+    if body.stream:
+        return Stream(_progress(job), media_type=NDJSON)
+    while job.state == "running":
+        await asyncio.sleep(0.2)
+    if job.state != "done":
+        raise APIError(502, f"pull failed: {job.message}", code="pull_failed")
+    return {"status": "success"}
+
+
+async def _progress(job: Job) -> AsyncIterator[bytes]:
+    """Ollama's pull lines, from the job as it runs: each change of the bytes done, then success
+    (or the error)."""
+    yield msgspec.json.encode({"status": "pulling manifest"}) + b"\n"
+    seen: tuple[int, int | None] | None = None
+    while True:
+        state, done, total = job.state, job.done, job.total
+        if (done, total) != seen:
+            seen = (done, total)
+            yield msgspec.json.encode({"status": f"pulling {job.description}", "digest": job.id, "total": total or 0,
+                                       "completed": done}) + b"\n"
+        if state != "running":
+            break
+        await asyncio.sleep(0.2)
+    if state == "done":
+        for status in ("verifying sha256 digest", "writing manifest", "success"):
+            yield msgspec.json.encode({"status": status}) + b"\n"
+    else:
+        yield msgspec.json.encode({"error": f"pull failed: {job.message}"}) + b"\n"
+
+
+@delete("/api/delete", status_code=200, exception_handlers=OLLAMA_ERRORS)
+async def delete_model(request: Request[Any, Any, Any], services: Services) -> None:
+    """The model out of models.toml (its file stays); an admin key's to ask."""
+    await _admin(request, services)
+    body = decode_body(await request.body(), DeleteBody)
+    await remove(services, model_name(body.model or body.name or ""))
+
+
+@post("/api/copy", status_code=200, exception_handlers=OLLAMA_ERRORS)
+async def copy_model(request: Request[Any, Any, Any], services: Services) -> None:
+    """The source's file served again under another alias, with the source's settings; an admin key's to ask."""
+    await _admin(request, services)
+    body = decode_body(await request.body(), CopyBody)
+    await copy(services, model_name(body.source), model_name(body.destination))
+
+
+ROUTES = [root, root_head, version, tags, show, ps, chat, generate, embed_route, embeddings_route, pull, delete_model, copy_model]

@@ -115,6 +115,36 @@ class ShowBody(msgspec.Struct, kw_only=True):
     verbose: bool = False
 
 
+class PullBody(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    name: str | None = None  # the older name of the field
+    stream: bool = True
+    insecure: bool = False
+
+
+class DeleteBody(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    name: str | None = None
+
+
+class CopyBody(msgspec.Struct, kw_only=True):
+    source: str
+    destination: str
+
+
+_HUB_NAME = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/([^/\s:]+/[^/\s:]+):(.+\.gguf)$")
+
+
+def hub_file(name: str) -> tuple[str, str]:
+    """(repo, file) from `hf.co/<owner>/<repo>:<file>.gguf`, the one pull name served: Ollama's
+    library names need Ollama's registry, and a quantization tag a listing of the repo."""
+    match = _HUB_NAME.match(name.strip())
+    if match is None:
+        raise invalid(f"model: {name!r} is not a hub file; pull one as hf.co/<owner>/<repo>:<file>.gguf (Ollama's library "
+                      "names are not served here).", "model")
+    return match.group(1), match.group(2)
+
+
 def model_name(name: str) -> str:
     """Ollama names carry a tag; `:latest` is the one every model here has."""
     return name.removesuffix(":latest")
