@@ -16,7 +16,7 @@ from appliance.pipeline.context import Answer, CallContext
 from appliance.pipeline.flow import serve_chat
 from appliance.pipeline.models import model_with_adapters
 from appliance.pipeline.prepare import prepare_chat
-from appliance.pipeline.routed import tier_model
+from appliance.pipeline.models import tier_model
 from appliance.server.services import Services
 from appliance.wire.decode import decode_body
 from appliance.wire.messages import error_envelope, messages_wire

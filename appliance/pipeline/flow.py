@@ -10,7 +10,7 @@ from appliance.pipeline.cached import cache_plan, look_up, serve_hit
 from appliance.pipeline.collect import both, keeper
 from appliance.pipeline.context import Answer, CallContext, Remember
 from appliance.pipeline.guards import guard
-from appliance.pipeline.models import model_with_adapters
+from appliance.pipeline.models import model_with_adapters, tier_model
 from appliance.pipeline.prepare import (
     chat_messages,
     check_metadata,
@@ -19,7 +19,7 @@ from appliance.pipeline.prepare import (
     unsupported_chat,
     with_adapters,
 )
-from appliance.pipeline.routed import routable, routed_chat, tier_model
+from appliance.pipeline.routed import routable, routed_chat
 from appliance.wire.schemas import ChatCompletionRequest, CompletionRequest
 
 

@@ -1,9 +1,11 @@
-"""The model a request names, of the kind its endpoint serves, and the LoRA adapters it asks for on it."""
+"""The model a request names, of the kind its endpoint serves, and the LoRA adapters it asks for on it;
+and a route's tier as the model and adapter it runs."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from appliance.config.settings import split_tier
 from appliance.fleet.registry import LoadedModel
 from appliance.pipeline.errors import APIError, invalid
 from appliance.server.services import Services
@@ -41,3 +43,14 @@ def model_with_adapters(services: Services, alias: str, chosen: list[Any] | None
             raise invalid("An adapter's scale must be between -10 and 10.", "adapters")
         out.append((name, info.scale if scale is None else scale))
     return model, tuple(out)
+
+
+def tier_model(services: Services, tier: str) -> tuple[LoadedModel, tuple[tuple[str, float], ...]]:
+    """A route's tier: its model, and the LoRA adapter a distilled tier ("alias:adapter") runs with, at its configured scale."""
+    alias, adapter = split_tier(tier)
+    model = services.registry.get(alias)
+    assert model is not None  # settings checked the tiers
+    if adapter is None:
+        return model, ()
+    scale = next((a.scale for a in model.engine.adapters() if a.name == adapter), 1.0)
+    return model, ((adapter, scale),)

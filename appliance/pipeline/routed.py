@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.config.settings import RouteSettings, split_tier
+from appliance.config.settings import RouteSettings
 from appliance.fleet.registry import LoadedModel
 from appliance.pipeline import call
 from appliance.pipeline.cached import CachePlan, answered_by_program
@@ -26,6 +26,7 @@ from appliance.pipeline.call import known_answer
 from appliance.pipeline.collect import keeper
 from appliance.pipeline.context import Answer, CallContext
 from appliance.pipeline.errors import APIError, invalid
+from appliance.pipeline.models import tier_model
 from appliance.pipeline.prepare import Prepared, chat_messages, prepare_chat, with_adapters
 from appliance.pipeline.route_choice import choose_tier
 from appliance.prompt.tool_calls import answer_problem
@@ -305,14 +306,3 @@ async def _default(ctx: CallContext, run: _Run) -> _Reply:
 def _tier(services: Services, alias: str, index: int | None) -> _Tier:
     model, adapters = tier_model(services, alias)
     return _Tier(alias, model, adapters, index)
-
-
-def tier_model(services: Services, tier: str) -> tuple[LoadedModel, tuple[tuple[str, float], ...]]:
-    """A route's tier: its model, and the LoRA adapter a distilled tier ("alias:adapter") runs with, at its configured scale."""
-    alias, adapter = split_tier(tier)
-    model = services.registry.get(alias)
-    assert model is not None  # settings checked the tiers
-    if adapter is None:
-        return model, ()
-    scale = next((a.scale for a in model.engine.adapters() if a.name == adapter), 1.0)
-    return model, ((adapter, scale),)
