@@ -202,6 +202,15 @@ def parse(text: str, plan: ToolPlan) -> Parsed:
     return Parsed(content or None, tuple(calls[:1] if not plan.parallel else calls), problem)
 
 
+def answer_calls(text: str, plan: ToolPlan | None) -> tuple[str, tuple[ToolCall, ...]]:
+    """A whole answer as its text and its calls, as every wire writes it: with no tools offered, or
+    no call read, the text itself and none; else the text around the calls ("" when none)."""
+    parsed = parse(text, plan) if plan is not None else None
+    if parsed is None or not parsed.calls:
+        return text, ()
+    return parsed.content or "", parsed.calls
+
+
 def arguments_problem(call: ToolCall, plan: ToolPlan) -> str | None:
     """Whether a call's arguments break its tool's schema (the router escalates on it)."""
     tool = next((t for t in plan.tools if t.name == call.name), None)

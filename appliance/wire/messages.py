@@ -13,7 +13,7 @@ import msgspec
 from appliance.pipeline.choices import Collected
 from appliance.pipeline.errors import APIError
 from appliance.pipeline.prepare import Prepared
-from appliance.prompt.tool_calls import ToolCall, argument_pieces, parse
+from appliance.prompt.tool_calls import ToolCall, answer_calls, argument_pieces
 from engines.interface import FinishEvent, TokenLogprob
 
 _encoder = msgspec.json.Encoder()
@@ -81,11 +81,7 @@ class MessagesWire:
 
     def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
         (answer,) = choices
-        text, calls = answer.text, []
-        if self.tools is not None:
-            parsed = parse(text, self.tools)
-            if parsed.calls:
-                text, calls = parsed.content or "", list(parsed.calls)
+        text, calls = answer_calls(answer.text, self.tools)
         self._calls = bool(calls)
         content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(c) for c in calls]
         return _encoder.encode(self._message(content, total))

@@ -15,7 +15,7 @@ import msgspec
 from appliance.pipeline.choices import Collected
 from appliance.pipeline.errors import APIError
 from appliance.pipeline.prepare import Prepared
-from appliance.prompt.tool_calls import ToolCall, parse
+from appliance.prompt.tool_calls import ToolCall, answer_calls
 from engines.interface import FinishEvent, TokenLogprob
 
 _encoder = msgspec.json.Encoder()
@@ -75,12 +75,8 @@ class OllamaWire:
 
     def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
         (answer,) = choices
-        text, calls = answer.text, []
-        if self.tools is not None:
-            parsed = parse(text, self.tools)
-            if parsed.calls:
-                text, calls = parsed.content or "", [_call(c) for c in parsed.calls]
-        return _encoder.encode({**self._piece(text, calls), **done(total)})
+        text, calls = answer_calls(answer.text, self.tools)
+        return _encoder.encode({**self._piece(text, [_call(c) for c in calls]), **done(total)})
 
     def opening(self, choices: int) -> list[bytes]:
         assert choices == 1

@@ -24,7 +24,7 @@ from appliance.wire.responses_input import (
     output_text_part,
 )
 from appliance.pipeline.prepare import Prepared
-from appliance.prompt.tool_calls import ToolCall, argument_pieces, parse
+from appliance.prompt.tool_calls import ToolCall, answer_calls, argument_pieces
 from appliance.wire.openai import KEEPALIVE
 from appliance.wire.schemas import ResponsesRequest
 from engines.interface import FinishEvent, TokenLogprob
@@ -148,11 +148,8 @@ class ResponsesWire:
 
     def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
         (answer,) = choices
-        text, calls = answer.text, []
-        if self.tools is not None:
-            parsed = parse(text, self.tools)
-            if parsed.calls:
-                text, calls = parsed.content or "", [c.wire() for c in parsed.calls]
+        text, found = answer_calls(answer.text, self.tools)
+        calls = [c.wire() for c in found]
         return _encoder.encode(self._finished(text, calls, total))
 
     def opening(self, choices: int) -> list[bytes]:
