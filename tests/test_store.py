@@ -208,3 +208,21 @@ def test_vector_tables_move_to_small_chunks_with_their_vectors(tmp_path: Path):
     db.execute("COMMIT")
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     assert (os.path.getsize(path) - before) / 50 < 384 * 4 * old / 8  # far under a whole default chunk per bucket
+
+
+def test_labelled_traps_stop_at_their_cap_and_a_call_past_it_stores_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from appliance.store import answer_entries
+    from appliance.store.answer_entries import CacheStore, LabelledTrap, TrapsFull
+
+    monkeypatch.setattr(answer_entries, "MAX_LABELLED_TRAPS", 3)
+    db = connect(tmp_path / "cache.db")
+    migrate(db)
+    store = CacheStore(db, "minilm", 4)
+    pair = [LabelledTrap("", f"Is {n} even?", f"Is {n} odd?") for n in range(5)]
+    assert store.add_traps(pair[:2], 1.0) == pair[:2]
+    assert store.add_traps(pair[:2], 2.0) == []  # known pairs are not counted twice
+    with pytest.raises(TrapsFull) as full:
+        store.add_traps(pair[2:], 3.0)  # 2 + 3 > 3: all or nothing
+    assert full.value.stored == 2
+    assert store.labelled_traps() == pair[:2]
+    assert store.add_traps(pair[2:3], 4.0) == pair[2:3]

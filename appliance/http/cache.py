@@ -12,7 +12,7 @@ from appliance.http.prologue import authenticate
 from appliance.pipeline.errors import APIError, invalid
 from appliance.server.services import Services
 from appliance.store import kept_answers
-from appliance.store.answer_entries import LabelledTrap
+from appliance.store.answer_entries import LabelledTrap, TrapsFull
 from appliance.wire.decode import decode_body
 from policy.budgets import usd
 
@@ -148,7 +148,10 @@ async def add_traps(request: Request[Any, Any, Any], services: Services) -> dict
     same = next((i for i, p in enumerate(body.pairs) if p.cached.strip() == p.asked.strip()), None)
     if same is not None:
         raise invalid("A near miss needs two different questions; these are the same.", f"pairs[{same}]")
-    added = await services.cache.add_traps([LabelledTrap(body.tenant or "", p.cached, p.asked) for p in body.pairs])
+    try:
+        added = await services.cache.add_traps([LabelledTrap(body.tenant or "", p.cached, p.asked) for p in body.pairs])
+    except TrapsFull as exc:
+        raise APIError(409, f"No pair was added: {exc}.", param="pairs", code="traps_full") from None
     return {"added": added, "false_hit_bound": services.cache.bounds.summary()}
 
 

@@ -50,6 +50,17 @@ def labelled_traps_table(db: apsw.Connection) -> None:
         ) STRICT""")
 
 
+# Every labelled trap is embedded again at each start (two questions each): 20,000 take about a
+# minute on two cores, and hold more than any language's bound needs (299 for 1%).
+MAX_LABELLED_TRAPS = 20_000
+
+
+class TrapsFull(Exception):
+    def __init__(self, stored: int) -> None:
+        super().__init__(f"the cache holds at most {MAX_LABELLED_TRAPS:,} labelled traps; {stored:,} are stored")
+        self.stored = stored
+
+
 @dataclass(frozen=True)
 class LabelledTrap:
     tenant: str  # "" for everyone
@@ -278,7 +289,8 @@ class CacheStore:
         return [Reported(*row) for row in rows]
 
     def add_traps(self, traps: list[LabelledTrap], now: float) -> list[LabelledTrap]:
-        """Store labelled near misses; returns those not already known (the same pair twice is one trap)."""
+        """Store labelled near misses; returns those not already known (the same pair twice is one
+        trap). Past MAX_LABELLED_TRAPS in all, none is stored: TrapsFull."""
         added = []
         with immediate(self.db):
             for t in traps:
@@ -286,6 +298,9 @@ class CacheStore:
                                 (t.tenant, t.cached, t.asked, now))
                 if self.db.changes():
                     added.append(t)
+            stored = self.db.execute("SELECT count(*) FROM cache_traps").fetchone()[0]
+            if stored > MAX_LABELLED_TRAPS:
+                raise TrapsFull(stored - len(added))  # the transaction rolls back: nothing of this call stays
         return added
 
     def labelled_traps(self) -> list[LabelledTrap]:
