@@ -229,3 +229,19 @@ def test_a_load_slower_than_the_timeout_is_a_503_with_retry_after(tmp_path: Path
         ask(client, "cold-a")
     finally:
         stop_server(srv)
+
+
+def test_an_ollama_clients_keep_alive_decides_how_long_its_model_stays(server: Server) -> None:
+    import ollama
+
+    client = ollama.Client(host=server.base_url, timeout=120)
+    ask_ollama = {"messages": [{"role": "user", "content": "Say hi."}], "options": {"num_predict": 2}}
+    client.chat(model="brief", keep_alive="10m", **ask_ollama)  # configured to unload at once; asked to stay 10 minutes
+    time.sleep(0.5)
+    row = model_row(server, "brief")
+    assert row["loaded"] and 590 < row["unloads_in_s"] <= 600
+    client.chat(model="brief", keep_alive=0, **ask_ollama)  # and now to go once answered
+    wait_for(lambda: not model_row(server, "brief")["loaded"], timeout=5)
+    assert client.chat(model="brief", messages=[], keep_alive=-1).done_reason == "load"  # an empty request loads it, for good
+    row = model_row(server, "brief")
+    assert row["loaded"] and row["unloads_in_s"] > 86400 * 365

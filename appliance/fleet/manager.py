@@ -60,6 +60,7 @@ class Entry:
     key: str = ""  # its name among the manager's entries: the alias, or a retired one's own
     retired: Callable[[], None] | None = None  # set once replaced or removed: called when it is gone
     unload_when_idle: bool = False  # the operator asked to unload it while it was busy
+    asked_keep_alive_s: float | None = None  # how long to keep it after its last request, as an admin's request asked
 
     def __post_init__(self) -> None:
         self.key = self.key or self.settings.alias
@@ -72,7 +73,8 @@ class Entry:
         idle_since = getattr(self.real, "idle_since", None)
         last = max(self.last_used, idle_since if idle_since is not None else now)
         going = self.retired is not None or self.unload_when_idle  # unloaded once idle
-        keep_alive = 0.0 if going else getattr(self.settings, "keep_alive_s", None)
+        configured = getattr(self.settings, "keep_alive_s", None)
+        keep_alive = 0.0 if going else self.asked_keep_alive_s if self.asked_keep_alive_s is not None else configured
         return Resident(self.key, self.need, self.busy, last, keep_alive, self.pinned and self.retired is None)
 
 
@@ -131,6 +133,14 @@ class ModelManager:
         turn.add_done_callback(self._turn_done)
         await asyncio.shield(turn)
         return True
+
+    def keep_alive(self, alias: str, seconds: float) -> None:
+        """Keep the model this long after its last request (Ollama's keep_alive), instead of its
+        configured keep_alive, until the next such ask; a preloaded model stays regardless."""
+        entry = self._entries.get(alias)
+        if entry is not None:
+            entry.asked_keep_alive_s = seconds
+            self._start_reaper()
 
     async def preload(self, entry: Entry) -> None:
         """Loads a pinned model added while the server runs, waiting for room as a request would."""

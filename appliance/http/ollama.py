@@ -149,10 +149,13 @@ async def _lifecycle(ctx: CallContext, name: str, keep_alive: Any, kind: Any) ->
     model = resolve_model(services, model_name(name), "chat")
     manager = services.registry.manager
     entry = manager.entry(model.settings.alias)
-    reason = "unload" if keep_alive_s(keep_alive) == 0 else "load"
+    seconds = keep_alive_s(keep_alive)
+    reason = "unload" if seconds == 0 else "load"
     try:
         if entry is not None and reason == "load":
             await manager.load(entry)
+            if seconds is not None and ctx.principal.admin:
+                manager.keep_alive(model.settings.alias, seconds)
         elif entry is not None:
             if not ctx.principal.admin:
                 raise APIError(403, "Unloading a model is an admin key's to ask: it takes the model from every caller.",
@@ -170,10 +173,19 @@ async def chat(request: Request[Any, Any, Any], services: Services) -> Response[
     return await reply(ctx, _chat(ctx, body))
 
 
+def _keep(ctx: CallContext, model: str, keep_alive: Any) -> None:
+    """A request's keep_alive (refused before any work when malformed) sets how long its model stays
+    loaded after it: an admin's ask, since it decides for every caller of the model; a member's is
+    accepted and the model's configured keep_alive stays."""
+    seconds = keep_alive_s(keep_alive)
+    if seconds is not None and ctx.principal.admin:
+        ctx.services.registry.manager.keep_alive(model_name(model), seconds)
+
+
 async def _chat(ctx: CallContext, body: ChatBody) -> Answer:
-    keep_alive_s(body.keep_alive)  # a malformed one is refused before any work
     if not body.messages:
         return await _lifecycle(ctx, body.model, body.keep_alive, "chat")
+    _keep(ctx, body.model, body.keep_alive)
     asked = chat_request(body)
     return await serve_chat(ctx.answering(chat_wire, asked.stream), asked)
 
@@ -185,9 +197,9 @@ async def generate(request: Request[Any, Any, Any], services: Services) -> Respo
 
 
 async def _generate(ctx: CallContext, body: GenerateBody) -> Answer:
-    keep_alive_s(body.keep_alive)
     if not body.prompt and body.suffix is None:
         return await _lifecycle(ctx, body.model, body.keep_alive, "generate")
+    _keep(ctx, body.model, body.keep_alive)
     asked = generate_request(body)
     if isinstance(asked, ChatCompletionRequest):
         return await serve_chat(ctx.answering(generate_wire, asked.stream), asked)

@@ -153,8 +153,11 @@ def model_name(name: str) -> str:
 _DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ms|s|m|h)?$")
 
 
+FOREVER_S = 10 * 365 * 86400.0  # a negative keep_alive: kept, yet still unloaded to make room for another model
+
+
 def keep_alive_s(value: KeepAlive) -> float | None:
-    """Seconds from Ollama's keep_alive ("5m", "1h", 300, "0"); negative is forever (None)."""
+    """Seconds from Ollama's keep_alive ("5m", "1h", 300, "0"; negative: FOREVER_S); None when not given."""
     if value is None:
         return None
     if isinstance(value, (int, float)):
@@ -164,7 +167,7 @@ def keep_alive_s(value: KeepAlive) -> float | None:
         if match is None:
             raise invalid(f"keep_alive: {value!r} is not a duration (such as \"5m\", \"30s\", 0 or -1).", "keep_alive")
         seconds = float(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[match.group(2)]
-    return None if seconds < 0 else seconds
+    return FOREVER_S if seconds < 0 else seconds
 
 
 def _sampling(options: Options | None) -> dict[str, Any]:
