@@ -12,6 +12,7 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+from appliance.cli import data as cli_data
 from appliance.cli import distill as cli_distill
 from appliance.cli import evals as cli_eval
 from appliance.cli import fleet as cli_fleet
@@ -559,6 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     bshow.set_defaults(func=cmd_budgets_show)
 
     cli_eval.add_commands(sub)
+    cli_data.add_commands(sub)
 
     distill = sub.add_parser("distill", help="teach a cheap model from verified answers").add_subparsers(dest="distill_command", required=True)
     cli_distill.add_export_command(distill)
