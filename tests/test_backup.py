@@ -62,3 +62,31 @@ def test_restore_refuses_a_file_that_is_not_a_sound_appliance_database(tmp_path:
     refused = appliance(work, "restore", str(junk), "--url", "http://127.0.0.1:9")
     assert refused.returncode == 1 and str(junk) in refused.stderr
     assert not (work / "home" / "appliance.db").exists()  # nothing was replaced
+
+
+def test_the_cli_takes_its_key_url_and_config_from_the_environment_or_a_key_file(tmp_path: Path) -> None:
+    work = tmp_path / "box"
+    server = start_server(work, gate_config())
+    try:
+        admin = new_key(server, "ops", admin=True)
+        keyfile = tmp_path / "admin.key"
+        keyfile.write_text(admin + "\n")
+        base = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+        env = {**base, "APPLIANCE_HOME": str(work / "home"), "APPLIANCE_CONFIG": str(work / "models.toml"),
+               "APPLIANCE_URL": server.base_url}
+
+        def ps(**extra: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "appliance.cli.main", "ps", "--json"], cwd=ROOT, env={**env, **extra},
+                                  capture_output=True, text=True, timeout=60)
+
+        assert ps().returncode != 0  # keys mode, no key: refused
+        for way in ({"APPLIANCE_KEY": admin}, {"APPLIANCE_KEY_FILE": str(keyfile)}):
+            listed = ps(**way)
+            assert listed.returncode == 0, listed.stderr
+            assert "HTTP Request" not in listed.stderr  # httpx's line per request stays quiet
+        missing = ps(APPLIANCE_KEY_FILE=str(tmp_path / "nope.key"))
+        assert missing.returncode == 2 and missing.stderr.strip() == f"error: {tmp_path / 'nope.key'}: key file: cannot be read (No such file or directory)"
+        version = subprocess.run([sys.executable, "-m", "appliance.cli.main", "--version"], cwd=ROOT, capture_output=True, text=True)
+        assert version.stdout.startswith("appliance ")
+    finally:
+        stop_server(server)

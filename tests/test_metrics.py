@@ -136,6 +136,12 @@ def test_a_full_queue_is_counted_as_503_while_kv_use_shows_the_slot_busy(observe
     assert value(after, "appliance_kv_cache_usage_ratio", model=CHAT_MODEL) == 0  # idle slots' cached prefixes are free
 
 
+def test_no_created_series_doubles_the_counters(observed: tuple[Server, str, str]) -> None:
+    server, admin, _ = observed
+    text = httpx.get(f"{server.base_url}/metrics", headers={"Authorization": f"Bearer {admin}"}, timeout=10).text
+    assert "appliance_requests_total" in text and "_created" not in text
+
+
 def test_a_generation_feeds_queue_time_inter_token_latency_and_finish_reasons(observed: tuple[Server, str, str]) -> None:
     server, admin, user = observed
     server.wait_idle()

@@ -11,6 +11,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from appliance.cli.fleet import add_server_options
 from appliance.cli.support import ledger_db, print_rows, route_named, settings_of, when
 from appliance.config.settings import ConfigError, find_config
 
@@ -327,8 +328,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     router.add_argument("--route", default="auto")
     router.add_argument("--limit", type=int, help="questions: the first N (default: 50 of GSM8K's test split, all of a --file)")
     router.add_argument("--max-tokens", type=int, default=384)
-    router.add_argument("--url", help="the appliance (default: the config's host and port)")
-    router.add_argument("--key", help="an API key (not needed in open mode)")
+    add_server_options(router, url="the appliance", key="an API key (not needed in open mode)")
     router.add_argument("--file", type=Path, help="JSONL with question and answer ('#### N'), or workload records (messages), instead of GSM8K")
     router.add_argument("--checker", type=Path, help="for workload records: the Python file whose check(record, text) judges an answer "
                                                      "(default: check.py beside the file or one folder up)")

@@ -5,6 +5,7 @@ the server cannot take the change, the file is put back as it was, so file and s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tomllib
 from collections.abc import Callable
@@ -16,9 +17,11 @@ from appliance.config.settings import ConfigError, find_config
 
 
 def server_url(args: argparse.Namespace) -> str:
-    """--url, else the config's host and port (what `serve` listens on)."""
+    """--url, else APPLIANCE_URL, else the config's host and port (what `serve` listens on)."""
     if getattr(args, "url", None):
         return str(args.url)
+    if os.environ.get("APPLIANCE_URL"):
+        return os.environ["APPLIANCE_URL"]
     try:
         server = settings_of(args.config).server
         return f"http://{server.host}:{server.port}"
@@ -26,9 +29,32 @@ def server_url(args: argparse.Namespace) -> str:
         return "http://127.0.0.1:8080"
 
 
-def add_server_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", help="the running appliance to apply the change to (default: the config's host and port)")
-    parser.add_argument("--key", help="an admin key (not needed when the open principal is admin)")
+def add_server_options(parser: argparse.ArgumentParser, url: str = "the running appliance to apply the change to",
+                       key: str = "an admin key (not needed when the open principal is admin)") -> None:
+    """--url and the key options every command that talks to a running server takes. A key on the
+    command line shows in `ps` to every local user: APPLIANCE_KEY or a key file keep it out."""
+    parser.add_argument("--url", help=f"{url} (default: $APPLIANCE_URL, else the config's host and port)")
+    parser.add_argument("--key", help=f"{key}; default: $APPLIANCE_KEY, else the key file")
+    parser.add_argument("--key-file", type=Path, help="a file holding the key (default: $APPLIANCE_KEY_FILE)")
+
+
+def resolve_key(args: argparse.Namespace) -> str | None:
+    """--key, else APPLIANCE_KEY, else the first line of --key-file or APPLIANCE_KEY_FILE; a key
+    file that cannot be read is a ConfigError naming it."""
+    if getattr(args, "key", None):
+        return str(args.key)
+    if os.environ.get("APPLIANCE_KEY"):
+        return os.environ["APPLIANCE_KEY"]
+    file = getattr(args, "key_file", None) or (Path(os.environ["APPLIANCE_KEY_FILE"]) if os.environ.get("APPLIANCE_KEY_FILE") else None)
+    if file is None:
+        return None
+    try:
+        key = Path(file).read_text().strip().splitlines()
+    except OSError as exc:
+        raise ConfigError(str(file), "key file", f"cannot be read ({exc.strerror})") from None
+    if not key or not key[0].strip():
+        raise ConfigError(str(file), "key file", "it is empty")
+    return key[0].strip()
 
 
 def tell_server(args: argparse.Namespace, config: Path, before: str) -> int:

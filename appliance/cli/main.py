@@ -12,11 +12,12 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+from appliance import __version__
 from appliance.cli import data as cli_data
 from appliance.cli import distill as cli_distill
 from appliance.cli import evals as cli_eval
 from appliance.cli import fleet as cli_fleet
-from appliance.cli.fleet import add_server_options, server_url, tell_server, write_and_apply
+from appliance.cli.fleet import add_server_options, resolve_key, server_url, tell_server, write_and_apply
 from appliance.cli.support import config_in_use, data_dir, ledger_db, ledger_of, moment, print_rows, settings_of, when
 from appliance.config.settings import ConfigError, find_config, load_settings
 
@@ -463,6 +464,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="appliance", description="A self-hosted LLM server with an OpenAI-compatible API.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
+    parser.add_argument("--version", action="version", version=f"appliance {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the models in the config over HTTP")
@@ -568,14 +570,12 @@ def build_parser() -> argparse.ArgumentParser:
     cli_distill.add_evaluate_command(distill)
 
     tui = sub.add_parser("tui", help="the operator's terminal UI, over the admin API")
-    tui.add_argument("--url", help="the appliance (default: the config's host and port)")
-    tui.add_argument("--key", help="an admin key (not needed when the open principal is admin)")
+    add_server_options(tui, url="the appliance")
     tui.add_argument("--config", type=Path)
     tui.set_defaults(func=cmd_tui)
 
     ps = sub.add_parser("ps", help="a running server's models: loaded or not, memory, slots in use, time to unload")
-    ps.add_argument("--url", help="the appliance (default: the config's host and port)")
-    ps.add_argument("--key", help="an admin key (not needed when the open principal is admin)")
+    add_server_options(ps, url="the appliance")
     ps.add_argument("--json", action="store_true")
     ps.add_argument("--config", type=Path)
     ps.set_defaults(func=cmd_ps)
@@ -592,7 +592,11 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request to the server is noise on a command line
     try:
+        if hasattr(args, "key"):
+            args.key = resolve_key(args)
         return args.func(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -9,6 +9,7 @@ that exists) is checked in `parse_settings` after. Every error names the file an
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,9 +161,11 @@ def load_settings(path: Path) -> Settings:
 
 
 def find_config(explicit: Path | None) -> Path:
-    """`--config`, else ./models.toml, else the one in the data directory."""
+    """`--config`, else APPLIANCE_CONFIG, else ./models.toml, else the one in the data directory."""
     if explicit is not None:
         return explicit
+    if os.environ.get("APPLIANCE_CONFIG"):
+        return Path(os.environ["APPLIANCE_CONFIG"])
     local = Path("models.toml")
     if local.is_file():
         return local
