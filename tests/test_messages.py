@@ -204,3 +204,20 @@ def test_a_stream_that_waits_says_so_between_its_events() -> None:
 
     got = asyncio.run(read())
     assert [i for i in got if i is not None] == [0, 1, 2] and got.count(None) >= 3 and got[0] is None
+
+
+def test_llm_comply_finds_the_messages_api_conformant_where_the_model_can_be(served: tuple[Server, str]) -> None:
+    """An outside suite, with Anthropic's published schema: every check passes but the image input
+    (no served model reads images: a 400 by the policy in docs/api.md) and thinking (none reasons)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    server, key = served
+    comply = shutil.which("llm-comply") or str(Path(sys.executable).parent / "llm-comply")
+    done = subprocess.run([comply, "run", "--format", "anthropic", "-u", f"{server.base_url}/v1", "-k", key, "-m", CHAT_MODEL, "--json"],
+                          capture_output=True, text=True, timeout=300)
+    results = {r["id"]: r["status"] for r in json.loads(done.stdout)["results"]}
+    assert results.pop("anth-image-input") == "failed" and results.pop("anth-thinking-display") == "skipped"
+    assert len(results) >= 7 and set(results.values()) == {"passed"}, results

@@ -37,10 +37,12 @@ def event(payload: dict[str, Any]) -> bytes:
 
 
 def usage(finish: FinishEvent) -> dict[str, Any]:
-    """Anthropic counts the prompt tokens read from cache apart from the others."""
+    """Anthropic counts the prompt tokens read from cache apart from the others; every field its
+    schema requires is there, null where this box has nothing to say (no server tools, no region)."""
     u = finish.usage
     return {"input_tokens": u.prompt_tokens - u.cached_prompt_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": u.cached_prompt_tokens, "output_tokens": u.completion_tokens}
+            "cache_read_input_tokens": u.cached_prompt_tokens, "output_tokens": u.completion_tokens, "cache_creation": None,
+            "inference_geo": None, "output_tokens_details": None, "server_tool_use": None, "service_tier": "standard"}
 
 
 def stop_reason(finish: FinishEvent, calls: bool) -> str:
@@ -56,7 +58,8 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
         arguments = json.loads(call.arguments)
     except ValueError:
         arguments = {}
-    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments if isinstance(arguments, dict) else {}}
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments if isinstance(arguments, dict) else {},
+            "caller": {"type": "direct"}}
 
 
 class MessagesWire:
@@ -76,14 +79,14 @@ class MessagesWire:
     def _message(self, content: list[dict[str, Any]], finish: FinishEvent | None) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop_reason(finish, self._calls) if finish is not None else None,
-                "stop_sequence": finish.stop_sequence if finish is not None else None,
+                "stop_sequence": finish.stop_sequence if finish is not None else None, "stop_details": None, "container": None,
                 "usage": usage(finish) if finish is not None else {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
 
     def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
         (answer,) = choices
         text, calls = answer_calls(answer.text, self.tools)
         self._calls = bool(calls)
-        content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(c) for c in calls]
+        content = ([{"type": "text", "text": text, "citations": None}] if text or not calls else []) + [_tool_use(c) for c in calls]
         return _encoder.encode(self._message(content, total))
 
     def opening(self, choices: int) -> list[bytes]:
@@ -94,7 +97,8 @@ class MessagesWire:
         if self._text_open is not None:
             return []
         self._text_open, self._blocks = self._blocks, self._blocks + 1
-        return [event({"type": "content_block_start", "index": self._text_open, "content_block": {"type": "text", "text": ""}})]
+        return [event({"type": "content_block_start", "index": self._text_open,
+                       "content_block": {"type": "text", "text": "", "citations": None}})]
 
     def _close_text(self) -> list[bytes]:
         if self._text_open is None:
