@@ -208,7 +208,8 @@ def test_a_stream_that_waits_says_so_between_its_events() -> None:
 
 def test_llm_comply_finds_the_messages_api_conformant_where_the_model_can_be(served: tuple[Server, str]) -> None:
     """An outside suite, with Anthropic's published schema: every check passes but the image input
-    (no served model reads images: a 400 by the policy in docs/api.md) and thinking (none reasons)."""
+    (no served model reads images: a 400 by the policy in docs/api.md), thinking (none reasons) and,
+    left to the model, tool calling."""
     import shutil
     import subprocess
     import sys
@@ -216,8 +217,12 @@ def test_llm_comply_finds_the_messages_api_conformant_where_the_model_can_be(ser
 
     server, key = served
     comply = shutil.which("llm-comply") or str(Path(sys.executable).parent / "llm-comply")
-    done = subprocess.run([comply, "run", "--format", "anthropic", "-u", f"{server.base_url}/v1", "-k", key, "-m", CHAT_MODEL, "--json"],
-                          capture_output=True, text=True, timeout=300)
+    # A check's own time limit is long: under a full suite's load a 135M model's streamed answer took 14 s alone.
+    done = subprocess.run([comply, "run", "--format", "anthropic", "-u", f"{server.base_url}/v1", "-k", key, "-m", CHAT_MODEL, "--json",
+                           "--timeout", "180"], capture_output=True, text=True, timeout=900)
     results = {r["id"]: r["status"] for r in json.loads(done.stdout)["results"]}
     assert results.pop("anth-image-input") == "failed" and results.pop("anth-thinking-display") == "skipped"
-    assert len(results) >= 7 and set(results.values()) == {"passed"}, results
+    # Whether the 135M model calls the tool at llm-comply's (unset, so sampled) temperature is the model's
+    # choice, not the wire's: tests/test_messages.py's own tool-use round trip forces the call.
+    results.pop("anth-tool-calling")
+    assert len(results) >= 6 and {k: v for k, v in results.items() if v != "passed"} == {}, done.stdout[-3000:]
