@@ -43,6 +43,11 @@ name = "refused"
 requests_per_minute = 2
 tokens_per_minute = 400
 
+[[limits]]
+level = "tenant"
+name = "counters"
+requests_per_minute = 3
+
 [distill]
 tenants = ["victims", "keepers", "rivals"]
 """
@@ -323,6 +328,24 @@ def test_a_refusal_after_admission_gives_the_buckets_back(hostile: dict[str, Any
         assert call(server, key, "/v1/chat/completions", chat(max_tokens=300 if _ == 0 else 1)).status_code == 200
     settled(server)
     assert admin_call(server, admin, "GET", "/admin/ledger/check").json()["balanced"]
+
+
+def test_counting_tokens_is_rate_limited(hostile: dict[str, Any]) -> None:
+    """count_tokens renders the template and tokenizes up to the body limit without generating:
+    it takes a request from the caller's buckets, so a member cannot loop it for free; a refused
+    count (a prompt too long for the model) gives its request back."""
+    server = hostile["server"]
+    key = new_key(server, "counters", user="dave")
+    body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "count these words " * 200}]}
+    too_long = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "word " * 20_000}]}
+    for _ in range(3):
+        assert call(server, key, "/v1/messages/count_tokens", too_long).status_code == 400
+    counted = [call(server, key, "/v1/messages/count_tokens", body) for _ in range(3)]
+    assert [r.status_code for r in counted] == [200] * 3 and counted[0].json()["input_tokens"] > 600
+    refused = httpx.post(f"{server.base_url}/v1/messages/count_tokens", json=body, headers={"x-api-key": key}, timeout=60)
+    assert refused.status_code == 429, refused.text[:300]
+    assert refused.json()["type"] == "error" and refused.json()["error"]["type"] == "rate_limit_error"
+    assert int(refused.headers["Retry-After"]) <= 60
 
 
 def test_control_tokens_in_content_stay_text(hostile: dict[str, Any]) -> None:

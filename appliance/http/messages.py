@@ -14,9 +14,8 @@ from appliance.http.errors import handlers
 from appliance.http.prologue import Endpoint, authenticate, begin, reply
 from appliance.pipeline.context import Answer, CallContext
 from appliance.pipeline.flow import serve_chat
-from appliance.pipeline.models import model_with_adapters
+from appliance.pipeline.models import model_with_adapters, tier_model
 from appliance.pipeline.prepare import prepare_chat
-from appliance.pipeline.models import tier_model
 from appliance.server.services import Services
 from appliance.wire.decode import decode_body
 from appliance.wire.messages import error_envelope, messages_wire
@@ -42,11 +41,13 @@ async def _respond(ctx: CallContext, body: MessagesRequest) -> Answer:
 async def count_tokens(request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
     """The prompt's tokens as the model that would answer reads them: its chat template over the
     system prompt, the turns and the tools (a routed alias counts with its first tier)."""
-    await authenticate(request, services)
+    principal = await authenticate(request, services)
     chat = to_chat(decode_body(await request.body(), CountTokensRequest).asked())
     route = services.settings.route(chat.model)
     model = tier_model(services, route.tiers[0])[0] if route is not None else model_with_adapters(services, chat.model, None)[0]
-    prepared = await prepare_chat(chat, model, services.settings.defaults, "count_tokens")
+    # Rendering and tokenizing a prompt of up to the body limit is work: it counts as a request.
+    with services.gate.request_only(principal):
+        prepared = await prepare_chat(chat, model, services.settings.defaults, "count_tokens")
     return {"input_tokens": prepared.request.prompt_length}
 
 

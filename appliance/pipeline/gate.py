@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +147,17 @@ class Gate:
         any token leaves. `choices` completions of up to max_tokens each share the one prompt."""
         estimate = prompt_tokens + choices * max_tokens
         now = time.time()
+        self._limit(principal, estimate, now)
+        admission = Admission(request_id, principal, model, estimate, False, max_tokens, choices=choices)
+        if not self.settings.budgets.enabled:
+            return Pending(admission, None, now)
+        payer = Payer(principal.user, principal.tenant, principal.app)
+        lease, policy = self.settings.budgets.lease_s, self._policy
+        future = self.worker.submit(
+            lambda db: Ledger(db).reserve(request_id, payer, model, price, prompt_tokens, choices * max_tokens, policy, now, lease))
+        return Pending(admission, future, now)
+
+    def _limit(self, principal: Principal, estimate: int, now: float) -> None:
         limited = self.limiter.admit(principal, estimate, now)
         if limited is not None:
             self.metrics.rate_limited.labels(limited.level, limited.what).inc()
@@ -156,14 +167,17 @@ class Gate:
                 f"Retry in {limited.retry_after_s} s.",
                 type="rate_limit_error", code="rate_limit_exceeded", retry_after_s=limited.retry_after_s,
             )
-        admission = Admission(request_id, principal, model, estimate, False, max_tokens, choices=choices)
-        if not self.settings.budgets.enabled:
-            return Pending(admission, None, now)
-        payer = Payer(principal.user, principal.tenant, principal.app)
-        lease, policy = self.settings.budgets.lease_s, self._policy
-        future = self.worker.submit(
-            lambda db: Ledger(db).reserve(request_id, payer, model, price, prompt_tokens, choices * max_tokens, policy, now, lease))
-        return Pending(admission, future, now)
+
+    @contextlib.contextmanager
+    def request_only(self, principal: Principal) -> Iterator[None]:
+        """A call that renders and tokenizes but generates nothing (count_tokens): one request from
+        the caller's request buckets, no tokens and no budget; given back if the work fails."""
+        self._limit(principal, 0, time.time())
+        try:
+            yield
+        except BaseException:
+            self.limiter.refund(principal, 0, time.time())
+            raise
 
     async def admitted(self, pending: Pending) -> Admission:
         """The reservation's outcome: the admission (max_tokens perhaps lowered), or a 429."""
