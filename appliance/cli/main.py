@@ -20,6 +20,7 @@ from appliance.cli import fleet as cli_fleet
 from appliance.cli.fleet import add_server_options, resolve_key, server_url, tell_server, write_and_apply
 from appliance.cli.support import config_in_use, data_dir, ledger_db, ledger_of, moment, print_rows, settings_of, when
 from appliance.config.settings import ConfigError, find_config, load_settings
+from appliance.server.log_format import TEXT_FORMAT
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -591,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=TEXT_FORMAT)
     if not args.verbose:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request to the server is noise on a command line
     try:

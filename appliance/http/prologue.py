@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 from litestar import Request, Response
 from litestar.response import Stream
 
-from appliance.http.headers import new_request_id, remember_principal
+from appliance.http.headers import call_notes, new_request_id, remember_principal
 from appliance.pipeline.context import Answer, CallContext
 from appliance.server.services import Services
 from appliance.server.tracing import RequestTrace
@@ -55,7 +55,8 @@ async def begin(request: Request[Any, Any, Any], services: Services, endpoint: E
     except BaseException as exc:
         trace.fail(exc)
         raise
-    return CallContext(services, principal, request_id, trace, endpoint.endpoint, request.receive, request.headers.get("cache-control")), body
+    return CallContext(services, principal, request_id, trace, endpoint.endpoint, request.receive, request.headers.get("cache-control"),
+                       notes=call_notes(request.scope)), body
 
 
 async def reply(ctx: CallContext, work: Awaitable[Answer]) -> Response[Any]:

@@ -91,17 +91,23 @@ async def look_up(ctx: CallContext, plan: CachePlan, payer: LoadedModel) -> Cach
         return plan
     with ctx.trace.child("cache.lookup", cache__bucket=plan.item.bucket.key) as span:
         found = await ctx.services.cache.lookup(plan.item, span=span)
-        annotate(span, cache__result="hit" if found.entry is not None else "miss", cache__similarity=found.similarity,
+        ctx.notes["cache"] = "hit" if found.entry is not None else "miss"
+        annotate(span, cache__result=ctx.notes["cache"], cache__similarity=found.similarity,
                  cache__reason=found.reason, cache__judged=found.judged)
     await charge_judge(ctx, payer, found)
     return dataclasses.replace(plan, lookup=found)
+
+
+def _bypass(ctx: CallContext) -> None:
+    ctx.services.metrics.cache_lookups.labels("bypass").inc()
+    ctx.notes["cache"] = "bypass"
 
 
 def _model_plan(ctx: CallContext, body: ChatCompletionRequest) -> CachePlan:
     """A request to a model by name: its bucket names the model (and its adapters) and its version."""
     services = ctx.services
     if not services.cache.ready:
-        services.metrics.cache_lookups.labels("bypass").inc()
+        _bypass(ctx)
         return CachePlan(None, False, False)
     model, prepared = ctx.chosen()
     sampling = prepared.request.sampling
@@ -144,12 +150,12 @@ def _plan(ctx: CallContext, body: ChatCompletionRequest, model: str, version: st
         policy=services.cache.policy,
     )
     if isinstance(decision, NotCacheable):
-        services.metrics.cache_lookups.labels("bypass").inc()
+        _bypass(ctx)
         return CachePlan(None, False, False)
     directives = set(_DIRECTIVE.findall((ctx.cache_control or "").lower()))
     read, write = "no-cache" not in directives, "no-store" not in directives
     if not read:
-        services.metrics.cache_lookups.labels("bypass").inc()
+        _bypass(ctx)
     fmt = body.response_format
     schema = fmt.json_schema.schema if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None else None
     return CachePlan(decision, read, write, schema=schema)
@@ -168,7 +174,7 @@ def _route_plan(ctx: CallContext, body: ChatCompletionRequest, route: RouteSetti
     changes the bucket."""
     services = ctx.services
     if not services.cache.ready:
-        services.metrics.cache_lookups.labels("bypass").inc()
+        _bypass(ctx)
         return CachePlan(None, False, False)
     defaults = services.settings.defaults
     temperature = defaults.temperature if body.temperature is None else body.temperature

@@ -435,6 +435,11 @@ def record(ctx: CallContext, started: float, finish: FinishEvent | None, status:
     m.request_seconds.labels(alias).observe(now - started)
     if status != "cache_hit":  # a hit replays a stored answer: the engine ended nothing
         m.finish_reasons.labels(alias, finish.reason if finish is not None else "cancelled").inc()
+    # A routed call records each tier it asked: the line shows the last, and every tier's tokens.
+    notes = ctx.notes
+    notes.update(model=alias, status=status, tiers=notes.get("tiers", 0) + 1,
+                 prompt_tokens=notes.get("prompt_tokens", 0) + prompt_tokens,
+                 completion_tokens=notes.get("completion_tokens", 0) + (0 if hit else completion_tokens))
     ctx.services.request_log.record(
         RequestRecord(
             id=prepared.request.id,

@@ -75,6 +75,9 @@ class CallContext:
     stream: bool = False
     model: LoadedModel | None = None  # the model that serves it, once chosen
     prepared: Prepared | None = None  # the engine's request for that model
+    # What the access log tells of this call (model, tokens, cache and route outcome): one dict the
+    # HTTP layer also holds, filled as the steps learn it; never prompt text.
+    notes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def answering(self, wire: WireFor, stream: bool) -> CallContext:
         return dataclasses.replace(self, wire=wire, stream=stream)

@@ -33,6 +33,7 @@ async def serve_chat(ctx: CallContext, body: ChatCompletionRequest) -> Answer:
     route = services.settings.route(body.model)
     if route is not None:
         routable(body, route)
+        ctx.notes["route"] = route.alias
         ctx.trace.annotate(model=route.alias, stream=body.stream, end_user=body.user)
         payer, _ = tier_model(services, route.tiers[0])  # where a routed request's cached answer is counted
     else:

@@ -9,15 +9,18 @@ import logging
 import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import uvicorn
 
-from appliance.http.errors import envelope_when_cut
 from appliance.config.settings import ServerSettings, Settings
+from appliance.http.errors import envelope_when_cut
 from appliance.fleet.files import ModelFileError
 from appliance.fleet.registry import Registry
 from appliance.prompt.template import TemplateError
+from appliance.server.access_log import access_logged
 from appliance.server.app import build_services, create_app
+from appliance.server.log_format import use_format
 from appliance.server.http_protocol import ConnectionLimits, guarded_protocol
 from engines.interface import EngineError
 
@@ -55,6 +58,26 @@ def open_beyond_loopback(settings: Settings) -> bool:
         return True
 
 
+def startup_lines(settings: Settings, registry: Registry) -> list[str]:
+    """What an operator reads at start: where it listens, who may call, which files it uses, what it serves."""
+    server, auth = settings.server, settings.auth
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    if auth.mode == "open":
+        who = auth.open_principal
+        caller = (f"auth: open: every request is user {who.user!r} of tenant {who.tenant!r}, role {who.role!r}"
+                  f"{', an admin' if who.admin else ''}, without a key")
+    else:
+        caller = "auth: keys: every request needs a key (`appliance keys create`)"
+    models = ", ".join(f"{m.settings.alias} ({m.settings.kind}, {m.settings.engine})" for m in registry.all())
+    return [
+        f"serving http://{host}:{server.port}: OpenAI /v1, Anthropic /v1/messages, Ollama /api, console and admin /admin",
+        caller,
+        f"config: {Path(settings.file).resolve()}; data: {Path(server.data_dir).resolve()}; "
+        f"logs: {server.log_format}, access log {server.access_log}",
+        f"models: {models}",
+    ]
+
+
 class _Server(uvicorn.Server):
     """uvicorn cuts the streams still open when the grace period ends (`incomplete chunked`). Just
     before that, every engine ends its requests with a 503 error event, so each stream closes as a
@@ -76,6 +99,7 @@ class _Server(uvicorn.Server):
 def serve(settings: Settings, read_at_start: Settings | None = None) -> int:
     """`read_at_start`: the config file's settings before the command line's overrides."""
     server = settings.server
+    use_format(server.log_format)
     if open_beyond_loopback(settings):
         who = settings.auth.open_principal
         log.warning("[auth] mode = \"open\" in %s and the server listens on %s, beyond this machine: anyone who reaches it "
@@ -90,13 +114,15 @@ def serve(settings: Settings, read_at_start: Settings | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     services = build_services(settings, registry, read_at_start)
-    app = envelope_when_cut(create_app(services))
+    app = access_logged(envelope_when_cut(create_app(services)), server.access_log)
     config = uvicorn.Config(
-        app, host=server.host, port=server.port, log_level="info", access_log=False,
+        # log_config=None: uvicorn's lines go through the root logger, in the server's one format.
+        app, host=server.host, port=server.port, log_level="info", access_log=False, log_config=None,
         timeout_graceful_shutdown=int(server.shutdown_grace_s), lifespan="on",
         http=guarded_protocol(connection_limits(server)), timeout_keep_alive=server.keep_alive_s,
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
-    log.info("serving %d model(s) on http://%s:%d/v1", len(registry.all()), server.host, server.port)
+    for text in startup_lines(settings, registry):
+        log.info("%s", text)
     _Server(config, services.end_streams).run()
     return 0
