@@ -17,6 +17,7 @@ from appliance.cli import data as cli_data
 from appliance.cli import distill as cli_distill
 from appliance.cli import evals as cli_eval
 from appliance.cli import fleet as cli_fleet
+from appliance.cli import service as cli_service
 from appliance.cli.fleet import add_server_options, resolve_key, server_url, tell_server, write_and_apply
 from appliance.cli.support import config_in_use, data_dir, ledger_db, ledger_of, moment, print_rows, settings_of, when
 from appliance.config.settings import ConfigError, find_config, load_settings
@@ -584,6 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check this machine, the engines and the models")
     doctor.add_argument("--config", type=Path)
     doctor.set_defaults(func=cmd_doctor)
+
+    cli_service.add_commands(sub)
     return parser
 
 
