@@ -8,6 +8,7 @@ The SQLite ledger (appliance/store/ledger.py) reads levels in one transaction an
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -45,6 +46,20 @@ class Price:
 
 def usd(nanos: int) -> float:
     return nanos / NANOS_PER_USD
+
+
+def dollars(nanos: int) -> str:
+    """Money as every surface writes it (CLI, console, errors): `$` and plain decimals, cents from a
+    dollar up, else four significant digits; never `5e-05`, never micro-dollars."""
+    if nanos == 0:
+        return "$0"
+    sign = "-" if nanos < 0 else ""
+    amount = Decimal(abs(nanos)).scaleb(-9)
+    if amount < 1:
+        amount = amount.quantize(Decimal(1).scaleb(amount.adjusted() - 3))
+    if amount >= 1:  # rounding may have reached a dollar
+        return f"{sign}${amount:,.2f}"
+    return f"{sign}${amount:f}".rstrip("0")
 
 
 def nanos_from_usd(amount: float) -> int:

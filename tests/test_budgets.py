@@ -252,3 +252,17 @@ def test_ledger_tables_refuse_negative_holds() -> None:
     ledger = _ledger()
     with pytest.raises(apsw.ConstraintError):
         ledger.db.execute("INSERT INTO budget_usage(level, name, window, held_nanos) VALUES ('user', 'x', 't', -1)")
+
+
+@given(st.integers(min_value=-(10**18), max_value=10**18))
+def test_money_is_written_one_way_plain_and_close(nanos: int) -> None:
+    """`$` and plain decimals (never 5e-05 or µ$), within half a cent from a dollar up, else within
+    four significant digits."""
+    from decimal import Decimal
+
+    from policy.budgets import dollars
+
+    text = dollars(nanos)
+    assert "e" not in text and "µ" not in text and text.lstrip("-").startswith("$")
+    value = Decimal(text.replace("$", "").replace(",", "")) * 10**9
+    assert abs(value - nanos) <= max(Decimal(5 * 10**6) if abs(nanos) >= 10**9 - 10**5 else 0, Decimal(abs(nanos)) / 1000 + 1)

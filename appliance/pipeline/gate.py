@@ -24,7 +24,7 @@ from appliance.server.metrics import Metrics
 from appliance.store.keys import FailureTally, KeyStore
 from appliance.store.ledger import Ledger, Payer, settle_logged, sweep
 from appliance.store.worker import StoreWorker
-from policy.budgets import Price, Refuse, Reserve, ReservationPolicy, seconds_until_reset, usd
+from policy.budgets import Price, Refuse, Reserve, ReservationPolicy, dollars, seconds_until_reset
 from policy.identity import AuthFailure, KeyRecord, Principal, bearer_token, check_key, fingerprint, secret_hash
 from policy.limits import RateLimiter
 
@@ -236,8 +236,8 @@ class Gate:
         name = "" if refusal.level == "global" else f" '{refusal.name}'"
         return APIError(
             429,
-            f"The {refusal.period} budget of {refusal.level}{name} cannot cover this request: ${usd(refusal.remaining_nanos):.6f} "
-            f"remains, ${usd(refusal.needed_nanos):.6f} is needed. Lower max_tokens or raise the budget.",
+            f"The {refusal.period} budget of {refusal.level}{name} cannot cover this request: {dollars(refusal.remaining_nanos)} "
+            f"remains, {dollars(refusal.needed_nanos)} is needed. Lower max_tokens or raise the budget.",
             type="insufficient_quota", code="budget_exceeded", retry_after_s=seconds_until_reset(refusal.period, now),
         )
 
