@@ -20,7 +20,7 @@ from appliance.cli import fleet as cli_fleet
 from appliance.cli import service as cli_service
 from appliance.cli.fleet import add_server_options, resolve_key, server_url, tell_server, write_and_apply
 from appliance.cli.support import config_in_use, data_dir, ledger_db, ledger_of, moment, print_rows, settings_of, when
-from appliance.config.settings import ConfigError, find_config, load_settings
+from appliance.config.settings import ConfigError, config_to_serve, find_config, load_settings
 from appliance.server.log_format import TEXT_FORMAT
 
 
@@ -31,7 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from appliance.server.run import serve
 
-    settings = settings_of(args.config)
+    settings = load_settings(config_to_serve(args.config))
     server = settings.server
     if args.host is not None:
         server = msgspec.structs.replace(server, host=args.host)

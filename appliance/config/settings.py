@@ -9,6 +9,8 @@ that exists) is checked in `parse_settings` after. Every error names the file an
 
 from __future__ import annotations
 
+import importlib.resources
+import logging
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -45,11 +47,13 @@ from appliance.config.sections import (
 from policy.limits import LimitRule
 from policy.router import split_tier
 
+log = logging.getLogger("appliance")
+
 # The whole file's types, read from one place (each declared in fields.py, models.py or sections.py).
 __all__ = [
     "NAME", "NAME_RULE", "SECTIONS", "AdapterSettings", "AuthSettings", "BudgetSettings", "CacheSettings", "ConfigError", "Defaults",
     "DistillSettings", "GuardrailSettings", "LimitSettings", "LocalModel", "ModelSettings", "RouteSettings", "ServerSettings", "Settings",
-    "TracingSettings", "UpstreamModel", "find_config", "load_settings", "names_template_file", "parse_settings", "split_tier", "table_type",
+    "TracingSettings", "UpstreamModel", "config_to_serve", "find_config", "load_settings", "names_template_file", "parse_settings", "split_tier", "table_type",
 ]
 
 
@@ -158,6 +162,18 @@ def load_settings(path: Path) -> Settings:
     except OSError as exc:
         raise ConfigError(str(path), "(file)", f"cannot read: {exc.strerror}") from None
     return parse_settings(text, str(path), path.resolve().parent)
+
+
+def config_to_serve(explicit: Path | None) -> Path:
+    """find_config's, where `serve` starts: on a first start with no config anywhere (an install
+    from the wheel, by pipx or uv), the bundled one is copied into the data directory to edit."""
+    path = find_config(explicit)
+    if explicit is None and not os.environ.get("APPLIANCE_CONFIG") and not path.exists():
+        bundled = importlib.resources.files("appliance").joinpath("data/models.toml")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(bundled.read_text())
+        log.info("no models.toml here or in %s: wrote the bundled one there (%s); edit it to add models", path.parent, path)
+    return path
 
 
 def find_config(explicit: Path | None) -> Path:
