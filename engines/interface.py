@@ -130,6 +130,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0  # served from KV the slot already held
+    reasoning_tokens: int = 0  # of the completion's, those inside a reasoning model's reasoning (the pipeline counts them)
 
     @property
     def total_tokens(self) -> int:

@@ -47,7 +47,7 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
         ({"model": CHAT_MODEL, "messages": HELLO, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),  # would change the answer
         ({"model": CHAT_MODEL, "messages": HELLO, "modalities": ["text", "audio"]}, "modalities"),
         ({"model": CHAT_MODEL, "messages": HELLO, "web_search_options": {}}, "web_search_options"),
-        ({"model": CHAT_MODEL, "messages": HELLO, "reasoning_effort": "high"}, "reasoning_effort"),
+        ({"model": CHAT_MODEL, "messages": HELLO, "reasoning_effort": "extreme"}, "reasoning_effort"),  # not an effort OpenAI names
         ({"model": CHAT_MODEL, "messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": CHAT_MODEL, "messages": HELLO, "top_logprobs": 2}, "top_logprobs"),
         ({"model": CHAT_MODEL, "messages": HELLO, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),

@@ -210,7 +210,7 @@ CASES += [
         {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}),
     ("ollama format a word", "/api/chat", {"model": CHAT_MODEL, "messages": OLLAMA_ASK, "format": "yaml"}),
     ("ollama keep_alive a word", "/api/chat", {"model": CHAT_MODEL, "messages": OLLAMA_ASK, "keep_alive": "soon"}),
-    ("ollama think", "/api/chat", {"model": CHAT_MODEL, "messages": OLLAMA_ASK, "think": True}),
+    ("ollama think", "/api/chat", {"model": CHAT_MODEL, "messages": OLLAMA_ASK, "think": "max"}),
     ("ollama unknown model", "/api/chat", {"model": "../../etc/passwd", "messages": OLLAMA_ASK}),
     ("ollama a prompt past the context", "/api/generate", {"model": CHAT_MODEL, "prompt": "word " * 2100, "stream": False}),
     ("ollama a template of its own", "/api/generate", {"model": CHAT_MODEL, "prompt": "x", "template": "{{ .Prompt }}"}),

@@ -122,8 +122,8 @@ def test_structured_output_meets_its_schema_and_adaptive_thinking_is_an_allowanc
               "required": ["colour"], "additionalProperties": False}
     m = ask(sdk(server, key), "Name a primary colour.", max_tokens=32, output_config={"format": {"type": "json_schema", "schema": schema}})
     assert json.loads(m.content[0].text)["colour"] in ("red", "green", "blue")  # type: ignore[union-attr]
-    # Adaptive thinking lets the model decide, and one that does not reason answers directly; thinking
-    # that must happen (`enabled`) cannot, and is refused.
+    # Adaptive thinking lets the model decide, and one that does not reason answers directly; a thinking
+    # budget (`enabled`) cannot be held to, and is refused.
     thought = ask(sdk(server, key), thinking={"type": "adaptive"}, output_config={"effort": "low"})
     assert [b.type for b in thought.content] == ["text"]
     with pytest.raises(anthropic.BadRequestError, match="thinking"):

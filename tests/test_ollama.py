@@ -127,7 +127,7 @@ def test_an_empty_request_loads_and_ps_lists_what_is_in_memory(client: ollama.Cl
     ({"model": TAGGED, "messages": [{"role": "user", "content": "hi", "images": ["AA=="]}]}, "images are not supported"),
     ({"model": TAGGED, "messages": ASK, "keep_alive": "soon"}, "keep_alive"),
     ({"model": TAGGED, "messages": ASK, "format": "yaml"}, "format"),
-    ({"model": TAGGED, "messages": ASK, "think": True}, "does not think"),
+    ({"model": TAGGED, "messages": ASK, "think": "max"}, "think: true, false"),
     ({"model": TAGGED, "messages": "hi"}, "messages"),
 ])
 def test_bad_requests_are_refused_in_ollamas_error_body(srv: Server, body: dict, says: str) -> None:

@@ -114,7 +114,7 @@ def test_a_request_becomes_the_chat_request_with_history_and_instructions() -> N
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"background": True}, "background"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"reasoning": "high"}, "reasoning"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"tool_choice": "required"}, "tool_choice"),

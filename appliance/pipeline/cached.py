@@ -127,12 +127,12 @@ def _model_plan(ctx: CallContext, body: ChatCompletionRequest) -> CachePlan:
 
 
 def _adjustments(body: ChatCompletionRequest) -> dict[str, Any]:
-    """logit_bias, top_k and the penalties change the answer, so they are part of the bucket; named
+    """logit_bias, top_k, the penalties and the reasoning effort change the answer, so they are part of the bucket; named
     only when set, so the buckets of requests without them stay what they were."""
     out: dict[str, Any] = {}
     if body.logit_bias:
         out["logit_bias"] = dict(sorted(body.logit_bias.items()))
-    for name in ("top_k", "frequency_penalty", "presence_penalty"):
+    for name in ("top_k", "frequency_penalty", "presence_penalty", "reasoning_effort"):
         if getattr(body, name):
             out[name] = getattr(body, name)
     return out

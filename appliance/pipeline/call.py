@@ -22,10 +22,11 @@ from opentelemetry.trace import Span
 from appliance.fleet.manager import ModelUnavailable
 from appliance.fleet.registry import LoadedModel
 from appliance.pipeline.gate import Admission
-from appliance.pipeline.choices import ChoiceStreams, Collected, choice_request, total_finish
+from appliance.pipeline.choices import ChoiceStreams, Collected, choice_request, total_finish, with_reasoning_tokens
 from appliance.pipeline.context import Answer, CallContext, Receive, Remember, Wire
 from appliance.pipeline.errors import APIError, invalid
 from appliance.pipeline.prepare import Prepared
+from appliance.prompt.reasoning import ReasoningSplit
 from appliance.prompt.tool_calls import StreamParser, ToolCall, ToolPlan
 from appliance.server.services import price_of
 from appliance.server.tracing import annotate
@@ -119,7 +120,7 @@ class Call:
 
     async def collect(self) -> list[Collected]:
         """Reads every choice to its end (cancelled if the client goes first)."""
-        return await until_disconnect(self.ctx.receive, self.events.collect())
+        return await until_disconnect(self.ctx.receive, self.events.collect(self.ctx.chosen()[1].splitter))
 
     def total(self, ended: Mapping[int, FinishEvent]) -> FinishEvent | None:
         """The whole call's finish, given the choices that have ended (choices.total_finish)."""
@@ -268,22 +269,50 @@ async def _first_event_or_error(call: Call) -> None:
 
 
 class Outgoing:
-    """Generated text on its way to a wire: content as deltas, or, with tools offered, calls as
-    they complete (text that may open a call is held until it is known to be one or not)."""
+    """Generated text on its way to a wire: a reasoning model's reasoning apart, then content as
+    deltas, or, with tools offered, calls as they complete (text that may open a call is held
+    until it is known to be one or not)."""
 
-    def __init__(self, wire: Wire, tools: ToolPlan | None, index: int) -> None:
+    def __init__(self, wire: Wire, tools: ToolPlan | None, index: int, split: ReasoningSplit | None = None) -> None:
         self.wire, self.index = wire, index  # one per choice: its own parser, its calls numbered from 0
         self.parser = StreamParser(tools) if tools is not None else None
+        self.split = split
         self.calls = 0
+        self.reasoning_tokens = 0
+        self.content: list[str] = []  # the answer as sent (what the cache keeps)
+
+    def token(self, text: str, logprob: TokenLogprob | None) -> list[bytes]:
+        """A generated token's text (a finish event's held-back text is `text`)."""
+        if self.split is None:
+            return self.text(text, logprob)
+        reasoning, content, inside = self.split.feed_token(text)
+        self.reasoning_tokens += inside
+        # A reasoning token's logprob is not the answer's: only the answer's are sent.
+        return self._reasoning(reasoning) + self.text(content, None if inside else logprob)
 
     def text(self, text: str, logprob: TokenLogprob | None) -> list[bytes]:
+        self.content.append(text)
         if self.parser is None:
             return self.wire.delta(self.index, text, logprob) if text or logprob is not None else []
         return self._frames(self.parser.feed(text))
 
+    def finished(self, event: FinishEvent) -> tuple[list[bytes], FinishEvent]:
+        """The frames of the finish event's own text and whatever was held, and the event with its
+        reasoning tokens counted."""
+        if self.split is None:
+            return self.text(event.text, None) + self.end(), event
+        reasoning, content = self.split.feed(event.text)  # held-back text, no token of its own
+        frames = self._reasoning(reasoning) + self.text(content, None)
+        reasoning, content = self.split.end()
+        frames += self._reasoning(reasoning) + self.text(content, None) + self.end()
+        return frames, with_reasoning_tokens(event, self.reasoning_tokens)
+
     def end(self) -> list[bytes]:
         """What the parser still held when the answer ended."""
         return self._frames(self.parser.end()) if self.parser is not None else []
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        return self.wire.reasoning(self.index, text) if text else []
 
     def _frames(self, outs: list[str | ToolCall]) -> list[bytes]:
         frames: list[bytes] = []
@@ -300,13 +329,14 @@ async def _sse(call: Call, wire: Wire, remember: Remember | None) -> AsyncIterat
     """The choices' events as they come, each piece naming its choice; the answer ends when every
     choice has, or at the first failure (which stops the others)."""
     ended: dict[int, FinishEvent] = {}
-    text: list[str] = []  # what `remember` keeps: only ever one choice
     events = call.events
-    tools = call.ctx.chosen()[1].tools
+    prepared = call.ctx.chosen()[1]
     outs: dict[int, Outgoing] = {}
 
     def outgoing(index: int) -> Outgoing:
-        return outs.setdefault(index, Outgoing(wire, tools, index))
+        if index not in outs:
+            outs[index] = Outgoing(wire, prepared.tools, index, prepared.splitter())
+        return outs[index]
 
     try:
         for frame in wire.opening(len(events)):
@@ -317,14 +347,12 @@ async def _sse(call: Call, wire: Wire, remember: Remember | None) -> AsyncIterat
                     yield frame
                 continue
             index, event = item
-            if remember is not None:
-                text.append(event.text)
             if isinstance(event, TokenEvent):
-                for frame in outgoing(index).text(event.text, event.logprob):
+                for frame in outgoing(index).token(event.text, event.logprob):
                     yield frame
                 continue
-            ended[index] = event
             if event.reason == "error":
+                ended[index] = event
                 events.close()  # the other choices stop too, charged for what they made
                 total = call.total(ended)
                 assert total is not None
@@ -332,12 +360,14 @@ async def _sse(call: Call, wire: Wire, remember: Remember | None) -> AsyncIterat
                 for frame in wire.failed(failure_error(event), total):
                     yield frame
                 break
-            frames = outgoing(index).text(event.text, None) + outgoing(index).end() + wire.closing(index, event)
+            frames, event = outgoing(index).finished(event)
+            ended[index] = event
+            frames += wire.closing(index, event)
             total = call.total(ended)
             if total is not None:
                 frames += wire.ending(total)
-                if remember is not None:
-                    remember("".join(text), total)
+                if remember is not None:  # one choice only, its answer without the reasoning
+                    remember("".join(outgoing(0).content), total)
             for frame in frames:
                 yield frame
     finally:

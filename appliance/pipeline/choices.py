@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
+from appliance.prompt.reasoning import ReasoningSplit
 from engines.interface import EngineEvent, FinishEvent, GenerationRequest, TokenEvent, TokenLogprob, Usage
 from engines.stream import EventStream
 
@@ -25,9 +26,10 @@ _INT64 = 2**64
 class Collected:
     """One choice, read to its end."""
 
-    text: str
+    text: str  # the answer (a reasoning model's reasoning apart)
     logprobs: list[TokenLogprob]
-    finish: FinishEvent
+    finish: FinishEvent  # its usage counts the reasoning tokens
+    reasoning: str = ""
 
 
 def choice_request(request: GenerationRequest, index: int) -> GenerationRequest:
@@ -52,29 +54,46 @@ def total_finish(ended: Mapping[int, FinishEvent], choices: int, generated: int)
         return finishes[0]
     first = errors[0] if errors else finishes[0]
     completion = sum(f.usage.completion_tokens for f in finishes) if len(ended) == choices else generated
-    usage = Usage(finishes[0].usage.prompt_tokens, completion, finishes[0].usage.cached_prompt_tokens)
+    reasoning = sum(f.usage.reasoning_tokens for f in finishes)
+    usage = Usage(finishes[0].usage.prompt_tokens, completion, finishes[0].usage.cached_prompt_tokens, reasoning)
     firsts = [f.time_to_first_token_s for f in finishes if f.time_to_first_token_s is not None]
     return dataclasses.replace(first, usage=usage, time_to_first_token_s=min(firsts, default=None),
                                total_time_s=max(f.total_time_s for f in finishes), inter_token_s=None)
 
 
-async def _collect(stream: EventStream) -> Collected:
+async def _collect(stream: EventStream, split: ReasoningSplit | None) -> Collected:
     parts: list[str] = []
+    thought: list[str] = []
+    thinking_tokens = 0
     logprobs: list[TokenLogprob] = []
     finish: FinishEvent | None = None
     try:
         async for event in stream:
-            if isinstance(event, TokenEvent):
+            if split is None:
                 parts.append(event.text)
+            else:
+                reasoning, content, inside = split.feed_token(event.text)
+                thought.append(reasoning)
+                parts.append(content)
+                thinking_tokens += inside and isinstance(event, TokenEvent)
+            if isinstance(event, TokenEvent):
                 if event.logprob is not None:
                     logprobs.append(event.logprob)
             else:
                 finish = event
-                parts.append(event.text)
     finally:
         stream.close()
     assert finish is not None
-    return Collected("".join(parts), logprobs, finish)
+    if split is not None:
+        reasoning, content = split.end()
+        thought.append(reasoning)
+        parts.append(content)
+        finish = with_reasoning_tokens(finish, thinking_tokens)
+    return Collected("".join(parts), logprobs, finish, "".join(thought))
+
+
+def with_reasoning_tokens(finish: FinishEvent, count: int) -> FinishEvent:
+    return dataclasses.replace(finish, usage=dataclasses.replace(finish.usage, reasoning_tokens=count))
 
 
 class ChoiceStreams:
@@ -106,11 +125,11 @@ class ChoiceStreams:
         firsts = await asyncio.gather(*(s.peek() for s in self.streams))
         return next(((i, e) for i, e in enumerate(firsts) if isinstance(e, FinishEvent) and e.reason == "error"), (0, firsts[0]))
 
-    async def collect(self) -> list[Collected]:
-        """Every choice read to its end, side by side."""
+    async def collect(self, splitter: Callable[[], ReasoningSplit | None] = lambda: None) -> list[Collected]:
+        """Every choice read to its end, side by side; a reasoning model's reasoning split from each answer."""
         if len(self.streams) == 1:
-            return [await _collect(self.streams[0])]
-        return list(await asyncio.gather(*(_collect(s) for s in self.streams)))
+            return [await _collect(self.streams[0], splitter())]
+        return list(await asyncio.gather(*(_collect(s, splitter()) for s in self.streams)))
 
     async def events(self) -> AsyncIterator[tuple[int, EngineEvent]]:
         if len(self.streams) == 1:

@@ -19,6 +19,7 @@ from appliance.pipeline.errors import APIError, invalid
 from appliance.pipeline.tool_request import generic_messages, tool_plan, tool_turns
 from appliance.prompt import tool_calls
 from appliance.prompt.chat import control_text
+from appliance.prompt.reasoning import Phase, ReasoningFormat, ReasoningSplit, starting_phase
 from appliance.prompt.schema_bounds import schema_grammar, schema_problem
 from appliance.prompt.template import TemplateBoundError, TemplateError
 from appliance.prompt.tool_calls import ToolPlan
@@ -34,6 +35,16 @@ MAX_CHOICES = 8
 MAX_TOP_K = 1_000_000  # past any vocabulary (Gemma's is 262,144); llama.cpp takes an int32
 # OpenAI's limits on `metadata` (chat completions and responses).
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+# OpenAI's reasoning_effort values; "none" turns a reasoning model's thinking off.
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """Where a reasoning model's generation starts (appliance/prompt/reasoning.py)."""
+
+    format: ReasoningFormat
+    phase: Phase
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,11 @@ class Prepared:
     messages: tuple[dict[str, Any], ...] = ()  # a chat request's turns, as the template saw them
     tools: ToolPlan | None = None  # tools offered: the answer is read for calls
     choices: int = 1  # `n`: completions of this prompt, one engine request each (choices.py)
+    reasoning: Reasoning | None = None  # a reasoning model's chat: where its reasoning is split from the answer
+
+    def splitter(self) -> ReasoningSplit | None:
+        """A new split of one choice's generated text into reasoning and answer, or None."""
+        return ReasoningSplit(self.reasoning.format, self.reasoning.phase) if self.reasoning is not None else None
 
     def model_name(self, alias: str) -> str:
         """The model that answers: the alias, with the adapters on it (an adapter answers differently)."""
@@ -64,8 +80,8 @@ def unsupported_chat(body: ChatCompletionRequest) -> None:
         raise invalid("Only the text modality is supported.", "modalities")
     if body.web_search_options is not None:
         raise invalid("Web search is not supported: the server answers offline.", "web_search_options")
-    if body.reasoning_effort is not None:
-        raise invalid("reasoning_effort is not supported: no served model is a reasoning model.", "reasoning_effort")
+    if body.reasoning_effort is not None and body.reasoning_effort not in EFFORTS:
+        raise invalid(f"reasoning_effort must be one of {', '.join(EFFORTS)}.", "reasoning_effort")
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:
@@ -298,8 +314,13 @@ async def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults
     if model.template is None:
         raise invalid(f"The model '{model.settings.alias}' has no chat template; use /v1/completions.", "model")
     messages, tools, plan, grammar = await _schemas_off_loop(body, _planned_chat, body, model)
+    # "none" turns a reasoning model's thinking off (its template's switch); other efforts leave it on.
+    thinking = body.reasoning_effort != "none"
+    if not thinking and model.template.reasoning is not None and not model.template.reasoning.switchable:
+        raise invalid(f"The model '{model.settings.alias}' reasons, and its chat template cannot turn that off.", "reasoning_effort")
     try:
-        prompt_text, tokens = await model.chat_prompt_async(messages, tools)  # a template may take its time: off the loop
+        # a template may take its time: off the loop
+        prompt_text, tokens = await model.chat_prompt_async(messages, tools, thinking=thinking)
     except TemplateBoundError as exc:
         raise APIError(400, f"The model's chat template went past its bounds on these messages: {exc}", param="messages",
                        code="chat_template_bound") from None
@@ -312,8 +333,10 @@ async def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults
     offered = plan if plan is not None and plan.mode != "none" else None
     controls = model.engine.control_tokens() if offered is not None else {}
     preserved = frozenset(controls[t] for t in tool_calls.marker_texts(offered.format) if t in controls) if offered else frozenset()
+    fmt = model.template.reasoning
+    reasoning = None if fmt is None or grammar is not None else Reasoning(fmt, starting_phase(fmt, prompt_text))
     return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop), preserved_tokens=preserved),
-                    prompt_text, messages=tuple(messages), tools=offered, choices=body.n)
+                    prompt_text, messages=tuple(messages), tools=offered, choices=body.n, reasoning=reasoning)
 
 
 def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defaults: Defaults, request_id: str) -> Prepared:

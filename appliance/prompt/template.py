@@ -7,6 +7,7 @@ Serving renders it off the event loop (`render_threads`), on threads the registr
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
@@ -29,6 +30,7 @@ from appliance.prompt.sandbox import (
     bounded_filter,
     within,
 )
+from appliance.prompt.reasoning import SWITCH, reasoning_format
 from appliance.prompt.tool_calls import strings
 
 if TYPE_CHECKING:
@@ -114,8 +116,21 @@ class ChatTemplate:
         except RecursionError:
             raise TemplateError("the chat template does not compile: it nests too deep") from None
         self._special = special_tokens
+        self._variables: dict[str, Any] = {}  # set for every render: a request's `enable_thinking = false`
         self.source = source
+        self.reasoning = reasoning_format(source)
         self._try_samples()
+
+    def thinking(self, on: bool) -> ChatTemplate:
+        """This template, or its variant that renders with reasoning off (the template's own
+        switch). Raises TemplateError where the model reasons and the template cannot stop it."""
+        if on or self.reasoning is None:
+            return self
+        if not self.reasoning.switchable:
+            raise TemplateError(f"this model reasons, and its chat template has no {SWITCH} switch to turn that off")
+        variant = copy.copy(self)
+        variant._variables = {SWITCH: False}
+        return variant
 
     def _try_samples(self) -> None:
         """A template past its bounds on a small conversation is refused now, not at each request.
@@ -134,7 +149,7 @@ class ChatTemplate:
         budget = render_budget(messages, tools or [])
         try:
             return within(budget, self._template.generate(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                                          **self._special, **extra))
+                                                          **self._special, **self._variables, **extra))
         except TemplateError:
             raise
         except jinja2.TemplateError as exc:

@@ -73,7 +73,7 @@ class MessagesWire:
         self.id, self.model, self.tools = prepared.request.id, model, prepared.tools
         self.prompt_tokens = prepared.request.prompt_length
         self._blocks = 0  # content blocks opened so far
-        self._text_open: int | None = None  # the index of the text block open now
+        self._open: tuple[str, int] | None = None  # the text or thinking block open now: its type and index
         self._calls = False
 
     def _message(self, content: list[dict[str, Any]], finish: FinishEvent | None) -> dict[str, Any]:
@@ -86,35 +86,44 @@ class MessagesWire:
         (answer,) = choices
         text, calls = answer_calls(answer.text, self.tools)
         self._calls = bool(calls)
+        thinking = [{"type": "thinking", "thinking": answer.reasoning, "signature": ""}] if answer.reasoning else []
         content = ([{"type": "text", "text": text, "citations": None}] if text or not calls else []) + [_tool_use(c) for c in calls]
-        return _encoder.encode(self._message(content, total))
+        return _encoder.encode(self._message(thinking + content, total))
 
     def opening(self, choices: int) -> list[bytes]:
         assert choices == 1
         return [event({"type": "message_start", "message": self._message([], None)}), event({"type": "ping"})]
 
-    def _open_text(self) -> list[bytes]:
-        if self._text_open is not None:
-            return []
-        self._text_open, self._blocks = self._blocks, self._blocks + 1
-        return [event({"type": "content_block_start", "index": self._text_open,
-                       "content_block": {"type": "text", "text": "", "citations": None}})]
+    def _opened(self, kind: str) -> tuple[list[bytes], int]:
+        """A block of `kind` ("text" or "thinking") open, the other closed first; its index."""
+        if self._open is not None and self._open[0] == kind:
+            return [], self._open[1]
+        frames = self._close_block()
+        at, self._blocks = self._blocks, self._blocks + 1
+        self._open = (kind, at)
+        block = {"type": "text", "text": "", "citations": None} if kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
+        return [*frames, event({"type": "content_block_start", "index": at, "content_block": block})], at
 
-    def _close_text(self) -> list[bytes]:
-        if self._text_open is None:
+    def _close_block(self) -> list[bytes]:
+        if self._open is None:
             return []
-        index, self._text_open = self._text_open, None
-        return [event({"type": "content_block_stop", "index": index})]
+        (kind, at), self._open = self._open, None
+        # A thinking block ends with its signature: none here (it is checked only by Anthropic's own servers).
+        signed = [event({"type": "content_block_delta", "index": at, "delta": {"type": "signature_delta", "signature": ""}})]
+        return [*(signed if kind == "thinking" else []), event({"type": "content_block_stop", "index": at})]
 
     def delta(self, index: int, text: str, logprob: TokenLogprob | None) -> list[bytes]:
         if not text:
             return []
-        frames = self._open_text()
-        delta = {"type": "content_block_delta", "index": self._text_open, "delta": {"type": "text_delta", "text": text}}
-        return [*frames, event(delta)]
+        frames, at = self._opened("text")
+        return [*frames, event({"type": "content_block_delta", "index": at, "delta": {"type": "text_delta", "text": text}})]
+
+    def reasoning(self, index: int, text: str) -> list[bytes]:
+        frames, at = self._opened("thinking")
+        return [*frames, event({"type": "content_block_delta", "index": at, "delta": {"type": "thinking_delta", "thinking": text}})]
 
     def tool_call(self, index: int, call: ToolCall, position: int) -> list[bytes]:
-        frames = self._close_text()
+        frames = self._close_block()
         at, self._blocks, self._calls = self._blocks, self._blocks + 1, True
         block = {**_tool_use(call), "input": {}}
         frames.append(event({"type": "content_block_start", "index": at, "content_block": block}))
@@ -124,8 +133,9 @@ class MessagesWire:
         return frames
 
     def closing(self, index: int, finish: FinishEvent) -> list[bytes]:
-        # An empty answer is still one (empty) text block.
-        return [*(self._open_text() if self._blocks == 0 else []), *self._close_text()]
+        # An empty answer is still one (empty) text block; so is one that only reasoned.
+        opened = self._opened("text")[0] if self._blocks == 0 or (self._open is not None and self._open[0] == "thinking") else []
+        return [*opened, *self._close_block()]
 
     def ending(self, total: FinishEvent) -> list[bytes]:
         return [event({"type": "message_delta", "delta": {"stop_reason": stop_reason(total, self._calls),

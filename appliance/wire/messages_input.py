@@ -180,6 +180,8 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
         "model": body.model, "messages": messages, "max_tokens": body.max_tokens, "stream": body.stream,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences,
         "user": body.metadata.user_id if body.metadata is not None else None,
+        # A reasoning model thinks unless told not to; "disabled" turns it off where its template can.
+        "reasoning_effort": "none" if body.thinking is not None and body.thinking.type == "disabled" else None,
     }
     fmt = body.output_config.format if body.output_config is not None and body.output_config.format is not None else body.output_format
     if fmt is not None:  # structured outputs: the answer is JSON that meets the schema
@@ -204,8 +206,9 @@ def _check(body: MessagesRequest) -> None:
     if not body.messages:
         raise invalid("messages: at least one message is required.", "messages")
     if body.thinking is not None and body.thinking.type == "enabled":
-        raise invalid("thinking: 'enabled' asks for a thinking block, and the served models do not reason; send 'adaptive' "
-                      "(the model decides) or leave thinking out.", "thinking.type")
+        raise invalid("thinking: 'enabled' sets a budget_tokens this server cannot hold a model to; send 'adaptive' (a "
+                      "reasoning model thinks, in a thinking block, as long as it needs), 'disabled', or leave thinking out.",
+                      "thinking.type")
     for name in ("container", "mcp_servers"):
         if getattr(body, name) is not None:
             raise invalid(f"{name}: not supported by this server; the answer would not be what was asked.", name)

@@ -64,11 +64,13 @@ class OllamaWire:
     def _line(self, payload: dict[str, Any]) -> bytes:
         return _encoder.encode(payload) + b"\n"
 
-    def _piece(self, text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def _piece(self, text: str, calls: list[dict[str, Any]] | None = None, thinking: str = "") -> dict[str, Any]:
         head: dict[str, Any] = {"model": self.model, "created_at": now()}
         if self.kind == "generate":
-            return {**head, "response": text}
+            return {**head, "response": text, **({"thinking": thinking} if thinking else {})}
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
         if calls:
             message["tool_calls"] = calls
         return {**head, "message": message}
@@ -76,7 +78,7 @@ class OllamaWire:
     def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
         (answer,) = choices
         text, calls = answer_calls(answer.text, self.tools)
-        return _encoder.encode({**self._piece(text, [_call(c) for c in calls]), **done(total)})
+        return _encoder.encode({**self._piece(text, [_call(c) for c in calls], answer.reasoning), **done(total)})
 
     def opening(self, choices: int) -> list[bytes]:
         assert choices == 1
@@ -84,6 +86,9 @@ class OllamaWire:
 
     def delta(self, index: int, text: str, logprob: TokenLogprob | None) -> list[bytes]:
         return [self._line({**self._piece(text), "done": False})] if text else []
+
+    def reasoning(self, index: int, text: str) -> list[bytes]:
+        return [self._line({**self._piece("", thinking=text), "done": False})]
 
     def tool_call(self, index: int, call: ToolCall, position: int) -> list[bytes]:
         return [self._line({**self._piece("", [_call(call)]), "done": False})]

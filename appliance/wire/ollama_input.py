@@ -72,7 +72,7 @@ class ChatBody(msgspec.Struct, kw_only=True):
     options: Options | None = None
     stream: bool = True
     keep_alive: KeepAlive = None
-    think: bool | str | None = None  # true or a level asks for thinking, which no served model does: a 400
+    think: bool | str | None = None  # false: a reasoning model answers without thinking; true or a level: it thinks
 
 
 class GenerateBody(msgspec.Struct, kw_only=True):
@@ -203,14 +203,20 @@ def _convert(chat: dict[str, Any], kind: type[Any]) -> Any:
         raise from_validation(exc) from None
 
 
-def _no_thinking(think: bool | str | None) -> None:
-    if think not in (None, False):
-        raise invalid("think: the model does not think; leave think out or false.", "think")
+def _effort(think: bool | str | None) -> str | None:
+    """Ollama's `think` as chat's reasoning_effort: false turns a reasoning model's thinking off, true
+    or a level leaves it on (a model that does not reason answers as it would)."""
+    if think is None or think is True:
+        return None
+    if think is False:
+        return "none"
+    if think in ("low", "medium", "high"):
+        return think
+    raise invalid("think: true, false, or one of low, medium, high.", "think")
 
 
 def chat_request(body: ChatBody) -> ChatCompletionRequest:
     """The chat request that answers an /api/chat request."""
-    _no_thinking(body.think)
     messages: list[dict[str, Any]] = []
     calls: list[tuple[str, str]] = []  # (id, function name) of each earlier call not yet answered
     for i, m in enumerate(body.messages):
@@ -229,7 +235,7 @@ def chat_request(body: ChatBody) -> ChatCompletionRequest:
         else:
             messages.append({"role": m.role, "content": m.content})
     chat = {"model": model_name(body.model), "messages": messages, "stream": body.stream, "tools": body.tools or None,
-            "response_format": _format(body.format), **_sampling(body.options)}
+            "response_format": _format(body.format), "reasoning_effort": _effort(body.think), **_sampling(body.options)}
     return _convert(chat, ChatCompletionRequest)
 
 
@@ -249,7 +255,7 @@ def _answered(calls: list[tuple[str, str]], m: Message, i: int) -> str:
 def generate_request(body: GenerateBody) -> ChatCompletionRequest | CompletionRequest:
     """/api/generate: the prompt as a user turn under the model's chat template (with `system`),
     or, with `raw` or a `suffix`, the text itself as a completion's prompt."""
-    _no_thinking(body.think)
+    effort = _effort(body.think)
     if body.images:
         raise invalid("images: images are not supported; the served models read text.", "images")
     if body.template:
@@ -262,4 +268,5 @@ def generate_request(body: GenerateBody) -> ChatCompletionRequest | CompletionRe
             raise invalid("format: not supported with a raw prompt or a suffix.", "format")
         return _convert({**sampling, "prompt": body.prompt, "suffix": body.suffix}, CompletionRequest)
     messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
-    return _convert({**sampling, "messages": messages, "response_format": _format(body.format)}, ChatCompletionRequest)
+    return _convert({**sampling, "messages": messages, "response_format": _format(body.format), "reasoning_effort": effort},
+                    ChatCompletionRequest)

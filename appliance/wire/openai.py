@@ -40,7 +40,14 @@ def _finish_reason(finish: FinishEvent, calls: bool = False) -> str:
 def _usage(finish: FinishEvent) -> dict[str, Any]:
     u = finish.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
+
+
+def _reasoning_fields(text: str) -> dict[str, str]:
+    """A reasoning model's reasoning on a chat message or delta: `reasoning_content` (DeepSeek's
+    API, llama-server, most clients) and `reasoning` (vLLM's newer name); both, for either client."""
+    return {"reasoning_content": text, "reasoning": text} if text else {}
 
 
 def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
@@ -101,6 +108,10 @@ class Formatter:
         self._offsets[index] = offset + len(text)
         return self._envelope([choice], include_usage)
 
+    def reasoning_chunk(self, text: str, include_usage: bool, index: int = 0) -> dict[str, Any]:
+        choice = {"index": index, "delta": _reasoning_fields(text), "logprobs": None, "finish_reason": None}
+        return self._envelope([choice], include_usage)
+
     def call_chunks(self, call: ToolCall, position: int, include_usage: bool, index: int = 0) -> list[dict[str, Any]]:
         """Choice `index`'s call number `position` as OpenAI streams one: its position, id, type and
         name with empty arguments, then the arguments in pieces (the SDK's stream helpers join them)."""
@@ -124,10 +135,11 @@ class Formatter:
     def _message(self, c: Collected) -> tuple[dict[str, Any], str]:
         """A chat choice's message and finish reason: calls read out of its text when tools were offered."""
         parsed = parse(c.text, self.prepared.tools) if self.prepared.tools is not None else None
+        thought = _reasoning_fields(c.reasoning)
         if parsed is not None and parsed.calls:
-            return ({"role": "assistant", "content": parsed.content, "refusal": None, "annotations": [], "tool_calls": [t.wire() for t in parsed.calls]},
-                    _finish_reason(c.finish, True))
-        return {"role": "assistant", "content": c.text, "refusal": None, "annotations": []}, _finish_reason(c.finish)
+            return ({"role": "assistant", "content": parsed.content, **thought, "refusal": None, "annotations": [],
+                     "tool_calls": [t.wire() for t in parsed.calls]}, _finish_reason(c.finish, True))
+        return {"role": "assistant", "content": c.text, **thought, "refusal": None, "annotations": []}, _finish_reason(c.finish)
 
     def full(self, choices: Sequence[Collected], total: FinishEvent) -> bytes:
         """The whole response: choice i from choices[i]; usage from `total` (all choices together)."""
@@ -188,6 +200,9 @@ class ChatWire:
 
     def delta(self, index: int, text: str, logprob: TokenLogprob | None) -> list[bytes]:
         return [sse(self.fmt.delta_chunk(text, logprob, self.include_usage, index))]
+
+    def reasoning(self, index: int, text: str) -> list[bytes]:
+        return [sse(self.fmt.reasoning_chunk(text, self.include_usage, index))]
 
     def tool_call(self, index: int, call: ToolCall, position: int) -> list[bytes]:
         self.calls.add(index)

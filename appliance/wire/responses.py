@@ -42,7 +42,17 @@ def event(payload: dict[str, Any]) -> bytes:
 def usage(finish: FinishEvent) -> dict[str, Any]:
     u = finish.usage
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u.total_tokens}
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+            "total_tokens": u.total_tokens}
+
+
+_REASONING = "reasoning"  # the streamed items' marker for the reasoning item (None marks the message)
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A reasoning model's reasoning as an output item: its text in full (no summary is written)."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "encrypted_content": None, "status": status}
 
 
 def _error_code(error: APIError) -> str:
@@ -107,10 +117,13 @@ class ResponsesWire:
         self.id, self.model, self.created, self.echo = prepared.request.id, model, created, echo
         self.turns, self.save, self.tools = turns, save, prepared.tools
         self.message_id = new_id("msg")
+        self.reasoning_id = new_id("rs")
+        self._thought: list[str] = []
+        self._thinking = False  # the reasoning item is open
         self.declared = namespaces(echo.tools)  # whose functions' calls are named as namespace and name
         self._sequence = 0
         self._text: list[str] = []
-        self._order: list[dict[str, Any] | None] = []  # streamed items: a chat tool call, or None for the message
+        self._order: list[dict[str, Any] | str | None] = []  # streamed items: a chat tool call, _REASONING, or None for the message
         self._calls: list[dict[str, Any]] = []
 
     def _event(self, payload: dict[str, Any]) -> bytes:
@@ -150,7 +163,11 @@ class ResponsesWire:
         (answer,) = choices
         text, found = answer_calls(answer.text, self.tools)
         calls = [c.wire() for c in found]
-        return _encoder.encode(self._finished(text, calls, total))
+        if not answer.reasoning:
+            return _encoder.encode(self._finished(text, calls, total))
+        thought = reasoning_item(self.reasoning_id, answer.reasoning, "completed")
+        items = lambda status: [thought, *output_items(text, calls, status, self.message_id, self.declared)]  # noqa: E731
+        return _encoder.encode(self._finished(text, calls, total, items))
 
     def opening(self, choices: int) -> list[bytes]:
         assert choices == 1
@@ -160,12 +177,35 @@ class ResponsesWire:
             self._event({"type": "response.in_progress", "response": created}),
         ]
 
+    def reasoning(self, index: int, text: str) -> list[bytes]:
+        frames = []
+        if _REASONING not in self._order:
+            self._order.append(_REASONING)
+            self._thinking = True
+            frames.append(self._event({"type": "response.output_item.added", "output_index": self._order.index(_REASONING),
+                                       "item": reasoning_item(self.reasoning_id, None, "in_progress")}))
+        self._thought.append(text)
+        return [*frames, self._event({"type": "response.reasoning_text.delta", "output_index": self._order.index(_REASONING),
+                                      "content_index": 0, "item_id": self.reasoning_id, "delta": text})]
+
+    def _close_reasoning(self, status: str = "completed") -> list[bytes]:
+        """The reasoning item done, before anything else of the answer opens."""
+        if not self._thinking:
+            return []
+        self._thinking = False
+        at, text = self._order.index(_REASONING), "".join(self._thought)
+        return [self._event({"type": "response.reasoning_text.done", "output_index": at, "content_index": 0, "item_id": self.reasoning_id,
+                             "text": text}),
+                self._event({"type": "response.output_item.done", "output_index": at, "item": reasoning_item(self.reasoning_id, text, status)})]
+
     def _open_message(self) -> list[bytes]:
         if None in self._order:
             return []
+        closed = self._close_reasoning()
         self._order.append(None)
         index = self._order.index(None)
         return [
+            *closed,
             self._event({"type": "response.output_item.added", "output_index": index, "item": message_item(self.message_id, None, "in_progress")}),
             self._event({"type": "response.content_part.added", "output_index": index, "content_index": 0, "item_id": self.message_id,
                          "part": output_text_part("")}),
@@ -180,19 +220,28 @@ class ResponsesWire:
                                       "item_id": self.message_id, "delta": text, "logprobs": []})]
 
     def tool_call(self, index: int, call: ToolCall, position: int) -> list[bytes]:
+        closed = self._close_reasoning()
         wired = call.wire()
         self._calls.append(wired)
         self._order.append(wired)
-        return [self._event(e) for e in function_call_events(len(self._order) - 1, wired, argument_pieces(call.arguments), self.declared)]
+        events = function_call_events(len(self._order) - 1, wired, argument_pieces(call.arguments), self.declared)
+        return [*closed, *(self._event(e) for e in events)]
+
+    def _item(self, item: dict[str, Any] | str | None, text: str, status: str) -> dict[str, Any]:
+        if item is None:
+            return message_item(self.message_id, text, status)
+        if item == _REASONING:
+            return reasoning_item(self.reasoning_id, "".join(self._thought), "completed")
+        assert isinstance(item, dict)
+        return function_call_item(item, status, declared=self.declared)
 
     def _items(self, text: str) -> Callable[[str], list[dict[str, Any]]]:
         """The streamed items, in their stream's order, as the finished response lists them."""
-        return lambda status: [message_item(self.message_id, text, status) if item is None
-                               else function_call_item(item, status, declared=self.declared)
-                               for item in self._order]
+        return lambda status: [self._item(item, text, status) for item in self._order]
 
     def closing(self, index: int, finish: FinishEvent) -> list[bytes]:
-        frames = self._open_message() if not self._order else []  # an empty answer is still a message
+        # An empty answer is still a message; so is one that only reasoned.
+        frames = self._open_message() if not self._order or self._order == [_REASONING] else []
         if None not in self._order:
             return frames
         text = "".join(self._text)
@@ -217,9 +266,7 @@ class ResponsesWire:
 
     def failed(self, error: APIError, total: FinishEvent) -> list[bytes]:
         partial = "".join(self._text)
-        output = [message_item(self.message_id, partial, "incomplete") if item is None
-                  else function_call_item(item, "completed", declared=self.declared)
-                  for item in self._order if item is not None or partial]
+        output = [self._item(item, partial, "incomplete" if item is None else "completed") for item in self._order if item is not None or partial]
         return [
             self._event({"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param}),
             self._event({"type": "response.failed", "response": self.response("failed", output, total, error)}),

@@ -223,11 +223,11 @@ def _check(body: ResponsesRequest) -> None:
         raise invalid("'conversation' is not supported by this server; use previous_response_id.", "conversation")
     if body.prompt is not None:
         raise invalid("Stored prompts are not supported by this server.", "prompt")
-    if body.reasoning is not None and (body.reasoning.get("effort") not in (None, "none", "minimal") if isinstance(body.reasoning, dict) else True):
-        raise invalid("Reasoning effort is not supported by this model.", "reasoning.effort")
+    if body.reasoning is not None and not isinstance(body.reasoning, dict):
+        raise invalid("reasoning must be an object, such as {\"effort\": \"none\"}.", "reasoning")
     if body.top_logprobs:
         raise invalid("'top_logprobs' is not supported by this server for responses yet.", "top_logprobs")
-    # Encrypted reasoning is carried only where there is reasoning: none here, so nothing to include.
+    # Reasoning is shown whole (its text in the reasoning item), so there is nothing encrypted to include.
     unserved = [value for value in body.include or [] if value != "reasoning.encrypted_content"]
     if unserved:
         raise invalid(f"'include' values are not supported by this server: {', '.join(unserved)}.", "include")
@@ -258,7 +258,9 @@ def to_chat(body: ResponsesRequest, history: list[Message]) -> tuple[ChatComplet
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
                             "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "user": body.user,
                             "response_format": _response_format(body), "frequency_penalty": body.frequency_penalty,
-                            "presence_penalty": body.presence_penalty, "metadata": body.metadata}
+                            "presence_penalty": body.presence_penalty, "metadata": body.metadata,
+                            # chat's own check names the values; "none" turns a reasoning model's thinking off
+                            "reasoning_effort": body.reasoning.get("effort") if isinstance(body.reasoning, dict) else None}
     tools = chat_tools(body.tools)
     if tools is not None:
         chat["tools"] = tools
@@ -286,7 +288,8 @@ def _no_field_dropped(messages: list[Message]) -> None:
 
 
 _PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
-           ("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"))
+           ("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
+           ("reasoning_effort", "reasoning.effort"))
 
 
 def responses_param(param: str | None) -> str | None:
