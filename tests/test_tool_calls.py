@@ -209,3 +209,55 @@ def test_a_fenced_json_call_that_is_the_whole_answer_counts_and_fenced_code_stre
     assert StreamParser(PLAN).feed("```py") == ["```py"]
     code = StreamParser(PLAN)
     assert code.feed("```") == [] and code.feed("json\n") == [] and code.feed("[1, 2]") == ["```json\n[1, 2]"]
+
+
+# Mistral's two call forms, as its tokenizers write them (mistral-common's documented formats):
+# the v3-v7 tokenizers a JSON list after [TOOL_CALLS]; v11+ `[TOOL_CALLS]name[ARGS]{...}` per call.
+MISTRAL = ToolPlan((CALC, LOOKUP), format="mistral")
+MISTRAL_ARGS = ToolPlan((CALC, LOOKUP), format="mistral_args")
+MISTRAL_ANSWERS = [
+    (MISTRAL, '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "3*4"}}]', None),
+    (MISTRAL, 'Let me look.[TOOL_CALLS] [{"name": "lookup", "arguments": {"word": "a"}}, '
+              '{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}]', "Let me look."),
+    (MISTRAL_ARGS, '[TOOL_CALLS]calculator[ARGS]{"expression": "3*4"}', None),
+    (MISTRAL_ARGS, 'Two calls.[TOOL_CALLS]lookup[ARGS]{"word": "a"}[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"}', "Two calls."),
+    (MISTRAL_ARGS, '[TOOL_CALLS][{"name": "lookup", "arguments": {"word": "a"}}]', None),  # either form reads in both
+]
+
+
+@pytest.mark.parametrize(("plan", "text", "content"), MISTRAL_ANSWERS)
+def test_mistral_calls_are_read_whole_and_streamed_at_every_cut(plan: ToolPlan, text: str, content: str | None) -> None:
+    parsed = parse(text, plan)
+    assert parsed.calls and parsed.problem is None and parsed.content == content
+    whole = [(c.name, json.loads(c.arguments)) for c in parsed.calls]
+    for size in (1, 3, 7, len(text)):
+        streamed_content, calls = _stream(plan, [text[i:i + size] for i in range(0, len(text), size)])
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == whole
+        assert streamed_content.strip() == (content or "")
+
+
+def test_mistral_text_without_calls_streams_on_and_a_broken_call_says_why() -> None:
+    content, calls = _stream(MISTRAL, ["A plain [TOOL", "_CALL answer."])
+    assert content == "A plain [TOOL_CALL answer." and calls == []
+    assert parse("[TOOL_CALLS]not json", MISTRAL).problem == "the call is not JSON"
+    assert parse('[TOOL_CALLS]nope[ARGS]{"x": 1}', MISTRAL_ARGS).problem is not None
+    one = ToolPlan((CALC, LOOKUP), format="mistral", parallel=False)
+    assert len(parse(MISTRAL_ANSWERS[1][1], one).calls) == 1
+
+
+@pytest.mark.parametrize("plan", [ToolPlan((CALC, LOOKUP), mode="required", format="mistral"),
+                                  ToolPlan((CALC, LOOKUP), mode="required", format="mistral_args"),
+                                  ToolPlan((CALC, LOOKUP), mode="required", forced="lookup", format="mistral_args")])
+def test_mistral_forcing_grammars_compile(plan: ToolPlan) -> None:
+    text = grammar(plan)
+    LlamaGrammar.from_string(text, verbose=False)
+    assert text.count("root ::=") == 1 and '"[TOOL_CALLS]' in text
+    if plan.forced == "lookup":
+        assert "lookup[ARGS]" in text and "calculator" not in text
+
+
+def test_mistral_templates_and_call_text() -> None:
+    assert template_form(True, "{%- for tool_call in message.tool_calls %}[TOOL_CALLS][{{ tool_call | tojson }}]") == (True, "mistral")
+    assert template_form(True, "{{- '[TOOL_CALLS]' + tool.name + '[ARGS]' + arguments }}") == (True, "mistral_args")
+    for plan in (MISTRAL, MISTRAL_ARGS):
+        assert parse(call_text("lookup", {"word": "w"}, plan.format), plan).calls[0].name == "lookup"

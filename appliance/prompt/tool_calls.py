@@ -7,6 +7,10 @@ Two written forms are understood:
   message, to models whose templates know nothing of tools.
 - "llama": the whole answer is `{"name": ..., "parameters": {...}}` (Llama 3.x), optionally after
   `<|python_tag|>`.
+- "mistral": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral's v3 to v7 tokenizers:
+  Mistral 7B v0.3, Nemo, Small 3.1), after any text.
+- "mistral_args": `[TOOL_CALLS]name[ARGS]{...}`, once per call (the v11+ tokenizers: Mistral Small
+  3.2, Magistral, Devstral). Either Mistral form is read in both.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ import jsonschema
 
 from appliance.prompt.schema_bounds import schema_grammar
 
-Format = Literal["hermes", "llama"]
+Format = Literal["hermes", "llama", "mistral", "mistral_args"]
 Mode = Literal["auto", "required", "none"]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_MISTRAL = ("mistral", "mistral_args")
+_NAME = re.compile(r"\s*([A-Za-z0-9_.:-]{1,128})\[ARGS\]")
 FENCE = "```"
 # A whole answer that is one fenced JSON object: how Qwen2.5-Coder writes a call when the prompt is long.
 _FENCED = re.compile(r"```(?:json)?[ \t]*\n(\{.*\})\s*```", re.S)
@@ -99,6 +106,10 @@ def call_text(name: str, arguments: Any, fmt: Format = "hermes") -> str:
     """A call written the way the model is taught to write it (history in generic templates)."""
     if fmt == "llama":
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+    if fmt == "mistral":
+        return TOOL_CALLS + json.dumps([{"name": name, "arguments": arguments}], ensure_ascii=False)
+    if fmt == "mistral_args":
+        return f"{TOOL_CALLS}{name}{ARGS}{json.dumps(arguments, ensure_ascii=False)}"
     return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
 
 
@@ -177,6 +188,8 @@ def parse(text: str, plan: ToolPlan) -> Parsed:
         return Parsed(text, problem=found if plan.format == "llama" or '"name"' in body else None)
     if plan.format == "llama":
         return Parsed(text)
+    if plan.format in _MISTRAL:
+        return _parse_mistral(text, plan)
     kept: list[str] = []
     at = pos = 0
     while (start := text.find(OPEN, pos)) >= 0:
@@ -199,6 +212,44 @@ def parse(text: str, plan: ToolPlan) -> Parsed:
         return Parsed(text, problem=problem)
     kept.append(text[at:])
     content = "".join(kept).strip()
+    return Parsed(content or None, tuple(calls[:1] if not plan.parallel else calls), problem)
+
+
+def _parse_mistral(text: str, plan: ToolPlan) -> Parsed:
+    """Mistral's calls: everything after the first [TOOL_CALLS] is calls, a JSON list of them or
+    `name[ARGS]{...}` (each after its own [TOOL_CALLS]); the text before it is the content."""
+    start = text.find(TOOL_CALLS)
+    if start < 0:
+        return Parsed(text)
+    calls: list[ToolCall] = []
+    problem: str | None = None
+    at = start
+    while text.startswith(TOOL_CALLS, at):
+        at += len(TOOL_CALLS)
+        while at < len(text) and text[at].isspace():
+            at += 1
+        named = _NAME.match(text, at)
+        try:
+            if named is not None:
+                arguments, at = _JSON.raw_decode(text, named.end())
+                objects: list[Any] = [{"name": named.group(1), "arguments": arguments}]
+            else:
+                decoded, at = _JSON.raw_decode(text, at)
+                objects = decoded if isinstance(decoded, list) else [decoded]
+        except ValueError:
+            problem = problem or "the call is not JSON"
+            break
+        for obj in objects:
+            found = _call(obj, plan.names)
+            if isinstance(found, str):
+                problem = problem or found
+            else:
+                calls.append(found)
+        while at < len(text) and text[at].isspace():
+            at += 1
+    if not calls:
+        return Parsed(text, problem=problem)
+    content = (text[:start] + text[at:]).strip()
     return Parsed(content or None, tuple(calls[:1] if not plan.parallel else calls), problem)
 
 
@@ -265,6 +316,8 @@ class StreamParser:
         if self.plan.format == "llama":
             out, self._held = self._held, ""
             return [out]
+        if self.plan.format in _MISTRAL:
+            return self._mistral()
         out: list[str | ToolCall] = []
         while True:
             if self._in_call:
@@ -291,6 +344,18 @@ class StreamParser:
             out += self._text(self._held[:len(self._held) - keep])
             self._held = self._held[len(self._held) - keep:]
             return out
+
+    def _mistral(self) -> list[str | ToolCall]:
+        """Text before [TOOL_CALLS] goes on; from it on, everything is calls, read when the answer ends."""
+        start = self._held.find(TOOL_CALLS)
+        if start >= 0:
+            out = self._text(self._held[:start])
+            self._held, self._whole = self._held[start:], True
+            return out
+        keep = _partial_suffix(self._held, TOOL_CALLS)
+        out = self._text(self._held[:len(self._held) - keep])
+        self._held = self._held[len(self._held) - keep:]
+        return out
 
     def _text(self, text: str) -> list[str | ToolCall]:
         # Blank text before or between calls is held: if calls follow, it is dropped.
@@ -341,14 +406,29 @@ def grammar(plan: ToolPlan) -> str:
     """GBNF for exactly one call to one of the offered tools, in the model's form, with arguments
     that match the tool's schema: a forced call always parses and validates."""
     key = "parameters" if plan.format == "llama" else "arguments"
+    if plan.format == "mistral_args":  # name[ARGS]{arguments}: each tool's name, then its own arguments
+        return _mistral_args_grammar(plan)
     schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
                          "required": ["name", key]} for t in plan.offered]}
-    rules = re.sub(r"^root ::=", "tool-call-json ::=", schema_grammar(schema), flags=re.M)
-    # The converter lets a string hold raw newlines and other control characters, which JSON forbids.
-    rules = rules.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')
+    rules = _json_strings(re.sub(r"^root ::=", "tool-call-json ::=", schema_grammar(schema), flags=re.M))
     if plan.format == "llama":
         return rules + "\nroot ::= tool-call-json\n"
+    if plan.format == "mistral":
+        return rules + '\nroot ::= "[TOOL_CALLS][" tool-call-json "]"\n'
     return rules + '\nroot ::= "<tool_call>\\n" tool-call-json "\\n</tool_call>"\n'
+
+
+def _json_strings(rules: str) -> str:
+    """The converter lets a string hold raw newlines and other control characters, which JSON forbids."""
+    return rules.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')
+
+
+def _mistral_args_grammar(plan: ToolPlan) -> str:
+    """[TOOL_CALLS], a tool's name, [ARGS], and arguments that match that tool's schema: the tools'
+    schemas as one anyOf, whose alternatives the converter names alternative-0, -1, ... in order."""
+    rules = _json_strings(re.sub(r"^root ::=.*$", "", schema_grammar({"anyOf": [t.parameters for t in plan.offered]}), flags=re.M))
+    choices = " | ".join(f'"{t.name}[ARGS]" alternative-{i}' for i, t in enumerate(plan.offered))
+    return rules + f'\nroot ::= "[TOOL_CALLS]" ({choices})\n'
 
 
 def strings(value: Any) -> Iterable[str]:
@@ -369,7 +449,11 @@ def strings(value: Any) -> Iterable[str]:
 def marker_texts(fmt: Format) -> tuple[str, ...]:
     """The texts that mark a call in this form: where a model has them as control tokens, their
     text must reach the parser."""
-    return (PYTHON_TAG,) if fmt == "llama" else (OPEN, CLOSE)
+    if fmt == "llama":
+        return (PYTHON_TAG,)
+    if fmt in _MISTRAL:
+        return (TOOL_CALLS, ARGS)
+    return (OPEN, CLOSE)
 
 
 def template_form(uses_tools: bool, source: str) -> tuple[bool, Format]:
@@ -377,6 +461,8 @@ def template_form(uses_tools: bool, source: str) -> tuple[bool, Format]:
     template whose call form is neither known form is treated as one that ignores tools."""
     if uses_tools and OPEN in source:
         return True, "hermes"
+    if uses_tools and TOOL_CALLS in source:
+        return True, "mistral_args" if ARGS in source else "mistral"
     if uses_tools and (PYTHON_TAG in source or '"parameters"' in source):
         return True, "llama"
     return False, "hermes"
