@@ -154,8 +154,7 @@ async def _lifecycle(ctx: CallContext, name: str, keep_alive: Any, kind: Any) ->
     try:
         if entry is not None and reason == "load":
             await manager.load(entry)
-            if seconds is not None and ctx.principal.admin:
-                manager.keep_alive(model.settings.alias, seconds)
+            _keep(ctx, model.settings.alias, keep_alive)
         elif entry is not None:
             if not ctx.principal.admin:
                 raise APIError(403, "Unloading a model is an admin key's to ask: it takes the model from every caller.",
