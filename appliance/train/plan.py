@@ -27,8 +27,9 @@ from engines.llama_layout import PROJECTIONS
 TRAINABLE_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
 # Each trainer's packages, and how to install them.
 TRAINERS = {
-    "torch": (("torch", "peft", "transformers", "accelerate", "gguf", "safetensors"), "pip install 'appliance[train]'"),
-    "mlx": (("mlx", "mlx_lm", "gguf"), "pip install mlx mlx-lm gguf (the installer adds mlx and mlx-lm on a Mac)"),
+    "torch": (("torch", "peft", "transformers", "accelerate", "gguf", "safetensors"),
+              "bash installer/install.sh --with train in a checkout, else pip install 'appliance[train]'"),
+    "mlx": (("mlx", "mlx_lm", "gguf"), "pip install gguf (mlx and mlx-lm come with the appliance on a Mac)"),
 }
 
 
