@@ -267,7 +267,7 @@ def test_old_traces_and_failed_sign_ins_are_readable(box: Box) -> None:
 
 def test_the_eval_run_is_listed_and_exports(box: Box, tmp_path: Path) -> None:
     run = MANIFEST["eval_run"]
-    listed = [json.loads(line) for line in cli(box.server, "eval", "router", "--history").splitlines() if line.startswith("{")]
+    listed = json.loads(cli(box.server, "eval", "router", "--history", "--json"))["runs"]
     assert [(r["id"], r["questions"]) for r in listed] == [(run["id"], run["questions"])]
     out = tmp_path / "run.jsonl"
     said = cli(box.server, "eval", "export", "--run", str(run["id"]), "--out", str(out))

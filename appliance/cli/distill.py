@@ -17,6 +17,7 @@ from contextlib import closing
 from datetime import datetime
 from pathlib import Path
 
+from appliance.cli.exits import INTERRUPTED, NOT_PROMOTED, UNREACHABLE
 from appliance.cli.fleet import add_server_options, server_url, tell_server
 from appliance.cli.support import ledger_of, moment, settings_of
 from appliance.config.settings import RouteSettings, find_config, load_settings
@@ -132,7 +133,7 @@ def cmd_distill_train(args: argparse.Namespace) -> int:
     error = outcome.get("error")
     if isinstance(error, training.TrainCancelled):
         print(str(error), file=sys.stderr)
-        return 130
+        return INTERRUPTED
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -208,6 +209,7 @@ def cmd_distill_evaluate(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from appliance.cli.fleet import write_and_apply
+    from appliance.cli.remote import call
     from appliance.cli.support import print_rows, route_named
     from appliance.config.writer import update_table
     from appliance.distill import evaluation as distill_eval
@@ -222,6 +224,7 @@ def cmd_distill_evaluate(args: argparse.Namespace) -> int:
     teacher = args.teacher or route.tiers[-1]
     asked = distill_eval.Asked(args.student, args.adapter, teacher, args.data.expanduser(), args.workload, args.family, args.max_tokens)
     prices = {m.alias: Price.per_million(m.price_input_per_mtok, m.price_output_per_mtok) for m in settings.models}
+    call(server_url(args), args.key, "GET", "/v1/models")  # no server, or a key it refuses: said now, not per question
     try:
         adapter = distill_eval.adapter_path(settings, args.student, args.adapter)
         if settings.model(teacher) is None:
@@ -235,7 +238,7 @@ def cmd_distill_evaluate(args: argparse.Namespace) -> int:
         return 1
     except httpx.HTTPError as exc:
         print(f"error: no server answers at {server_url(args)} ({exc}): start it with `appliance serve`", file=sys.stderr)
-        return 1
+        return UNREACHABLE
     print_rows(distill_eval.headers_of(result), distill_eval.summary_rows(result))
     stored = distill_eval.store(adapter, result.record(asked, settings.distill.margin, time.time()))
     print(f"{'promote' if result.verdict.promote else 'not promoted'}: {result.verdict.reason}")
@@ -243,7 +246,7 @@ def cmd_distill_evaluate(args: argparse.Namespace) -> int:
     if not args.promote:
         return 0
     if not result.verdict.promote:
-        return 3  # asked to promote, refused: a script can tell
+        return NOT_PROMOTED  # asked to promote, refused: a script can tell
     family = args.family or distill_eval.export_family(args.data.expanduser())
     if family is not None:
         return _promote_for_family(args, config, route, family)

@@ -4,6 +4,7 @@ runs (`calibrate`), and a stored run routed again offline (`simulate`)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -20,20 +21,17 @@ if TYPE_CHECKING:
 
 
 def cmd_eval_router(args: argparse.Namespace) -> int:
-    import json
-
+    from rich.console import Console
     from rich.progress import Progress
 
+    from appliance.cli.remote import call
     from appliance.evaluation import runner as evaluate
     from appliance.store import eval_runs
-    from policy.budgets import Price
+    from policy.budgets import Price, dollars, nanos_from_usd
 
     with closing(ledger_db(args.config)) as db:
         if args.history:
-            for run in eval_runs.history(db):
-                comparison = run["summary"].get("_comparison", {})
-                print(json.dumps({"id": run["id"], "at": when(run["at"]), "questions": run["questions"], **comparison}))
-            return 0
+            return _history(eval_runs.history(db), args.json)
         settings = settings_of(args.config)
         route = route_named(settings, args.route)
         if route is None:
@@ -49,6 +47,7 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
                 return 2
             check = evaluate.load_checker(found)
         url = args.url or f"http://{settings.server.host}:{settings.server.port}"
+        call(url, args.key, "GET", "/v1/models")  # no server, or a key it refuses: said before a run is begun
         names = ([] if args.tiers_only else [route.alias]) + list(route.tiers)
         answers: list[evaluate.Answer] = []
         done: dict[int, frozenset[str]] = {}
@@ -68,17 +67,38 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
             run_id = evaluate.begin(db, dataset, questions, list(route.tiers))
         whole = sum(1 for answered in done.values() if answered >= set(names))
         print(f"eval run {run_id}: {len(questions)} questions, {whole} already answered by every target", file=sys.stderr)
-        with Progress() as progress:
+        with Progress(console=Console(stderr=True)) as progress:  # stdout is the result's
             task = progress.add_task(f"{len(questions)} questions x {len(names)} targets", total=len(questions), completed=whole)
             summary = evaluate.run(url, args.key or "unused", route.alias, list(route.tiers), prices, questions, args.max_tokens,
                                    lambda finished: progress.update(task, advance=1), answers, include_route=not args.tiers_only,
                                    check=check, done=done, answered=lambda _, found: eval_runs.record(db, run_id, found))
         eval_runs.finish(db, run_id, summary)
-    header = ("target", "accuracy", "cost_usd", "p50_latency_s", "answered_by", "errors")
-    rows = [(name, f"{s['accuracy']:.1%}", f"{s['cost_usd']:.6f}", f"{s['p50_latency_s']:.2f}", json.dumps(s["answered_by"]), str(s["errors"]))
-            for name, s in summary.items() if not name.startswith("_")]
+    if args.json:
+        print(json.dumps({"run": run_id, "summary": summary}, indent=2))
+        return 0
+    header = ("target", "accuracy", "cost", "p50_latency_s", "answered_by", "errors")
+    rows = [(name, f"{s['accuracy']:.1%}", dollars(nanos_from_usd(s["cost_usd"])), f"{s['p50_latency_s']:.2f}", json.dumps(s["answered_by"]),
+             str(s["errors"])) for name, s in summary.items() if not name.startswith("_")]
     print_rows(header, rows)
     print(json.dumps({"run": run_id, **summary.get("_comparison", {})}, indent=2))
+    return 0
+
+
+def _history(runs: list[dict], as_json: bool) -> int:  # type: ignore[type-arg]
+    """`eval router --history`: the stored runs, newest first, with the route's comparison where it was measured."""
+    listed = [{"id": r["id"], "at": when(r["at"]), "dataset": r["dataset"], "questions": r["questions"],
+               "tiers": r["summary"].get("_tiers", []), "finished": not r["summary"].get("_partial", False),
+               **r["summary"].get("_comparison", {})} for r in runs]
+    if as_json:
+        print(json.dumps({"runs": listed}, indent=2))
+        return 0
+
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
+
+    print_rows(("id", "at", "dataset", "questions", "tiers", "finished", "route", "accuracy_vs_frontier", "cost_vs_frontier"), [
+        (str(r["id"]), r["at"], r["dataset"], str(r["questions"]), ",".join(r["tiers"]), "yes" if r["finished"] else "no",
+         r.get("route", "-"), share(r.get("accuracy_vs_frontier")), share(r.get("cost_vs_frontier"))) for r in listed])
     return 0
 
 
@@ -234,7 +254,6 @@ def cmd_eval_simulate(args: argparse.Namespace) -> int:
     each heuristic feature's value, and a calibration's choices (at several thresholds), against the
     tiers alone and the random-routing line. No model is called."""
     import dataclasses
-    import json
 
     from appliance.evaluation import calibration_file, offline_routing
     from appliance.evaluation import runner as evaluate
@@ -278,6 +297,11 @@ def cmd_eval_simulate(args: argparse.Namespace) -> int:
     results = [offline_routing.figures(name, rows, chosen) for name, chosen in routes]
     refs, bases = [r.ref for r in labelled], [r.adversarial_of for r in labelled]
     dearer = {name: offline_routing.manipulated(refs, bases, chosen) for name, chosen in routes}
+    found_json = {"run": args.run, "routes": [{**dataclasses.asdict(r), "manipulated": len(dearer[r.name])} for r in results],
+                  "kept_features": list(keep_features)}
+    if args.json:
+        print(json.dumps(found_json, indent=2))
+        return 0
     print(f"run {args.run}: {len(rows)} questions every tier answered ({partial} left out), {sum(b is not None for b in bases)} manipulated copies")
     print_rows(("route", "accuracy", "vs frontier", "cost vs frontier", "vs random line", "shares by tier", "manipulated"), [
         (r.name, f"{r.accuracy:.1%}", f"{r.accuracy_vs_frontier or 0:.1%}", f"{r.cost_vs_frontier or 0:.1%}",
@@ -289,8 +313,7 @@ def cmd_eval_simulate(args: argparse.Namespace) -> int:
     print_rows(("feature", "moved", "accuracy gain", "cost added", "verdict"), [
         (v.name, str(v.moved), "" if v.accuracy_gain is None else f"{v.accuracy_gain:+.2f}", "" if v.cost_added is None else f"{v.cost_added:.0f}",
          "predicts" if v.predicts else "unmeasured" if v.predicts is None else "drop") for v in values])
-    print(json.dumps({"run": args.run, "routes": [{**dataclasses.asdict(r), "manipulated": len(dearer[r.name])} for r in results],
-                      "kept_features": list(keep_features)}))
+    print(json.dumps(found_json))
     return 0
 
 
@@ -325,14 +348,15 @@ def cmd_eval_import(args: argparse.Namespace) -> int:
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     evaluation = sub.add_parser("eval", help="evaluations").add_subparsers(dest="eval_command", required=True)
     router = evaluation.add_parser("router", help="GSM8K through a route and each of its tiers, over HTTP")
-    router.add_argument("--route", default="auto")
+    router.add_argument("--route", default="auto", help="the route to measure, beside each of its tiers")
     router.add_argument("--limit", type=int, help="questions: the first N (default: 50 of GSM8K's test split, all of a --file)")
-    router.add_argument("--max-tokens", type=int, default=384)
+    router.add_argument("--max-tokens", type=int, default=384, help="for questions that name none")
     add_server_options(router, url="the appliance", key="an API key (not needed in open mode)")
     router.add_argument("--file", type=Path, help="JSONL with question and answer ('#### N'), or workload records (messages), instead of GSM8K")
     router.add_argument("--checker", type=Path, help="for workload records: the Python file whose check(record, text) judges an answer "
                                                      "(default: check.py beside the file or one folder up)")
     router.add_argument("--history", action="store_true", help="list earlier runs")
+    router.add_argument("--json", action="store_true", help="print one JSON document on stdout (the runs, with --history; else the run's summary)")
     router.add_argument("--tiers-only", action="store_true", help="skip the route: measure the tiers alone (for a calibration)")
     router.add_argument("--resume", type=int, metavar="RUN",
                         help="go on with a run cut short, or add questions to one with a higher --limit (same --file and targets): "
@@ -367,6 +391,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     simulate.add_argument("--run", type=int, required=True, help="a run measured on every tier (--tiers-only), e.g. on a development split")
     simulate.add_argument("--calibration", type=Path, help="a calibration file to route with too")
     simulate.add_argument("--keep", type=_fraction, action="append", default=[], help="other thresholds to try the calibration at (repeat)")
+    simulate.add_argument("--json", action="store_true")
     simulate.add_argument("--config", type=Path)
     simulate.set_defaults(func=cmd_eval_simulate)
     exported = evaluation.add_parser("export", help="a stored run to a JSON Lines file (bench/runs/...), to import elsewhere")

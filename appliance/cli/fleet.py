@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from appliance.cli.remote import auth_headers, refusal, server_error
 from appliance.cli.support import settings_of
 from appliance.config.settings import ConfigError, find_config
 
@@ -65,10 +66,10 @@ def tell_server(args: argparse.Namespace, config: Path, before: str) -> int:
     from appliance.config.writer import restore
 
     url = server_url(args).rstrip("/")
-    headers = {"Authorization": f"Bearer {args.key}"} if getattr(args, "key", None) else {}
+    key = getattr(args, "key", None)
     written = config.read_text()
     try:
-        response = httpx.post(f"{url}/admin/config/reload", headers=headers, timeout=httpx.Timeout(10, read=600))
+        response = httpx.post(f"{url}/admin/config/reload", headers=auth_headers(key), timeout=httpx.Timeout(10, read=600))
     except httpx.HTTPError:
         print(f"no server answers at {url}: the change is served when the server starts")
         return 0
@@ -80,12 +81,10 @@ def tell_server(args: argparse.Namespace, config: Path, before: str) -> int:
         if change["restart_needed_for"]:
             print(f"a restart applies the changes to [{'], ['.join(change['restart_needed_for'])}]")
         return 0
-    try:
-        message = response.json()["error"]["message"]
-    except Exception:
-        message = response.text[:300]
-    put_back = response.status_code != 404 and restore(config, before, written)  # 404: an older server, or another file
-    print(f"error: the server at {url} did not apply the change ({response.status_code}): {message}", file=sys.stderr)
+    said = refusal(url, response, key) or f"the server at {url} did not apply the change ({response.status_code}): {server_error(response)[1]}"
+    # 404: an older server, or another file; before == written: `config reload`, nothing of ours to put back
+    put_back = response.status_code != 404 and before != written and restore(config, before, written)
+    print(f"error: {said}", file=sys.stderr)
     if put_back:
         print(f"{config} is back as it was", file=sys.stderr)
     return 1

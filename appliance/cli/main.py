@@ -8,18 +8,20 @@ import logging
 import os
 import signal
 import sys
-import time
-from contextlib import closing
 from pathlib import Path
 
 from appliance import __version__
+from appliance.cli import accounts as cli_accounts
 from appliance.cli import data as cli_data
 from appliance.cli import distill as cli_distill
 from appliance.cli import evals as cli_eval
 from appliance.cli import fleet as cli_fleet
 from appliance.cli import service as cli_service
+from appliance.cli.exits import INTERRUPTED, USAGE, CommandError, epilog
 from appliance.cli.fleet import add_server_options, resolve_key, server_url, tell_server, write_and_apply
-from appliance.cli.support import config_in_use, data_dir, ledger_db, ledger_of, moment, print_rows, settings_of, when
+from appliance.cli.parsing import finish
+from appliance.cli.remote import call
+from appliance.cli.support import print_rows, settings_of
 from appliance.config.settings import ConfigError, config_to_serve, find_config, load_settings
 from appliance.server.log_format import TEXT_FORMAT
 
@@ -79,29 +81,30 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    import json
 
     from appliance.fleet.files import ModelFileError, resolve
+    from policy.budgets import dollars, nanos_from_usd
 
     settings = settings_of(args.config)
-    header = ("alias", "engine", "kind", "tier", "slots", "context", "price_in_per_mtok", "price_out_per_mtok", "file")
-    rows = []
+    listed = []
     for m in settings.models:
         try:
             where = " ".join(u.base_url for u in m.upstreams) if m.engine == "openai" else str(resolve(m, settings.server.data_dir))
+            missing = None
         except ModelFileError as exc:
-            where = f"missing: {exc}"
-        rows.append((m.alias, m.engine, m.kind, m.tier, str(m.slots), str(m.context_length),
-                     f"{m.price_input_per_mtok:g}", f"{m.price_output_per_mtok:g}", where))
-    if not sys.stdout.isatty():  # scripts get tab-separated lines, never a wrapped table
-        for row in (header, *rows):
-            print("\t".join(row))
+            where, missing = "", str(exc)
+        listed.append({"alias": m.alias, "engine": m.engine, "kind": m.kind, "tier": m.tier, "slots": m.slots,
+                       "context_length": m.context_length, "price_input_per_mtok": m.price_input_per_mtok,
+                       "price_output_per_mtok": m.price_output_per_mtok, "file": where, "missing": missing})
+    if args.json:
+        print(json.dumps({"config": str(settings.file), "models": listed}, indent=2))
         return 0
-    table = Table(*header)
-    for row in rows:
-        table.add_row(*row)
-    Console().print(table)
+    print_rows(("alias", "engine", "kind", "tier", "slots", "context", "in_per_mtok", "out_per_mtok", "file"), [
+        (m["alias"], m["engine"], m["kind"], m["tier"], str(m["slots"]), str(m["context_length"]),
+         dollars(nanos_from_usd(m["price_input_per_mtok"])), dollars(nanos_from_usd(m["price_output_per_mtok"])),
+         m["file"] or f"missing: {m['missing']}") for m in listed
+    ])
     return 0
 
 
@@ -268,141 +271,6 @@ def cmd_models_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_expiry(text: str, now: float) -> float:
-    """'30d', '12h', '45m', '90s' from now, or an ISO 8601 date or time (UTC unless it says otherwise)."""
-    return moment(text, now, 1, "--expires")
-
-
-def cmd_keys_create(args: argparse.Namespace) -> int:
-    from appliance.store.db import database_path
-    from appliance.store.keys import KeyStore
-
-    now = time.time()
-    try:
-        expires = parse_expiry(args.expires, now) if args.expires else None
-        settings = config_in_use(args.config)
-        with closing(ledger_of(settings)) as db:
-            record, secret = KeyStore(db).create(
-                user=args.user, tenant=args.tenant, app=args.app, role=args.role, admin=args.admin, now=now, expires_at=expires)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"created {'admin ' if record.admin else ''}key {record.id} for user {record.user}, tenant {record.tenant}, "
-          f"app {record.app}, role {record.role}" + (f", expires {args.expires}" if expires else ""))
-    # A key written to another data directory than the server's is a key that server never sees.
-    print(f"stored in {database_path(data_dir(settings))}" + (f" (the data directory of {settings.file})" if settings else
-                                                               " (no config file found: the default data directory)"))
-    if settings is not None and settings.auth.mode == "open":
-        print(f"warning: {settings.file} has [auth] mode = \"open\": a server started with it checks no keys, so this key "
-              "is not asked for until mode = \"keys\"", file=sys.stderr)
-    print("the secret is shown once; store it now:")
-    print(secret)
-    return 0
-
-
-def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    from appliance.store.keys import KeyStore, LastAdminKey
-
-    last = False
-    with closing(ledger_db(args.config)) as db:
-        store, now = KeyStore(db), time.time()
-        try:
-            revoked = store.revoke(args.id, now)
-        except LastAdminKey:  # the admin API refuses this one; on the machine it is the operator's call
-            last, revoked = True, store.revoke(args.id, now, keep_an_admin=False)
-    if not revoked:
-        print(f"error: there is no active key {args.id}", file=sys.stderr)
-        return 1
-    print(f"revoked {args.id} (a running server stops accepting it within its key cache time)")
-    if last:
-        print(f"warning: {args.id} was the last active admin key: /admin/* and the TUI refuse every key until "
-              "`appliance keys create --admin` makes another", file=sys.stderr)
-    return 0
-
-
-def cmd_keys_list(args: argparse.Namespace) -> int:
-    from appliance.store.keys import KeyStore
-
-    with closing(ledger_db(args.config)) as db:
-        records = KeyStore(db).all()
-    print_rows(("id", "user", "tenant", "app", "role", "admin", "expires_at", "revoked_at"), [
-        (r.id, r.user, r.tenant, r.app, r.role, "yes" if r.admin else "no", when(r.expires_at), when(r.revoked_at)) for r in records
-    ])
-    return 0
-
-
-def cmd_budgets_set(args: argparse.Namespace) -> int:
-    from appliance.store.ledger import Ledger, LedgerError
-    from policy.budgets import nanos_from_usd
-
-    if args.level != "global" and not args.name:
-        print(f"error: a {args.level} budget needs the {args.level}'s name", file=sys.stderr)
-        return 2
-    if args.usd < 0:
-        print("error: --usd must be zero or more", file=sys.stderr)
-        return 2
-    with closing(ledger_db(args.config)) as db:
-        try:
-            Ledger(db).set_limit(args.level, args.name or "*", nanos_from_usd(args.usd), args.period, time.time())
-        except LedgerError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    print(f"{args.level} {args.name or '*'}: ${args.usd:g} per {args.period}")
-    return 0
-
-
-def cmd_budgets_unset(args: argparse.Namespace) -> int:
-    from appliance.store.ledger import Ledger
-
-    with closing(ledger_db(args.config)) as db:
-        removed = Ledger(db).remove_limit(args.level, args.name or "*")
-    if not removed:
-        print(f"error: there is no budget for {args.level} {args.name or '*'}", file=sys.stderr)
-        return 1
-    print(f"removed the budget of {args.level} {args.name or '*'} (spend is still recorded)")
-    return 0
-
-
-def cmd_budgets_reset(args: argparse.Namespace) -> int:
-    from appliance.store.ledger import Ledger
-    from policy.budgets import usd
-
-    with closing(ledger_db(args.config)) as db:
-        written_off = Ledger(db).reset_spend(args.level, args.name or "*", args.period, time.time())
-    print(f"{args.level} {args.name or '*'}: wrote off ${usd(written_off):.6f} of this {args.period}'s spend")
-    return 0
-
-
-def cmd_budgets_show(args: argparse.Namespace) -> int:
-    import json
-
-    from appliance.store.ledger import Ledger
-    from policy.budgets import usd
-
-    now = time.time()
-    with closing(ledger_db(args.config)) as db:
-        ledger = Ledger(db)
-        budgets, reservations = ledger.budgets(now), ledger.reservations()
-        top = {level: ledger.top_spenders(level, "day", now) for level in ("user", "tenant", "app")}
-        problems = ledger.imbalances()
-    if args.json:
-        print(json.dumps({
-            "budgets": [{"level": b.level, "name": b.name, "period": b.period, "window": b.window, "limit_usd": usd(b.limit_nanos),
-                         "spent_usd": usd(b.spent_nanos), "held_usd": usd(b.held_nanos),
-                         "remaining_usd": usd(max(0, b.limit_nanos - b.spent_nanos - b.held_nanos))} for b in budgets],
-            "reservations": reservations,
-            "top_spenders_today": {level: [{"name": n, "spent_usd": usd(s)} for n, s in rows] for level, rows in top.items()},
-            "balanced": not problems,
-        }, indent=2))
-        return 0
-    print_rows(("level", "name", "period", "limit_usd", "spent_usd", "held_usd", "remaining_usd"), [
-        (b.level, b.name, b.period, f"{usd(b.limit_nanos):.6f}", f"{usd(b.spent_nanos):.6f}", f"{usd(b.held_nanos):.6f}",
-         f"{usd(max(0, b.limit_nanos - b.spent_nanos - b.held_nanos)):.6f}") for b in budgets
-    ])
-    print(f"reservations in flight: {len(reservations)}; ledger {'balanced' if not problems else 'NOT balanced: ' + '; '.join(problems)}")
-    return 0
-
-
 def cmd_tui(args: argparse.Namespace) -> int:
     from tui.app import run
 
@@ -414,23 +282,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
     """The models of a running server, loaded or not, from GET /admin/models/loaded."""
     import json
 
-    import httpx
-
-    url = server_url(args).rstrip("/")
-    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
-    try:
-        response = httpx.get(f"{url}/admin/models/loaded", headers=headers, timeout=10)
-    except httpx.HTTPError as exc:
-        print(f"error: cannot reach the server at {url}: {exc}", file=sys.stderr)
-        return 1
-    if response.status_code != 200:
-        try:
-            message = response.json()["error"]["message"]
-        except Exception:
-            message = response.text[:200]
-        print(f"error: {url} answered {response.status_code}: {message}", file=sys.stderr)
-        return 1
-    data = response.json()
+    data = call(server_url(args), args.key, "GET", "/admin/models/loaded").json()
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -460,29 +312,46 @@ def cmd_ps(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from appliance.cli.doctor import run_doctor
 
-    return run_doctor(args.config)
+    return run_doctor(args.config, as_json=args.json)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """A completion script for the shell, made from this very parser (so it knows every subcommand and option)."""
+    import shtab
+
+    print(shtab.complete(build_parser(), shell=args.shell), end="")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="appliance", description="A self-hosted LLM server with an OpenAI-compatible API.")
+    import msgspec
+
+    from appliance.config.sections import ServerSettings
+
+    parser = argparse.ArgumentParser(prog="appliance", description="A self-hosted LLM server with an OpenAI-compatible API.",
+                                     epilog=epilog())
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
     parser.add_argument("--version", action="version", version=f"appliance {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the models in the config over HTTP")
-    serve.add_argument("--config", type=Path, help="config file (default: ./models.toml, then the data directory's)")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
+    serve.add_argument("--config", type=Path, help="config file (default: $APPLIANCE_CONFIG, else ./models.toml, else the data "
+                                                   "directory's; a first start with none writes the bundled one there)")
+    listen = {f.name: f.default for f in msgspec.structs.fields(ServerSettings)}
+    serve.add_argument("--host", help=f"the address to listen on (default: the config's [server] host, else {listen['host']})")
+    serve.add_argument("--port", type=int, help=f"the port to listen on, 0 for any free one (default: the config's [server] port, "
+                                                f"else {listen['port']})")
     serve.set_defaults(func=cmd_serve)
 
     config = sub.add_parser("config", help="config file tools").add_subparsers(dest="config_command", required=True)
     check = config.add_parser("check", help="validate a config file")
-    check.add_argument("path", nargs="?", type=Path)
+    check.add_argument("path", nargs="?", type=Path, help="the config file (default: as `serve` finds it)")
     check.set_defaults(func=cmd_config_check)
     config.add_parser("docs", help="print the reference of every key (docs/config.md)").set_defaults(func=cmd_config_docs)
 
     models = sub.add_parser("models", help="the model fleet").add_subparsers(dest="models_command", required=True)
     listing = models.add_parser("list", help="list configured models and where their files are")
+    listing.add_argument("--json", action="store_true")
     listing.add_argument("--config", type=Path)
     listing.set_defaults(func=cmd_models_list)
     pull = models.add_parser("pull", help="download hub models named in the config, or REPO FILE.gguf (then registered)")
@@ -492,77 +361,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_options(pull)
     pull.set_defaults(func=cmd_models_pull)
     add = models.add_parser("add", help="register a local GGUF file in the config")
-    add.add_argument("path", type=Path)
-    add.add_argument("--alias")
+    add.add_argument("path", type=Path, help="the GGUF file")
+    add.add_argument("--alias", help="the alias to register it under (default: from the file's name)")
     add.add_argument("--config", type=Path)
     add_server_options(add)
     add.set_defaults(func=cmd_models_add)
     quant = models.add_parser("quantize", help="quantize a model (a path or a configured alias) with llama.cpp or mlx-lm and register it")
-    quant.add_argument("source", type=Path)
+    quant.add_argument("source", type=Path, help="a model file or folder, or a configured alias (its settings are copied)")
     from appliance.fleet.admin import QUANT_TYPES
 
     quant.add_argument("--engine", choices=["llamacpp", "mlx"], default="llamacpp",
                        help="llamacpp: a GGUF of --type; mlx: an MLX folder of --bits and --group-size (from a GGUF or an MLX folder)")
-    quant.add_argument("--type", choices=sorted(QUANT_TYPES), metavar="TYPE", help=f"llama.cpp: one of {', '.join(QUANT_TYPES)}")
+    quant.add_argument("--type", choices=sorted(QUANT_TYPES), metavar="TYPE", help=f"llama.cpp, required: one of {', '.join(QUANT_TYPES)}")
     quant.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="mlx: bits per weight (default 4)")
     quant.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="mlx: weights per scale (default 64)")
     quant.add_argument("--out", type=Path, help="the output file (default: beside the source, named by the type)")
-    quant.add_argument("--alias", help="the alias to register it under")
+    quant.add_argument("--alias", help="the alias to register it under (default: the source's alias and the type, or the file's name)")
     quant.add_argument("--allow-requantize", action="store_true", help="quantize a file that is already quantized")
     quant.add_argument("--no-register", action="store_true", help="write the file only")
-    quant.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    quant.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads (default: the CPU count, %(default)s here)")
     quant.add_argument("--config", type=Path)
     add_server_options(quant)
     quant.set_defaults(func=cmd_models_quantize)
     cli_fleet.add_commands(models, config)
     convert = models.add_parser("convert", help="write an MLX model folder from a llama-architecture GGUF (no second download)")
-    convert.add_argument("source", type=Path)
-    convert.add_argument("--to", choices=["mlx"], required=True)
+    convert.add_argument("source", type=Path, help="the GGUF file")
+    convert.add_argument("--to", choices=["mlx"], required=True, help="the format to write")
     convert.add_argument("--out", type=Path, help="the folder to write (default: beside the source, <name>-mlx)")
     convert.set_defaults(func=cmd_models_convert)
 
-    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
-    create = keys.add_parser("create", help="create a key; the secret is printed once, alone on the last line")
-    for flag in ("--tenant", "--app", "--user", "--role"):
-        create.add_argument(flag, required=True)
-    create.add_argument("--admin", action="store_true", help="may call the admin API")
-    create.add_argument("--expires", help="a duration (30d, 12h, 45m, 90s) or an ISO 8601 date")
-    create.add_argument("--config", type=Path)
-    create.set_defaults(func=cmd_keys_create)
-    revoke = keys.add_parser("revoke", help="revoke a key by its id")
-    revoke.add_argument("id")
-    revoke.add_argument("--config", type=Path)
-    revoke.set_defaults(func=cmd_keys_revoke)
-    klist = keys.add_parser("list", help="list keys (never their secrets)")
-    klist.add_argument("--config", type=Path)
-    klist.set_defaults(func=cmd_keys_list)
-
-    from policy.budgets import LEVELS, PERIODS
-
-    budgets = sub.add_parser("budgets", help="dollar budgets per user, tenant, app or globally").add_subparsers(dest="budgets_command", required=True)
-    bset = budgets.add_parser("set", help="set a level's budget")
-    bset.add_argument("level", choices=LEVELS)
-    bset.add_argument("name", nargs="?", help="the user, tenant or app (not for global)")
-    bset.add_argument("--usd", type=float, required=True)
-    bset.add_argument("--period", choices=PERIODS, required=True)
-    bset.add_argument("--config", type=Path)
-    bset.set_defaults(func=cmd_budgets_set)
-    bunset = budgets.add_parser("unset", help="remove a level's budget (its spend stays recorded)")
-    bunset.add_argument("level", choices=LEVELS)
-    bunset.add_argument("name", nargs="?")
-    bunset.add_argument("--config", type=Path)
-    bunset.set_defaults(func=cmd_budgets_unset)
-    breset = budgets.add_parser("reset", help="write off a level's spend in the current window")
-    breset.add_argument("level", choices=LEVELS)
-    breset.add_argument("name", nargs="?")
-    breset.add_argument("--period", choices=PERIODS, required=True)
-    breset.add_argument("--config", type=Path)
-    breset.set_defaults(func=cmd_budgets_reset)
-    bshow = budgets.add_parser("show", help="budgets, spend, reservations in flight, top spenders")
-    bshow.add_argument("--json", action="store_true")
-    bshow.add_argument("--config", type=Path)
-    bshow.set_defaults(func=cmd_budgets_show)
-
+    cli_accounts.add_commands(sub)
     cli_eval.add_commands(sub)
     cli_data.add_commands(sub)
 
@@ -582,12 +410,19 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--config", type=Path)
     ps.set_defaults(func=cmd_ps)
 
-    doctor = sub.add_parser("doctor", help="check this machine, the engines and the models")
+    doctor = sub.add_parser("doctor", help="check this machine, the engines and the models (exit 1: a problem found)")
+    doctor.add_argument("--json", action="store_true")
     doctor.add_argument("--config", type=Path)
     doctor.set_defaults(func=cmd_doctor)
 
     cli_service.add_commands(sub)
-    return parser
+
+    completion = sub.add_parser("completion", help="print a shell completion script (bash: eval \"$(appliance completion bash)\" "
+                                                   "in ~/.bashrc; zsh: save it as _appliance on $fpath; fish: as "
+                                                   "~/.config/fish/completions/appliance.fish)")
+    completion.add_argument("shell", choices=("bash", "zsh", "fish", "tcsh"))
+    completion.set_defaults(func=cmd_completion)
+    return finish(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -604,7 +439,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return USAGE
+    except CommandError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.status
+    except KeyboardInterrupt:
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from appliance.config.settings import ConfigError, RouteSettings, Settings, find_config, load_settings
 
@@ -73,6 +74,42 @@ def when(epoch: float | None) -> str:
     return "-" if epoch is None else datetime.fromtimestamp(epoch, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# Columns a user copies into another command or a shell: printed whole, never cut or wrapped.
+WHOLE_COLUMNS = frozenset({"id", "alias", "model", "name", "file", "path", "sha256", "url", "target", "route", "request_id"})
+_NARROWEST = 8  # a column that may wrap is not made narrower than this (or its longest cell)
+
+
+def rows_renderable(header: tuple[str, ...], rows: list[tuple[str, ...]], width: int) -> Any:
+    """A table (cells may hold rich markup) whose WHOLE_COLUMNS are never cut; where the width cannot
+    hold them whole beside the others, each row as `column: value` lines instead."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    def cells(i: int) -> list[int]:
+        return [Text.from_markup(header[i]).cell_len, *(Text.from_markup(r[i]).cell_len for r in rows)]
+
+    longest = [max(cells(i)) for i in range(len(header))]
+    whole = [name in WHOLE_COLUMNS for name in header]
+    # A rich table's width: its columns, a space of padding either side of each, and a rule between and around them.
+    least = sum(n if w else min(n, _NARROWEST) for n, w in zip(longest, whole)) + 3 * len(header) + 1
+    if least > width:
+        label = max(len(name) for name in header)
+        blocks: list[Any] = []
+        for row in rows:
+            blocks += [Text.from_markup(f"[bold]{name:>{label}}[/bold]: {cell}") for name, cell in zip(header, row)] + [Text("")]
+        return Group(*blocks)
+    table = Table()
+    for name, w, n in zip(header, whole, longest):
+        if w:
+            table.add_column(name, no_wrap=True, min_width=n)
+        else:
+            table.add_column(name, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def print_rows(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     if not sys.stdout.isatty():  # scripts get tab-separated lines, never a wrapped table
         for row in (header, *rows):
@@ -81,7 +118,7 @@ def print_rows(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(*header)
-    for row in rows:
-        table.add_row(*row)
-    Console().print(table)
+    console = Console()
+    shown = rows_renderable(header, rows, console.width)
+    # soft_wrap: a record's line longer than the terminal (a long path) is left for the terminal to wrap, never cut
+    console.print(shown, soft_wrap=not isinstance(shown, Table))

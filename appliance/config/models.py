@@ -213,10 +213,13 @@ def _local_model(table: dict[str, Any], key: str, where: Where) -> LocalModel:
         defaults["prefills_per_step"] = 0
     if table.get("engine") == "onnx":
         # An onnx model (BERT-like) has 512 learned positions; its passes are padded, inputs x longest.
-        defaults.update(context_length=512, batch_tokens=8192)
+        # One thread runs them, one call at a time: one slot, which every listing then shows.
+        defaults.update(context_length=512, batch_tokens=8192, slots=1)
     m = decode(LocalModel, table, key, where, defaults or None)
     if m.engine == "onnx" and m.kind != "embedding":
         raise where.fail(f"{key}.engine", "the onnx engine serves embedding models only: add kind = \"embedding\"")
+    if m.engine == "onnx" and m.slots != 1:
+        raise where.fail(f"{key}.slots", "the onnx engine runs one call at a time (a call's inputs share its passes): leave slots out")
     if m.kind != "embedding" and (stray := [k for k in _EMBEDDING_KEYS if k in table]):
         raise where.fail(f"{key}.{stray[0]}", "applies to models of kind \"embedding\" only")
     tokenizer_keys = [k for k in ("tokenizer", "tokenizer_package_file") if k in table]

@@ -178,7 +178,7 @@ class FolderEstimate:
     weights: int
     kv: int
     compute: int  # activations, and copies of the KV
-    overhead: int = 0  # the tokenizer
+    overhead: int = 0  # MLX: the tokenizer; ONNX: the session's own buffers
 
     @property
     def total(self) -> int:
@@ -272,14 +272,24 @@ def mlx_estimate(folder: Path, slots: int, context_length: int) -> FolderEstimat
 # when it makes the session: the shipped int8 MiniLM's 21.9 MiB file became about 95 MiB resident.
 # A float32 file loads at its size, so for one this counts up to 4x too much: the safe side.
 ONNX_WIDENING = 4
+# The session's own buffers beyond the widened weights. Measured (RSS before and after making the
+# session, onnxruntime 1.32, the 21.9 MiB int8 MiniLM): +102 MiB for a second session in a process,
+# 87.6 MiB of it the widened file; a process's first session took +155 MiB, about 53 MiB of it
+# onnxruntime's own first use, paid once a process and so not counted per model.
+ONNX_SESSION_BYTES = 16 << 20
 # One padded token's activations in a forward pass, measured on all-MiniLM-L6-v2 (6 layers, 384
 # wide, 12 heads) through onnxruntime's arena: about 28 KiB for its hidden states, plus 226 bytes
 # per token of the widest input for its attention scores; rounded up. A wider model takes more.
+# The arena keeps a pass's memory: after one pass of 16 x 512 tokens (the defaults' widest, 8192
+# padded tokens) the process above held +1,424 MiB; a pass of 4 x 512 (2048 tokens) +452 MiB.
 ONNX_TOKEN_BYTES = 32 << 10
 ONNX_SCORE_BYTES = 256
 
 
 def onnx_memory(file_bytes: int, batch_tokens: int, context_length: int) -> FolderEstimate:
-    """An ONNX embedding model with one forward pass of `batch_tokens` padded tokens in flight."""
+    """An ONNX embedding model's session (its weights widened to float32, and the session's own
+    buffers) with one forward pass of `batch_tokens` padded tokens in flight. The engine runs one
+    pass at a time (one slot), so one pass is all it ever holds."""
     width = min(batch_tokens, context_length)  # the longest input one pass may hold
-    return FolderEstimate(ONNX_WIDENING * file_bytes, 0, batch_tokens * (ONNX_TOKEN_BYTES + ONNX_SCORE_BYTES * width))
+    return FolderEstimate(ONNX_WIDENING * file_bytes, 0, batch_tokens * (ONNX_TOKEN_BYTES + ONNX_SCORE_BYTES * width),
+                          ONNX_SESSION_BYTES)

@@ -95,11 +95,15 @@ def _budgets_view(services: Services) -> Any:
             for b in ledger.budgets(now)
         ]
         reservations = [{**r, "amount_usd": usd(int(r.pop("amount_nanos")))} for r in ledger.reservations()]  # type: ignore[arg-type]
+        # Spend is kept for every user, tenant and app, with a budget or without: who spends most, by period.
         top = {
-            level: [{"name": name, "spent_usd": usd(spent)} for name, spent in ledger.top_spenders(level, "day", now)]
-            for level in ("user", "tenant", "app")
+            f"top_spenders_{'today' if period == 'day' else 'month'}": {
+                level: [{"name": name, "spent_usd": usd(spent)} for name, spent in ledger.top_spenders(level, period, now)]
+                for level in ("user", "tenant", "app")
+            }
+            for period in ("day", "month")
         }
-        return {"budgets": budgets, "reservations": reservations, "top_spenders_today": top}
+        return {"budgets": budgets, "reservations": reservations, **top}
 
     return services.store.run(read)
 
