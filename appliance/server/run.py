@@ -70,7 +70,7 @@ def startup_lines(settings: Settings, registry: Registry) -> list[str]:
         caller = "auth: keys: every request needs a key (`appliance keys create`)"
     models = ", ".join(f"{m.settings.alias} ({m.settings.kind}, {m.settings.engine})" for m in registry.all())
     return [
-        f"serving http://{host}:{server.port}: OpenAI /v1, Anthropic /v1/messages, Ollama /api, console and admin /admin",
+        f"serving http://{host}:{server.port}: OpenAI /v1, Anthropic /v1/messages, Ollama /api, the admin API /admin/* (appliance tui)",
         caller,
         f"config: {Path(settings.file).resolve()}; data: {Path(server.data_dir).resolve()}; "
         f"logs: {server.log_format}, access log {server.access_log}",
