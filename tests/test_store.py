@@ -59,13 +59,32 @@ def test_request_log_writer_persists_everything_on_close(tmp_path: Path):
     db = connect(path)
     migrate(db)
     db.close()
-    writer = RequestLogWriter(path)
+    writer = RequestLogWriter(path, 86400)
     for i in range(50):
         writer.record(RequestRecord(f"r{i}", time.time() + i, "chat", "m", "ok", "stop", 10, i, 5.0, 20.0))
     writer.close()
     rows = recent(path, limit=100)
     assert len(rows) == 50
     assert rows[0].id == "r49" and rows[0].completion_tokens == 49
+
+
+def test_the_request_log_and_stored_responses_keep_rows_for_their_retention_only(tmp_path: Path):
+    from appliance.store import responses
+
+    path = tmp_path / "appliance.db"
+    db = connect(path)
+    migrate(db)
+    writer = RequestLogWriter(path, 3600)
+    writer.record(RequestRecord("old", time.time() - 7200, "chat", "m", "ok", "stop", 1, 1, 1.0, 1.0))
+    writer.record(RequestRecord("new", time.time(), "chat", "m", "ok", "stop", 1, 1, 1.0, 1.0))
+    writer.close()
+    assert [r.id for r in recent(path)] == ["new"]
+    responses.save(db, "t", {"id": "resp_old"}, [], 3600)
+    db.execute("UPDATE responses SET created_at = created_at - 7200 WHERE id = 'resp_old'")
+    assert responses.load(db, "t", "resp_old", 3600) is None  # past retention: gone before any save deletes it
+    assert responses.load(db, "t", "resp_old", 3 * 3600) is not None
+    responses.save(db, "t", {"id": "resp_new"}, [], 3600)
+    assert db.execute("SELECT id FROM responses").fetchall() == [("resp_new",)]
 
 
 def test_a_failed_eval_request_is_not_a_wrong_answer():

@@ -48,6 +48,10 @@ class ServerSettings(Table, frozen=True, kw_only=True):
     keep_alive_s: Annotated[int, Meta(ge=1, le=300, description="how long an idle connection stays open for its next request")] = 5
     max_connections: Annotated[int, Meta(ge=1, le=65536, description=(
         "connections open at once; one more is answered 503 with Retry-After and closed"))] = 512
+    request_log_days: Annotated[float, Meta(ge=0.01, le=3650.0, description=(
+        "how long the request log keeps a request's row (tokens, cost, latency: the console's history); older ones are deleted"))] = 90.0
+    responses_days: Annotated[float, Meta(ge=0.01, le=3650.0, description=(
+        "how long a stored response (`store: true`) can be read or continued from; older ones are deleted, as OpenAI's are after 30 days"))] = 30.0
     log_format: Annotated[Literal["text", "json"], Meta(
         description="the server's log lines: \"text\" for a person, \"json\" (one object a line) for a log shipper")] = "text"
     access_log: Annotated[Literal["calls", "all", "off"], Meta(description=(

@@ -33,6 +33,10 @@ def _not_found(response_id: str) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.")
 
 
+def kept_s(services: Services) -> float:
+    return services.settings.server.responses_days * 86400
+
+
 def _saver(services: Services, tenant: str) -> Save:
     """Stores a finished response on the store's thread, in order: a GET that follows sees it."""
 
@@ -41,7 +45,7 @@ def _saver(services: Services, tenant: str) -> Save:
             if done.exception() is not None:
                 log.error("could not store response %s: %s", response["id"], done.exception())
 
-        services.store.submit(lambda db: store.save(db, tenant, response, conversation)).add_done_callback(logged)
+        services.store.submit(lambda db: store.save(db, tenant, response, conversation, kept_s(services))).add_done_callback(logged)
 
     return save
 
@@ -58,7 +62,7 @@ async def _respond(ctx: CallContext, body: ResponsesRequest) -> Answer:
     history: list[Message] = []
     if body.previous_response_id is not None:
         previous_id = body.previous_response_id
-        stored = await services.store.run(lambda db: store.load(db, principal.tenant, previous_id))
+        stored = await services.store.run(lambda db: store.load(db, principal.tenant, previous_id, kept_s(services)))
         if stored is None:
             # OpenAI's answer for an unknown (or another tenant's) previous response: 400, naming the field.
             raise APIError(400, f"Previous response with id '{previous_id}' not found.", param="previous_response_id",
@@ -82,7 +86,7 @@ async def _respond(ctx: CallContext, body: ResponsesRequest) -> Answer:
 @get("/v1/responses/{response_id:str}")
 async def retrieve_response(request: Request[Any, Any, Any], services: Services, response_id: str) -> dict[str, Any]:
     principal = await authenticate(request, services)
-    stored = await services.store.run(lambda db: store.load(db, principal.tenant, response_id))
+    stored = await services.store.run(lambda db: store.load(db, principal.tenant, response_id, kept_s(services)))
     if stored is None:
         raise _not_found(response_id)
     return stored.response

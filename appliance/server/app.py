@@ -82,7 +82,7 @@ def build_services(settings: Settings, registry: Registry, read_at_start: Settin
     gate = Gate(settings, store, metrics_)
     tracing = Tracing(settings.tracing, db_path, settings.server.sqlite_synchronous, join_callers=settings.auth.mode == "open")
     answers = SemanticCache(settings.cache, db_path, registry, metrics_, settings.server.sqlite_synchronous, tracing)
-    return Services(settings, registry, metrics_, RequestLogWriter(db_path), int(time.time()), store, gate, answers, tracing,
+    return Services(settings, registry, metrics_, RequestLogWriter(db_path, settings.server.request_log_days * 86400), int(time.time()), store, gate, answers, tracing,
                     read_at_start=read_at_start)
 
 

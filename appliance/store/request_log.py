@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
@@ -72,8 +73,8 @@ _INSERT = (
 class RequestLogWriter:
     """Owns one connection and one thread; `close()` writes what is queued, then stops."""
 
-    def __init__(self, db_path: Path) -> None:
-        self._path = db_path
+    def __init__(self, db_path: Path, retention_s: float) -> None:
+        self._path, self._retention_s = db_path, retention_s
         self._queue: queue.SimpleQueue[RequestRecord | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="request-log", daemon=True)
         self._thread.start()
@@ -100,6 +101,8 @@ class RequestLogWriter:
                     try:
                         with db:
                             db.executemany(_INSERT, rows)
+                            # Rows past retention go with each write: an index range, empty but once a day or so.
+                            db.execute("DELETE FROM request_log WHERE created_at < ?", (time.time() - self._retention_s,))
                     except Exception:
                         log.exception("could not write %d request log rows", len(rows))
                 if None in batch:

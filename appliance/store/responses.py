@@ -34,14 +34,19 @@ class Stored:
     conversation: list[dict[str, Any]]  # chat messages: the earlier turns, this input, the answer
 
 
-def save(db: apsw.Connection, tenant: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+def save(db: apsw.Connection, tenant: str, response: dict[str, Any], conversation: list[dict[str, Any]], kept_s: float) -> None:
+    """Stores a response, and deletes those older than `kept_s` (an index range: cheap when there are none)."""
+    now = time.time()
     with db:
         db.execute("INSERT OR REPLACE INTO responses(tenant, id, created_at, response, conversation) VALUES (?, ?, ?, ?, ?)",
-                   (tenant, response["id"], time.time(), json.dumps(response), json.dumps(conversation)))
+                   (tenant, response["id"], now, json.dumps(response), json.dumps(conversation)))
+        db.execute("DELETE FROM responses WHERE created_at < ?", (now - kept_s,))
 
 
-def load(db: apsw.Connection, tenant: str, response_id: str) -> Stored | None:
-    row = db.execute("SELECT response, conversation FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id)).fetchone()
+def load(db: apsw.Connection, tenant: str, response_id: str, kept_s: float) -> Stored | None:
+    """A stored response of this tenant's, unless it is older than `kept_s` (gone, even before a save deletes it)."""
+    row = db.execute("SELECT response, conversation FROM responses WHERE tenant = ? AND id = ? AND created_at >= ?",
+                     (tenant, response_id, time.time() - kept_s)).fetchone()
     return Stored(json.loads(row[0]), json.loads(row[1])) if row else None
 
 
