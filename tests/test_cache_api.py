@@ -394,6 +394,8 @@ def test_an_operator_opens_a_language_with_labelled_near_misses(tmp_path) -> Non
         server = start_server(tmp_path / "traps", config)  # the labelled traps outlive a restart
         stats = httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {admin}"}).json()["false_hit_bound"]
         assert stats["de"]["open"] and stats["de"]["traps"] >= 299
+        # ... scored from the cosines kept when they were added: the start embeds none of them again.
+        assert "cache: 153 labelled traps scored, 0 of them embedded now" in server.log.read_text()
     finally:
         stop_server(server)
 

@@ -28,7 +28,8 @@ def test_migrations_apply_once_and_give_the_exact_schema():
     assert [row[0] for row in db.execute("SELECT name FROM migrations")] == [
         "0001_request_log", "0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
         "0011_responses", "0012_kept_answers", "0013_auth_failure_counts", "0014_cache_consistent_state",
-        "0015_cache_hit_scores", "0016_cache_vector_chunks", "0017_cache_labelled_traps"]
+        "0015_cache_hit_scores", "0016_cache_vector_chunks", "0017_cache_labelled_traps",
+        "0018_cache_trap_cosines"]
     assert [row[1] for row in db.execute("PRAGMA table_info(auth_failures)")] == [
         "id", "at", "reason", "key_id", "fingerprint", "client", "path", "count", "last_at"]
     assert [row[1] for row in db.execute("PRAGMA table_info(responses)")] == ["tenant", "id", "created_at", "response", "conversation"]
@@ -44,7 +45,8 @@ def test_a_database_from_before_the_ledger_migrates_forward(tmp_path: Path):
     db.execute("INSERT INTO request_log(id, created_at, endpoint, model, status, total_ms) VALUES ('r1', 1, 'chat', 'm', 'ok', 5)")
     assert migrate(db) == ["0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
                            "0011_responses", "0012_kept_answers", "0013_auth_failure_counts", "0014_cache_consistent_state",
-        "0015_cache_hit_scores", "0016_cache_vector_chunks", "0017_cache_labelled_traps"]
+        "0015_cache_hit_scores", "0016_cache_vector_chunks", "0017_cache_labelled_traps",
+        "0018_cache_trap_cosines"]
     assert db.execute("SELECT id, tenant, cost_nanos FROM request_log").fetchall() == [("r1", None, None)]
 
 
@@ -158,7 +160,8 @@ def test_cache_entries_keep_their_rows_when_the_consistent_state_arrives(tmp_pat
     vector = np.array([1.0, 0.0, 0.0, 0.0], dtype=np.float32)
     entry_id = store.store(bucket, "What is the capital of Peru?", "h1", vector, "Lima.", "stop", 5, 2, 700, "r1", 100.0, 10)
     assert entry_id is not None
-    assert migrate(db) == ["0014_cache_consistent_state", "0015_cache_hit_scores", "0016_cache_vector_chunks", "0017_cache_labelled_traps"]
+    assert migrate(db) == ["0014_cache_consistent_state", "0015_cache_hit_scores", "0016_cache_vector_chunks", "0017_cache_labelled_traps",
+        "0018_cache_trap_cosines"]
     assert store.set_state(entry_id, "consistent", "sweep:agreed")
     found = store.nearest(bucket.key, vector, 1)
     assert [(c.entry_id, c.state, c.question) for c in found] == [(entry_id, "consistent", "What is the capital of Peru?")]
@@ -212,7 +215,8 @@ def test_vector_tables_move_to_small_chunks_with_their_vectors(tmp_path: Path):
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     for i, v in enumerate(vectors):
         db.execute("INSERT INTO cache_vec_minilm_384(entry_id, bucket, embedding) VALUES (?, ?, ?)", (i + 1, f"b{i % 2}", v.tobytes()))
-    assert migrate(db) == ["0016_cache_vector_chunks", "0017_cache_labelled_traps"]
+    assert migrate(db) == ["0016_cache_vector_chunks", "0017_cache_labelled_traps",
+        "0018_cache_trap_cosines"]
     names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE name LIKE 'cache_vec%'")}
     assert "cache_vec_minilm_384" not in names and "cache_vectors_minilm_384" in names
     store = CacheStore(db, "minilm", 384)
@@ -238,10 +242,17 @@ def test_labelled_traps_stop_at_their_cap_and_a_call_past_it_stores_none(tmp_pat
     migrate(db)
     store = CacheStore(db, "minilm", 4)
     pair = [LabelledTrap("", f"Is {n} even?", f"Is {n} odd?") for n in range(5)]
-    assert store.add_traps(pair[:2], 1.0) == pair[:2]
+
+    def stored(traps: list[LabelledTrap], first_id: int) -> list[LabelledTrap]:
+        return [LabelledTrap(t.tenant, t.cached, t.asked, first_id + i) for i, t in enumerate(traps)]
+
+    assert store.add_traps(pair[:2], 1.0) == stored(pair[:2], 1)
     assert store.add_traps(pair[:2], 2.0) == []  # known pairs are not counted twice
     with pytest.raises(TrapsFull) as full:
         store.add_traps(pair[2:], 3.0)  # 2 + 3 > 3: all or nothing
     assert full.value.stored == 2
-    assert store.labelled_traps() == pair[:2]
-    assert store.add_traps(pair[2:3], 4.0) == pair[2:3]
+    assert store.labelled_traps() == stored(pair[:2], 1)
+    assert [t.cached for t in store.add_traps(pair[2:3], 4.0)] == ["Is 2 even?"]
+    # A trap's cosine is kept per embedder, and only for a trap that is stored.
+    store.keep_trap_cosines("minilm", {1: 0.91, 2: 0.88, 99: 0.5})
+    assert store.trap_cosines("minilm") == {1: 0.91, 2: 0.88} and store.trap_cosines("e5") == {}

@@ -187,9 +187,20 @@ class SemanticCache:
         return [float(vectors[spelled(a, self.lexicon)] @ vectors[spelled(b, self.lexicon)]) for a, b in pairs]
 
     async def _scored(self, labelled: list[LabelledTrap]) -> dict[str, dict[str, list[float]]]:
-        """Labelled traps' scores, by tenant ("" for everyone) and language."""
-        assert self.languages is not None
-        cosines = await self._cosines([(t.cached, t.asked) for t in labelled])
+        """Labelled traps' scores, by tenant ("" for everyone) and language. A trap's cosine is
+        measured once per embedder and kept (cache_trap_cosines): a start reads what it can."""
+        assert self.languages is not None and self.embedder is not None
+        if not labelled:
+            return {}
+        name = self.embedder.name
+        known = await self.worker.run(lambda db: self._store(db).trap_cosines(name))
+        missing = [t for t in labelled if t.id not in known]
+        measured = dict(zip([t.id for t in missing], await self._cosines([(t.cached, t.asked) for t in missing])))
+        fresh = {i: c for i, c in measured.items() if i is not None}
+        if fresh:
+            await self.worker.run(lambda db: self._store(db).keep_trap_cosines(name, fresh))
+        log.info("cache: %d labelled traps scored, %d of them embedded now", len(labelled), len(missing))
+        cosines = [known[t.id] if t.id in known else measured[t.id] for t in labelled]
         out: dict[str, dict[str, list[float]]] = {}
         for tenant in {t.tenant for t in labelled}:
             mine = [(calibration.SeedTrap(t.cached, t.asked, "labelled", None), c) for t, c in zip(labelled, cosines) if t.tenant == tenant]

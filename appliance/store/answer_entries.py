@@ -50,8 +50,19 @@ def labelled_traps_table(db: apsw.Connection) -> None:
         ) STRICT""")
 
 
-# Every labelled trap is embedded again at each start (two questions each): 20,000 take about a
-# minute on two cores, and hold more than any language's bound needs (299 for 1%).
+def trap_cosines_table(db: apsw.Connection) -> None:
+    """Migration 0018: a labelled trap's cosine under each embedder that scored it, so a start does
+    not embed every labelled pair again (20,000 took about a minute on two cores)."""
+    db.execute("""
+        CREATE TABLE cache_trap_cosines (
+            trap_id INTEGER NOT NULL REFERENCES cache_traps(id) ON DELETE CASCADE,
+            embedder TEXT NOT NULL,
+            cosine REAL NOT NULL,
+            PRIMARY KEY (trap_id, embedder)
+        ) STRICT""")
+
+
+# More than any language's bound needs (299 traps for 1%); each is scored once per embedder.
 MAX_LABELLED_TRAPS = 20_000
 
 
@@ -66,6 +77,7 @@ class LabelledTrap:
     tenant: str  # "" for everyone
     cached: str
     asked: str
+    id: int | None = None  # once stored
 
 
 @dataclass(frozen=True)
@@ -297,14 +309,23 @@ class CacheStore:
                 self.db.execute("INSERT OR IGNORE INTO cache_traps(tenant, cached, asked, added_at) VALUES (?, ?, ?, ?)",
                                 (t.tenant, t.cached, t.asked, now))
                 if self.db.changes():
-                    added.append(t)
+                    added.append(LabelledTrap(t.tenant, t.cached, t.asked, self.db.last_insert_rowid()))
             stored = self.db.execute("SELECT count(*) FROM cache_traps").fetchone()[0]
             if stored > MAX_LABELLED_TRAPS:
                 raise TrapsFull(stored - len(added))  # the transaction rolls back: nothing of this call stays
         return added
 
     def labelled_traps(self) -> list[LabelledTrap]:
-        return [LabelledTrap(*row) for row in self.db.execute("SELECT tenant, cached, asked FROM cache_traps ORDER BY id")]
+        return [LabelledTrap(*row) for row in self.db.execute("SELECT tenant, cached, asked, id FROM cache_traps ORDER BY id")]
+
+    def trap_cosines(self, embedder: str) -> dict[int, float]:
+        return dict(self.db.execute("SELECT trap_id, cosine FROM cache_trap_cosines WHERE embedder = ?", (embedder,)))
+
+    def keep_trap_cosines(self, embedder: str, cosines: dict[int, float]) -> None:
+        with immediate(self.db):
+            # A trap removed meanwhile has no row to point at: its cosine is not kept.
+            self.db.executemany("INSERT OR REPLACE INTO cache_trap_cosines(trap_id, embedder, cosine) "
+                                "SELECT id, ?, ? FROM cache_traps WHERE id = ?", [(embedder, c, i) for i, c in cosines.items()])
 
     def newly_reported(self, response_id: str, tenant: str) -> Reported | None:
         """The hit behind a response, if a bound admitted it and this is its first report as wrong (a
