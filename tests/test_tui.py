@@ -17,8 +17,10 @@ from textual.widgets._footer import FooterKey
 from textual.widgets._toast import Toast
 
 from tests.conftest import CHAT_MODEL, Server, config_text, free_port, start_server, stop_server
-from tui import views
-from tui.app import ApplianceTUI, SecretScreen
+from tui import overview, views
+from tui.app import ApplianceTUI
+from tui.money import money, typed_usd
+from tui.widgets import SecretScreen
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +52,12 @@ def text_of(app: ApplianceTUI, selector: str) -> str:
 async def test_overview_budgets_and_traces_show_real_data(served: Server) -> None:
     app = ApplianceTUI(served.base_url, None, interval_s=0.5)
     async with app.run_test(size=(80, 24)) as pilot:
-        await settle(pilot, app, lambda: CHAT_MODEL in text_of(app, "#overview-body"))
+        await settle(pilot, app, lambda: CHAT_MODEL in text_of(app, "#overview-models"))
         assert "connected to" in text_of(app, "#status")
         assert "cache hit rate 50%" in text_of(app, "#overview-body")
-        await pilot.press("2", "e")
-        await pilot.press(*keys("tenant acme 5 day"), "enter")
+        await pilot.press("2", "down", "e")  # on the tenants' row: the prompt starts "tenant "
+        assert app.query_one("#prompt", Input).value == "tenant "
+        await pilot.press(*keys("acme 5 day"), "enter")
         await settle(pilot, app, lambda: "acme" in str([n.label for n in app.query_one("#budget-tree", Tree).root.children[0].children]))
         budgets = httpx.get(f"{served.base_url}/admin/budgets").json()["budgets"]
         assert {"level": "tenant", "name": "acme", "limit_usd": 5.0} .items() <= next(b for b in budgets if b["name"] == "acme").items()
@@ -109,9 +112,15 @@ async def test_cache_entries_are_searched_and_marked(served: Server) -> None:
         await pilot.press("slash", *keys("Peru"), "enter")
         entries = app.query_one("#cache-entries", DataTable)
         await settle(pilot, app, lambda: entries.row_count == 1)
+        # whose entry it is and how its answer starts, from the server's own entry
+        stored = httpx.get(f"{served.base_url}/admin/cache/entries", params={"q": "Peru"}).json()["entries"][0]
+        row = [str(c) for c in entries.get_row_at(0)]
+        assert row[:4] == [str(stored["id"]), "unverified", str(stored["hits"]), "local"] and stored["answer"].startswith(row[5].rstrip("…"))
         entries.focus()
         await pilot.press("v")
-        await settle(pilot, app, lambda: httpx.get(f"{served.base_url}/admin/cache/entries", params={"q": "Peru"}).json()["entries"][0]["state"] == "verified")
+        # the row says verified at once: no search again, no restart
+        await settle(pilot, app, lambda: str(entries.get_row_at(0)[1]) == "verified", timeout=2)
+        assert httpx.get(f"{served.base_url}/admin/cache/entries", params={"q": "Peru"}).json()["entries"][0]["state"] == "verified"
 
 
 async def test_a_server_that_is_down_is_shown_and_retried() -> None:
@@ -129,10 +138,9 @@ def test_views_are_plain_functions() -> None:
             "appliance_http_responses_total{route=\"/metrics\",status_class=\"2xx\",code=\"\"} 50.0\n"
             "# TYPE appliance_slots_busy gauge\nappliance_slots_busy{model=\"m\"} 1.0\n"
             "# TYPE appliance_slots_total gauge\nappliance_slots_total{model=\"m\"} 8.0\n")
-    then, now = views.parse_metrics(text.replace("10.0", "4.0"), 0.0), views.parse_metrics(text, 2.0)
-    shown = views.overview(now, then, None)
+    then, now = overview.parse_metrics(text.replace("10.0", "4.0"), 0.0), overview.parse_metrics(text, 2.0)
+    shown = overview.overview(now, then, None)
     assert shown.requests_per_s == 3.0 and shown.models == [("m", "1/8", 0)]
-    assert views.sparkline([0, 1, 2, 4]) == "▁▂▄█"
     bound = {"en": {"traps": 944, "estimate": 0.0117, "upper": 0.0192, "bound": 0.02, "open": True},
              "pt": {"traps": 370, "estimate": 0.0054, "upper": 0.0169, "bound": 0.02, "open": True},
              "ja": {"traps": 0, "estimate": 0.0, "upper": 1.0, "bound": 0.02, "open": False}}
@@ -149,9 +157,9 @@ def test_views_are_plain_functions() -> None:
     rows = views.trace_rows({"traces": [{"trace_id": "t", "name": "chat m", "duration_ms": 5, "error": True,
                                          "attributes": {"appliance.tenant": "acme", "appliance.model": "m"}}]}, "ok")
     assert rows == []
-    rows = views.trace_rows({"traces": [{"trace_id": "t", "name": "chat m", "duration_ms": 5, "error": False,
+    rows = views.trace_rows({"traces": [{"trace_id": "t" * 32, "name": "chat m", "duration_ms": 5, "error": False,
                                          "attributes": {"appliance.tenant": "acme", "appliance.model": "m", "appliance.cache.result": "miss"}}]}, "ok", "acme")
-    assert rows == [("t", "chat m", "acme", "m", "miss", "5 ms", "ok")]
+    assert rows == [("t" * 32, ("t" * 8, "chat", "acme", "m", "miss", "5 ms", "ok"))]
     models = {"models": [{"alias": "m", "slots": [{"slot": 0, "state": "decode", "tokens": 300}, {"slot": 1, "state": "idle", "tokens": 100},
                                                   {"slot": 2, "state": "waiting", "tokens": 0}], "kv_used_tokens": 400, "kv_capacity_tokens": 1000}]}
     assert views.slot_lines(models) == ["m  slots D·W  KV 40% of 1000 tokens"]
@@ -187,7 +195,7 @@ def test_the_models_table_is_what_appliance_ps_shows() -> None:
     assert [r.cells for r in rows] == [
         ("big", "llamacpp", "chat", "yes", "227", "0/2", "0", "1h06m", "never"),
         ("lazy", "llamacpp", "chat", "yes", "227", "0/2", "0", "1m15s", "8m45s"),
-        ("cold", "llamacpp", "embedding", "loading", "227", "0/2", "3", "–", "–"),
+        ("cold", "llamacpp", "embed", "loading", "227", "0/2", "3", "–", "–"),
         ("busy", "llamacpp", "chat", "yes", "227", "2/2", "1", "–", "never"),  # keep_alive -1: never unloaded
         ("new", "openai", "chat", "–", "–", "0/2", "0", "–", "–"),  # added between the two answers
         ("lazy", "llamacpp", "chat", "retiring", "–", "1/2", "0", "–", "when idle"),
@@ -510,7 +518,7 @@ async def test_screen_keys_work_whatever_has_focus(served: Server) -> None:
 async def test_the_footer_lists_the_screens_own_keys(served: Server) -> None:
     app = ApplianceTUI(served.base_url, None, interval_s=0.5)
     expected = {
-        "1": [], "2": ["Edit budget"], "3": ["Search", "Invalidate", "Verify", "Reject"], "4": ["Status filter", "Text filter"],
+        "1": [], "2": ["Edit budget"], "3": ["Search", "Invalidate", "Verify", "Reject"], "4": ["Status filter", "Text filter", "Clear filters"],
         "5": ["New key", "Revoke"], "6": ["Load", "Unload", "Add model", "Remove model"],
     }
     async with app.run_test(size=(80, 24)) as pilot:
@@ -542,46 +550,42 @@ async def test_the_trace_timeline_ends_above_the_footer(served: Server) -> None:
         assert timeline.region.height >= min(len(lines), 12) and timeline.max_scroll_y == max(0, len(lines) - 12)
 
 
-@pytest.mark.parametrize(("amount", "shown"), [
-    (0, "$0"),
-    (1e-9, "µ$0.00100"),  # a nano-dollar, the ledger's unit
-    (9.15e-6, "µ$9.15"),
-    (0.000123456, "µ$123"),
-    (0.00099996, "$0.00100"),  # rounds up into dollars
-    (0.0123, "$0.0123"),
-    (0.5, "$0.500"),
-    (0.9996, "$1.00"),
-    (5, "$5.00"),
-    (1234.567, "$1,234.57"),
-    (-0.0004, "-µ$400"),
+@pytest.mark.parametrize(("amount", "shown", "typed"), [
+    (0, "$0", "0"),
+    (1e-9, "$0.000000001", "0.000000001"),  # a nano-dollar, the ledger's unit
+    (9.15e-6, "$0.00000915", "0.00000915"),  # never µ$9.15, never 9.15e-06
+    (0.000123456, "$0.0001235", "0.000123456"),
+    (0.5, "$0.5", "0.5"),
+    (0.99996, "$1.00", "0.99996"),
+    (5, "$5.00", "5"),
+    (1234.567, "$1,234.57", "1234.567"),
 ])
-def test_money_shows_its_significant_digits(amount: float, shown: str) -> None:
-    assert views.usd(amount) == shown
+def test_money_is_written_as_policy_budgets_writes_it(amount: float, shown: str, typed: str) -> None:
+    assert money(amount) == shown and typed_usd(amount) == typed
 
 
-# Prometheus' own cases for histogram_quantile (promql/promqltest/testdata/histograms.test), as
-# (upper bound, cumulative count) at 50m.
+# (upper bound, cumulative count): Prometheus' own histogram_quantile cases (promql/promqltest/testdata/histograms.test).
 POSITIVE = ((0.1, 50.0), (0.2, 70.0), (1.0, 110.0), (math.inf, 120.0))
-NEGATIVE = ((-0.2, 10.0), (-0.1, 20.0), (0.3, 20.0), (math.inf, 30.0))
 STARTS_AT_ZERO = ((0.0, 0.0), (0.1, 50.0), (0.2, 70.0), (1.0, 110.0), (math.inf, 110.0))
-MIDDLES = ((0.0, 0.0), (2.0, 1.0), (4.0, 2.0), (6.0, 3.0), (math.inf, 3.0))  # testhistogram2 at 7m
+ONE_SLOW = ((1.0, 0.0), (2.5, 0.0), (5.0, 1.0), (10.0, 1.0), (math.inf, 1.0))  # one request, its first token after 2.5-5 s
 
 
-@pytest.mark.parametrize(("buckets", "q", "expected"), [
-    (POSITIVE, 0.0, 0.0), (POSITIVE, 0.2, 0.048), (POSITIVE, 0.5, 0.15), (POSITIVE, 0.8, 0.72), (POSITIVE, 1.0, 1.0),
-    (NEGATIVE, 0.0, -0.2), (NEGATIVE, 0.2, -0.2), (NEGATIVE, 0.5, -0.15), (NEGATIVE, 0.8, 0.3), (NEGATIVE, 1.0, 0.3),
-    (STARTS_AT_ZERO, 0.0, 0.0), (STARTS_AT_ZERO, 0.25, 0.055), (STARTS_AT_ZERO, 0.5, 0.125), (STARTS_AT_ZERO, 0.75, 0.45),
-    (MIDDLES, 1 / 6, 1.0), (MIDDLES, 0.5, 3.0), (MIDDLES, 5 / 6, 5.0),
-    (POSITIVE, -0.1, -math.inf), (POSITIVE, 1.01, math.inf),
+@pytest.mark.parametrize(("buckets", "q", "bucket", "shown"), [
+    (ONE_SLOW, 0.5, (2.5, 5.0), "2.5–5 s"), (ONE_SLOW, 0.95, (2.5, 5.0), "2.5–5 s"),  # not 3,750 ms and 4,875 ms
+    (POSITIVE, 0.2, (0.0, 0.1), "≤100 ms"), (POSITIVE, 0.5, (0.1, 0.2), "100–200 ms"), (POSITIVE, 0.8, (0.2, 1.0), "200 ms–1 s"),
+    (POSITIVE, 1.0, (1.0, math.inf), ">1 s"), (STARTS_AT_ZERO, 0.25, (0.0, 0.1), "≤100 ms"),
+    (STARTS_AT_ZERO, 0.75, (0.2, 1.0), "200 ms–1 s"),
 ])
-def test_ttft_quantiles_interpolate_as_prometheus_does(buckets: tuple[tuple[float, float], ...], q: float, expected: float) -> None:
-    assert views.quantile(buckets, q) == pytest.approx(expected)
+def test_ttft_is_the_bucket_its_quantile_falls_in(buckets: tuple[tuple[float, float], ...], q: float, bucket: tuple[float, float], shown: str) -> None:
+    assert overview.quantile_bucket(buckets, q) == bucket
+    assert overview.bucket_text(overview.quantile_bucket(buckets, q)) == shown
 
 
 def test_ttft_has_no_estimate_without_observations() -> None:
-    assert views.quantile((), 0.5) is None
-    assert views.quantile(((0.1, 0.0), (math.inf, 0.0)), 0.5) is None
-    assert views.quantile(((0.1, 3.0), (math.inf, 3.0)), math.nan) is None
+    assert overview.quantile_bucket((), 0.5) is None
+    assert overview.quantile_bucket(((0.1, 0.0), (math.inf, 0.0)), 0.5) is None
+    assert overview.quantile_bucket(((0.1, 3.0), (math.inf, 3.0)), math.nan) is None
+    assert overview.bucket_text(None) == "–"
 
 
 def test_errors_count_every_refusal_and_ttft_reads_the_histogram() -> None:
@@ -595,8 +599,66 @@ def test_errors_count_every_refusal_and_ttft_reads_the_histogram() -> None:
             '# TYPE appliance_time_to_first_token_seconds histogram\n'
             + "".join(f'appliance_time_to_first_token_seconds_bucket{{le="{le}",model="m"}} {n}\n'
                       for le, n in [("0.01", 0.0), ("0.1", 0.0), ("0.25", 1.0), ("0.5", 2.0), ("+Inf", 2.0)]))
-    sample = views.parse_metrics(text, 0.0)
+    sample = overview.parse_metrics(text, 0.0)
     assert (sample.requests, sample.errors) == (10.0, 4.0)
     assert sample.ttft_buckets == ((0.01, 0.0), (0.1, 0.0), (0.25, 1.0), (0.5, 2.0), (math.inf, 2.0))
-    shown = views.overview(sample, None, None)
-    assert shown.ttft_p50_s == pytest.approx(0.25) and shown.ttft_p95_s == pytest.approx(0.475)
+    shown = overview.overview(sample, None, None)
+    assert (shown.ttft_p50, shown.ttft_p95) == ((0.1, 0.25), (0.25, 0.5))
+    assert "TTFT p50 100–250 ms   p95 250–500 ms" in overview.overview_lines(shown)
+
+
+def test_a_table_fits_its_width_by_cutting_the_named_columns() -> None:
+    headers = ("model", "kind", "unloads in")
+    rows = [("a-rather-long-model-alias", "chat", "never"), ("m", "embed", "9m05s")]
+    assert views.fit(headers, rows, 80, (0,)) == rows  # room enough: nothing cut
+    cut = views.fit(headers, rows, 30, (0,))  # 25 + 5 + 10 + 2 per column = 46: the alias gives up 16
+    assert cut == [("a-rather…", "chat", "never"), ("m", "embed", "9m05s")]
+    assert views.fit(headers, rows, 10, (0,))[0][0] == "a-ra…"  # never below its header ("model"); past that the table stays wider
+
+
+@pytest.mark.parametrize(("typed", "parsed"), [
+    ("tenant acme 5 day", views.BudgetEdit("tenant", "acme", 5.0, "day")),
+    ("global - 100 month", views.BudgetEdit("global", "*", 100.0, "month")),
+    ("global 100 month", views.BudgetEdit("global", "*", 100.0, "month")),
+    ("user ann $0.25 total", views.BudgetEdit("user", "ann", 0.25, "total")),
+    ("tenant acme five day", "'five' is not an amount of dollars: write e.g. 5 or 0.25"),
+    ("tenant acme -1 day", "'-1' is not an amount of dollars: write e.g. 5 or 0.25"),
+    ("tenant acme nan day", "'nan' is not an amount of dollars: write e.g. 5 or 0.25"),
+    ("tenant acme 5 week", "'week' is not a period: write day, month or total"),
+    ("team acme 5 day", "'team' is not a level: write user, tenant, app or global"),
+    ("tenant acme ", "write LEVEL NAME USD PERIOD, e.g. tenant acme 5 day (global - 100 month)"),
+])
+def test_a_budget_edit_is_read_or_says_what_is_wrong(typed: str, parsed: views.BudgetEdit | str) -> None:
+    assert views.budget_args(typed) == parsed
+
+
+def test_the_budget_tree_lists_spenders_without_a_limit_and_what_e_fills_in() -> None:
+    tree = views.budget_tree({
+        "budgets": [{"level": "global", "name": "*", "limit_usd": 100.0, "spent_usd": 0.5, "held_usd": 0.0, "period": "month"},
+                    {"level": "tenant", "name": "acme", "limit_usd": 2.5, "spent_usd": 9.15e-06, "held_usd": 1e-06, "period": "day"}],
+        "reservations": [],
+        "top_spenders_today": {"tenant": [{"name": "globex", "spent_usd": 0.25}, {"name": "acme", "spent_usd": 9.15e-06}]},
+    })
+    tenants = tree.children[0]
+    assert (tree.detail, tree.edit) == ("$0.5 of $100.00 per month", "global - 100 month")
+    assert (tenants.detail, tenants.edit) == ("1 with a limit, 1 more spending today", "tenant ")
+    assert [(n.label, n.detail, n.edit) for n in tenants.children] == [
+        ("acme", "$0.00000915 of $2.50 per day (+$0.000001 held)", "tenant acme 2.5 day"),
+        ("globex", "$0.25 today, no limit", "tenant globex "),
+    ]
+
+
+def test_each_chart_keeps_its_series_and_an_idle_scrape_repeats_the_last_value() -> None:
+    def shown(**values: object) -> overview.Overview:
+        base = {"requests_per_s": 0.0, "tokens_per_s": 0.0, "errors_per_s": 0.0, "ttft_p50": None, "ttft_p95": None, "ttft_mean_s": None,
+                "models": [], "queue": 0, "hit_rate": None, "recent_hit_rate": None, "verified_cost_hit_rate": None,
+                "spend_per_min_usd": 0.0, "spend_today_usd": None, "global_limit_usd": None, "global_period": None}
+        return overview.Overview(**{**base, **values})  # type: ignore[arg-type]
+
+    series = overview.Series(keep=3)
+    assert [now for _, _, now in series.charts()] == ["–"] * 5
+    series = series.add(shown(tokens_per_s=4.0, ttft_mean_s=0.2, queue=2, hit_rate=0.5, spend_per_min_usd=0.001))
+    assert [values for _, values, _ in series.charts()] == [()] * 5  # one scrape draws nothing yet
+    series = series.add(shown(tokens_per_s=8.0, queue=1, recent_hit_rate=1.0)).add(shown()).add(shown(ttft_mean_s=0.4))
+    assert (series.tokens, series.ttft, series.queue, series.hits) == ((8.0, 0.0, 0.0), (0.2, 0.2, 0.4), (1, 0, 0), (1.0, 1.0, 1.0))
+    assert [now for _, _, now in series.charts()] == ["0.0", "400 ms", "0", "$0", "100%"]

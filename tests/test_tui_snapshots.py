@@ -27,6 +27,7 @@ from tui.client import AdminClient
 
 PINNED_URL = "http://127.0.0.1:8080"
 _BUCKET = re.compile(r'^appliance_time_to_first_token_seconds_bucket\{(?P<labels>[^}]*)\} (?P<count>\S+)$', re.M)
+_SUM = re.compile(r'^appliance_time_to_first_token_seconds_sum\{(?P<labels>[^}]*)\} (?P<value>\S+)$', re.M)
 _MODEL = re.compile(r'model="([^"]*)"')
 _LE = re.compile(r'le="([^"]*)"')
 
@@ -35,7 +36,7 @@ class PinnedClient(AdminClient):
     """The admin API of the real server, with the values that change from run to run replaced by
     fixed ones: ids become stable pseudo-ids in the order first seen, the n-th span of a trace
     starts n ms in and lasts 1 ms per span under it, and every model answer's first token falls
-    in the (0.1 s, 0.25 s] bucket (the server leaves cache hits out of TTFT)."""
+    in the (0.1 s, 0.25 s] bucket, 175 ms after its request came (the server leaves cache hits out of TTFT)."""
 
     def __init__(self, base_url: str) -> None:
         super().__init__(base_url, None)
@@ -59,7 +60,10 @@ class PinnedClient(AdminClient):
             count = totals[model] if le >= 0.25 else 0.0
             return f"appliance_time_to_first_token_seconds_bucket{{{m['labels']}}} {count}"
 
-        return _BUCKET.sub(pinned, text)
+        def pinned_sum(m: re.Match[str]) -> str:
+            return f"appliance_time_to_first_token_seconds_sum{{{m['labels']}}} {totals[_MODEL.search(m['labels'])[1]] * 0.175}"  # type: ignore[index]
+
+        return _SUM.sub(pinned_sum, _BUCKET.sub(pinned, text))
 
     async def traces(self, limit: int = 100) -> dict[str, Any]:
         listed = await super().traces(limit)
@@ -104,8 +108,8 @@ def _walk(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A priced model with a global and a tenant budget, one answer from the model and the same
-    question again from the cache."""
+    """A priced model with a global and a tenant budget, one answer from the model, the same
+    question again from the cache, and a call for a model that is not there."""
     server = start_server(tmp_path_factory.mktemp("tui-snapshots"),
                           config_text(embeddings=False, cache="enabled = true\nsweep_interval_s = 0", price_in=0.15, price_out=0.6))
     for budget in ({"level": "global", "name": "*", "usd": 100, "period": "month"}, {"level": "tenant", "name": "local", "usd": 5, "period": "day"}):
@@ -113,10 +117,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "What is the capital of Peru?"}], "max_tokens": 6, "temperature": 0}
     for _ in range(2):
         httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).raise_for_status()
+    assert httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "model": "no-such-model"}, timeout=60).status_code == 404
     server.wait_idle()
     deadline = time.monotonic() + 20
-    while len(httpx.get(f"{server.base_url}/admin/traces", timeout=10).json()["traces"]) < 2:  # traces are written behind the answers
-        assert time.monotonic() < deadline, "the two traces were never written"
+    while len(httpx.get(f"{server.base_url}/admin/traces", timeout=10).json()["traces"]) < 3:  # traces are written behind the answers
+        assert time.monotonic() < deadline, "the three traces were never written"
         time.sleep(0.2)
     yield server
     stop_server(server)
@@ -164,17 +169,23 @@ def steps(*groups: tuple[tuple[str, ...], Callable[[ApplianceTUI], bool]]):  # t
         for presses, shown in groups:
             await pilot.press(*presses)
             await until(pilot, lambda: shown(app))
+        app.clear_notifications()  # a toast fades on its own clock: the snapshot is taken without one
         await pilot.pause(0.2)
     return run
 
 
 SCREENS = {
-    "overview": steps(((), lambda app: CHAT_MODEL in text_of(app, "#overview-body") and "TTFT p50 175 ms" in text_of(app, "#overview-body"))),
+    "overview": steps(((), lambda app: CHAT_MODEL in text_of(app, "#overview-models") and "TTFT p50 100–250 ms" in text_of(app, "#overview-body")
+                       and text_of(app, "#chart-ttft-now") == "175 ms")),
     "budgets": steps((("2",), lambda app: "local" in str(app.query_one("#budget-tree").root.children[0].children[0].label))),  # type: ignore[attr-defined]
     "cache-search": steps((("3",), lambda app: rows(app, "#cache-buckets") == 1),
                           (("slash", *keys("Peru"), "enter"), lambda app: rows(app, "#cache-entries") == 1)),
-    "traces-timeline": steps((("4",), lambda app: rows(app, "#trace-table") == 2),
-                             (("down", "enter"), lambda app: "budget.settle" in text_of(app, "#trace-timeline"))),
+    "traces-timeline": steps((("4",), lambda app: rows(app, "#trace-table") == 3),
+                             (("down", "down", "enter"), lambda app: "budget.settle" in text_of(app, "#trace-timeline"))),
+    # the failed call alone, why it failed, and the filter said above the table
+    "traces-errors": steps((("4",), lambda app: rows(app, "#trace-table") == 3),
+                           (("f",), lambda app: rows(app, "#trace-table") == 1 and "errors only" in text_of(app, "#trace-filter")),
+                           (("enter",), lambda app: "model_not_found" in text_of(app, "#trace-timeline"))),
     "models": steps((("6",), lambda app: rows(app, "#model-table") == 1 and "KV" in text_of(app, "#slots"))),
 }
 

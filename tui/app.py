@@ -12,22 +12,24 @@ from typing import Any
 
 import httpx
 from rich.markup import escape
+from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
 from textual.css.query import NoMatches
 from textual.logging import TextualHandler
 from textual.reactive import var
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Header, Input, Static, TabbedContent, TabPane, Tree
 
-from tui import views
+from tui import overview, views
 from tui.client import AdminClient, AdminError
+from tui.money import money
+from tui.widgets import Charts, SecretScreen
 
 PROMPTS = {
     "key": "new key: TENANT APP USER ROLE",
-    "budget": "budget: LEVEL NAME USD PERIOD   (LEVEL user|tenant|app|global, PERIOD day|month|total; NAME - for global)",
+    "budget": "budget: LEVEL NAME USD PERIOD, e.g. tenant acme 5 day (global - 100 month)",
     "search": "search cache entries: TEXT",
     "traces": "show traces whose tenant or model contains: TEXT (empty: all)",
     "adapter": "load adapter: MODEL NAME PATH [SCALE]",
@@ -42,12 +44,17 @@ PROMPTS = {
 # What a confirmed prompt does, in the words of "… was not <done>" when the typed word is wrong.
 CONFIRMED = {"remove": "removed", "revoke": "revoked", "invalidate": "invalidated"}
 
+# Each table's columns, as first shown (the fitted ones are laid out again with each fill).
+COLUMNS = {"#cache-buckets": views.CACHE_COLUMNS, "#cache-entries": views.ENTRY_COLUMNS, "#trace-table": views.TRACE_COLUMNS,
+           "#key-table": ("id", "tenant", "app", "user", "role", "admin", "state"), "#model-table": views.MODEL_COLUMNS,
+           "#adapter-table": ("model", "adapter", "scale", "requests", "path")}
 # The screen each action belongs to: the footer lists, and the keys run, only the current screen's.
 ASKED_ON = {"key": "keys", "budget": "budgets", "search": "cache", "traces": "traces",
             "adapter": "models", "quantize": "models", "pull": "models", "train": "models", "add_model": "models",
             "remove": "models", "revoke": "keys", "invalidate": "cache"}
 ACTION_ON = {"unload": "models", "load_model": "models", "unload_model": "models", "remove_model": "models", "stop_job": "models",
-             "revoke": "keys", "invalidate": "cache", "mark": "cache", "cycle_filter": "traces"}
+             "revoke": "keys", "invalidate": "cache", "mark": "cache", "cycle_filter": "traces", "clear_filters": "traces",
+             "edit_budget": "budgets"}
 # What takes the keys when a screen is shown, so Enter and the arrows act on it at once.
 FOCUS_ON = {"budgets": "#budget-tree", "cache": "#cache-buckets", "traces": "#trace-table", "keys": "#key-table", "models": "#model-table"}
 QUIET_LOGGERS = ("httpx", "httpcore")
@@ -88,7 +95,7 @@ class ApplianceTUI(App[None]):
         Binding("n", "ask('key')", "New key"),
         Binding("n", "ask('add_model')", "Add model"),
         Binding("d", "revoke", "Revoke"),
-        Binding("e", "ask('budget')", "Edit budget"),
+        Binding("e", "edit_budget", "Edit budget"),
         Binding("slash", "ask('search')", "Search"),
         Binding("i", "invalidate", "Invalidate"),
         Binding("v", "mark('verified')", "Verify"),
@@ -96,6 +103,7 @@ class ApplianceTUI(App[None]):
         Binding("x", "remove_model", "Remove model"),
         Binding("f", "cycle_filter", "Status filter"),
         Binding("t", "ask('traces')", "Text filter"),
+        Binding("c", "clear_filters", "Clear filters"),
         Binding("r", "refresh", "Refresh"),
         Binding("q", "quit", "Quit"),
         Binding("escape", "cancel_prompt", "Cancel", show=False),
@@ -106,12 +114,12 @@ class ApplianceTUI(App[None]):
         super().__init__()
         self.client = AdminClient(base_url, key)
         self.interval_s = interval_s
-        self.samples: list[views.Sample] = []
-        self.rates: list[float] = []
+        self.samples: list[overview.Sample] = []
+        self.series = overview.Series()  # what the overview's charts draw
         self.asking: str | None = None
         self.trace_filter = "all"
         self.trace_text = ""
-        self.entries: list[dict[str, Any]] = []
+        self.entries: list[dict[str, Any]] = []  # the last cache search's answer, as the entries table shows it
         self.fleet: list[views.FleetRow] = []  # the models table's rows, to act on the one under the cursor
         self.confirming: Confirm | None = None  # what `x`, `d` or `i` asked to do, until its row's name is typed
         self.own_key: str | None = None  # the id of the key this TUI signs in with, as the server says
@@ -124,6 +132,8 @@ class ApplianceTUI(App[None]):
         with TabbedContent(initial="overview"):
             with TabPane("1 Overview", id="overview"):
                 yield Static(id="overview-body")
+                yield Charts(id="charts")
+                yield Static(id="overview-models")
             with TabPane("2 Budgets", id="budgets"):
                 yield Tree("budgets", id="budget-tree")
             with TabPane("3 Cache", id="cache"):
@@ -131,8 +141,9 @@ class ApplianceTUI(App[None]):
                 yield DataTable(id="cache-buckets", cursor_type="row")
                 yield DataTable(id="cache-entries", cursor_type="row")
             with TabPane("4 Traces", id="traces"):
+                yield Static(id="trace-filter", markup=False)
                 yield DataTable(id="trace-table", cursor_type="row")
-                yield Static(id="trace-timeline")
+                yield Static(id="trace-timeline", markup=False)
             with TabPane("5 Keys", id="keys"):
                 yield DataTable(id="key-table", cursor_type="row")
             with TabPane("6 Models", id="models"):
@@ -142,17 +153,14 @@ class ApplianceTUI(App[None]):
                 yield Static("adapters (a load, u unload the selected one)", id="adapters-title")
                 yield DataTable(id="adapter-table", cursor_type="row")
                 yield Static(id="jobs")
-        yield Input(id="prompt", classes="hidden", disabled=True)  # disabled while hidden: never takes focus or keys
+        # Disabled while hidden: never takes focus or keys. What it opens with is kept, not selected, so typing adds to it.
+        yield Input(id="prompt", classes="hidden", disabled=True, select_on_focus=False)
         yield Footer(show_command_palette=False)  # its room goes to the screen's own keys
 
     def on_mount(self) -> None:
         self._log_to_textual()
-        self.query_one("#cache-buckets", DataTable).add_columns(*views.CACHE_COLUMNS)
-        self.query_one("#cache-entries", DataTable).add_columns("id", "state", "hits", "question")
-        self.query_one("#trace-table", DataTable).add_columns("trace", "call", "tenant", "model", "cache", "time", "status")
-        self.query_one("#key-table", DataTable).add_columns("id", "tenant", "app", "user", "role", "admin", "state")
-        self.query_one("#model-table", DataTable).add_columns(*views.MODEL_COLUMNS)
-        self.query_one("#adapter-table", DataTable).add_columns("model", "adapter", "scale", "requests", "path")
+        for table_id, columns in COLUMNS.items():
+            self.query_one(table_id, DataTable).add_columns(*columns)
         self.poll()
         self.set_interval(self.interval_s, self.poll)
 
@@ -170,11 +178,11 @@ class ApplianceTUI(App[None]):
             text = await self.client.metrics()
             budgets = await self.client.budgets()
             self._connected(True)
-            sample = views.parse_metrics(text, time.monotonic())
+            sample = overview.parse_metrics(text, time.monotonic())
             previous = self.samples[-1] if self.samples else None
             self.samples = (self.samples + [sample])[-120:]
-            shown = views.overview(sample, previous, budgets)
-            self.rates = (self.rates + [shown.tokens_per_s])[-60:]
+            shown = overview.overview(sample, previous, budgets)
+            self.series = self.series.add(shown)
             self._render_overview(shown)
             self._render_budgets(budgets)
             active = self.tab
@@ -203,9 +211,10 @@ class ApplianceTUI(App[None]):
         status.set_class(True, "down")
         for table in self.query(DataTable):
             table.clear()
-        self.fleet, self.entries = [], []
+        self.fleet, self.entries, self.series = [], [], overview.Series()
         self.query_one("#budget-tree", Tree).clear()
-        for shown in ("#overview-body", "#cache-summary", "#trace-timeline", "#memory", "#slots", "#jobs"):
+        self.query_one(Charts).show(self.series)
+        for shown in ("#overview-body", "#overview-models", "#cache-summary", "#trace-filter", "#trace-timeline", "#memory", "#slots", "#jobs"):
             self.query_one(shown, Static).update("")
 
     def _connected(self, ok: bool) -> None:
@@ -218,33 +227,21 @@ class ApplianceTUI(App[None]):
             status.set_class(True, "down")
         self.connected = ok
 
-    def _render_overview(self, o: views.Overview) -> None:
-        ms = lambda s: "–" if s is None else f"{s * 1000:.0f} ms"  # noqa: E731
-        pct = lambda v: "–" if v is None else f"{v:.0%}"  # noqa: E731
-        lines = [
-            f"requests/s {o.requests_per_s:6.2f}   tokens/s {o.tokens_per_s:7.1f}   errors/s {o.errors_per_s:5.2f}",
-            f"tokens/s   {views.sparkline(self.rates, 50)}",
-            f"TTFT p50 {ms(o.ttft_p50_s)}   p95 {ms(o.ttft_p95_s)}",
-            "",
-            "model                     slots  queue",
-            *[f"{m:<24} {busy:>6} {queue:>6}" for m, busy, queue in o.models],
-            "",
-            f"cache hit rate {pct(o.hit_rate)}   cost-weighted verified hit rate {pct(o.verified_cost_hit_rate)}",
-        ]
-        if o.global_limit_usd is not None:
-            lines.append(f"spend {views.usd(o.spend_today_usd or 0)} of the global {views.usd(o.global_limit_usd)} per {o.global_period}")
-        else:
-            lines.append(f"spend today {views.usd(o.spend_today_usd or 0)} (no global budget)")
-        self.query_one("#overview-body", Static).update("\n".join(lines))
+    def _render_overview(self, o: overview.Overview) -> None:
+        self.query_one("#overview-body", Static).update("\n".join(overview.overview_lines(o)))
+        self.query_one(Charts).show(self.series)
+        self.query_one("#overview-models", Static).update("\n".join(overview.model_lines(o)))
 
     def _render_budgets(self, budgets: dict[str, Any]) -> None:
         tree = self.query_one("#budget-tree", Tree)
         root = views.budget_tree(budgets)
-        tree.clear()
+        tree.clear()  # the cursor stays on its line: `e` reads the node there now
         tree.root.set_label(f"{root.label}: {root.detail}")
+        tree.root.data = root.edit
 
         def add(parent: Any, node: views.BudgetNode) -> None:
-            branch = parent.add(f"{node.label}: {node.detail}", expand=True) if node.children else parent.add_leaf(f"{node.label}: {node.detail}")
+            label = f"{node.label}: {node.detail}"
+            branch = parent.add(label, data=node.edit, expand=True) if node.children else parent.add_leaf(label, data=node.edit)
             for child in node.children:
                 add(branch, child)
 
@@ -261,8 +258,18 @@ class ApplianceTUI(App[None]):
             f"false hits {s['false_hits_reported']:.0f}\n{views.false_hit_line(stats)}")
         _fill(self.query_one("#cache-buckets", DataTable), views.cache_rows(stats))
 
+    def _render_entries(self) -> None:
+        table = self.query_one("#cache-entries", DataTable)
+        rows = views.entry_rows(self.entries)
+        _fill(table, views.fit(views.ENTRY_COLUMNS, rows, self._room(table, len(rows)), views.ENTRY_SHRINK), views.ENTRY_COLUMNS)
+
     def _render_traces(self, traces: dict[str, Any]) -> None:
-        _fill(self.query_one("#trace-table", DataTable), views.trace_rows(traces, self.trace_filter, self.trace_text))
+        table = self.query_one("#trace-table", DataTable)
+        found = views.trace_rows(traces, self.trace_filter, self.trace_text)
+        self.query_one("#trace-filter", Static).update(
+            views.trace_filter_line(self.trace_filter, self.trace_text, len(found), len(traces.get("traces", []))))
+        rows = views.fit(views.TRACE_COLUMNS, [cells for _, cells in found], self._room(table, len(found)), views.TRACE_SHRINK)
+        _fill(table, rows, views.TRACE_COLUMNS, [trace_id for trace_id, _ in found])
 
     def _render_keys(self, keys: dict[str, Any]) -> None:
         self.own_key = keys.get("caller")
@@ -270,13 +277,23 @@ class ApplianceTUI(App[None]):
 
     def _render_models(self, models: dict[str, Any], loaded: dict[str, Any], jobs: dict[str, Any]) -> None:
         self.fleet = views.fleet_rows(models, loaded)
-        _fill(self.query_one("#model-table", DataTable), [row.cells for row in self.fleet])
+        table = self.query_one("#model-table", DataTable)
+        rows = views.fit(views.MODEL_COLUMNS, [row.cells for row in self.fleet], self._room(table, len(self.fleet)), views.MODEL_SHRINK)
+        _fill(table, rows, views.MODEL_COLUMNS)
         self.query_one("#memory", Static).update(views.memory_line(loaded))
         self.query_one("#slots", Static).update("\n".join(views.slot_lines(models, loaded)))
         _fill(self.query_one("#adapter-table", DataTable), views.adapter_rows(models))
         lines = views.job_lines(jobs, 24)
         self.query_one("#jobs", Static).update("\n".join(["jobs (z quantize, p pull, T train, s stop)", *lines]) if lines
                                                 else "no jobs (z quantize, p pull, T train)")
+
+    def _room(self, table: DataTable, rows: int) -> int:
+        """The columns a table's cells may take at the terminal's size: its width, less its
+        scrollbar when the rows overflow it (before its first layout, the screen's width)."""
+        width = table.size.width or self.size.width
+        if rows + 1 > table.size.height:  # the header is a row too
+            width -= table.styles.scrollbar_size_vertical
+        return width
 
     # -- actions -------------------------------------------------------------------------------
 
@@ -313,26 +330,41 @@ class ApplianceTUI(App[None]):
     def action_refresh(self) -> None:
         self.poll()
 
-    def action_ask(self, what: str) -> None:
+    def action_ask(self, what: str, value: str = "") -> None:
+        """Open the prompt for `what`, with `value` typed in already."""
         prompt = self.query_one("#prompt", Input)
         self.asking = what
         confirming = self.confirming
         prompt.placeholder = PROMPTS[what].format(word=confirming.word, detail=confirming.detail) if confirming else PROMPTS[what]
-        prompt.value = ""
+        prompt.value = value
+        prompt.cursor_position = len(value)
+        prompt.border_title = prompt.placeholder if value else None  # the words still to type, above what is filled in
         prompt.disabled = False
         prompt.remove_class("hidden")
+        self.add_class("-asking")  # toasts rise above the prompt (app.tcss)
         prompt.focus()
 
     def action_cancel_prompt(self) -> None:
         prompt = self.query_one("#prompt", Input)
         prompt.add_class("hidden")
         prompt.disabled = True
+        self.remove_class("-asking")
         self.asking = self.confirming = None
         self._focus_tab()
+
+    def action_edit_budget(self) -> None:
+        """The budget prompt, filled in from the row under the cursor: its level, name, limit and period."""
+        tree = self.query_one("#budget-tree", Tree)
+        node = tree.get_node_at_line(tree.cursor_line) if tree.cursor_line >= 0 else None
+        self.action_ask("budget", str(node.data or "") if node is not None else "")
 
     def action_cycle_filter(self) -> None:
         self.trace_filter = {"all": "error", "error": "ok", "ok": "all"}[self.trace_filter]
         self.notify(f"traces: {self.trace_filter}")
+        self.poll()
+
+    def action_clear_filters(self) -> None:
+        self.trace_filter, self.trace_text = "all", ""
         self.poll()
 
     @on(Input.Submitted, "#prompt")
@@ -344,22 +376,28 @@ class ApplianceTUI(App[None]):
                 made = await self.client.create_key(*words)
                 self.action_show("keys")
                 self.push_screen(SecretScreen(made["id"], "/".join(words[:3]) + f" ({words[3]})", made["secret"]))
-            elif what == "budget" and len(words) == 4:
-                level, name, usd, period = words
-                await self.client.set_budget(level, "*" if name == "-" else name, float(usd), period)
-                self.notify(f"{level} {name}: {views.usd(float(usd))} per {period}")
+            elif what == "budget":
+                edit = views.budget_args(event.value)
+                if isinstance(edit, str):
+                    self.notify(edit, severity="warning")
+                else:
+                    await self.client.set_budget(edit.level, edit.name, edit.usd, edit.period)
+                    self.notify(f"{edit.level} {edit.name}: {money(edit.usd)} per {edit.period}")
             elif what == "traces":
                 self.trace_text = " ".join(words)
                 self.action_show("traces")
             elif what == "search" and words:
-                found = await self.client.cache_entries(" ".join(words))
-                self.entries = found["entries"]
-                entries = self.query_one("#cache-entries", DataTable)
-                _fill(entries, [(str(e["id"]), e["state"], str(e["hits"]), e["question"][:60]) for e in self.entries])
+                self.entries = (await self.client.cache_entries(" ".join(words)))["entries"]
+                self._render_entries()
                 self.action_show("cache")
-                entries.focus()  # v and x act on the entry under the cursor
+                self.query_one("#cache-entries", DataTable).focus()  # v and x act on the entry under the cursor
             elif what == "adapter" and len(words) in (3, 4):
-                await self.client.load_adapter(words[0], words[1], words[2], float(words[3]) if len(words) == 4 else 1.0)
+                try:
+                    scale = float(words[3]) if len(words) == 4 else 1.0
+                except ValueError:
+                    self.notify(f"'{words[3]}' is not a scale: write a number, e.g. 0.5", severity="warning")
+                    return
+                await self.client.load_adapter(words[0], words[1], words[2], scale)
                 self.notify(f"{words[0]}: adapter {words[1]} loaded")
                 self.action_show("models")
             elif what == "quantize" and len(words) in (2, 3):
@@ -385,8 +423,8 @@ class ApplianceTUI(App[None]):
                     self._change(confirming.call, confirming.said)
             else:
                 self.notify(f"expected: {PROMPTS.get(what or '', '')}", severity="warning")
-        except (AdminError, ValueError) as exc:
-            self.notify(str(exc), severity="error")
+        except AdminError as exc:
+            self.notify(exc.message, severity="error")
         self.poll()
 
     def _selected(self, tab: str, table_id: str) -> tuple[int, list[Any]] | None:
@@ -488,14 +526,18 @@ class ApplianceTUI(App[None]):
             return
         entry_id = int(str(selected[1][0]))
         try:
-            await self.client.mark_entry(entry_id, state)
-            self.notify(f"entry {entry_id}: {state}")
+            done = await self.client.mark_entry(entry_id, state)
         except AdminError as exc:
             self.notify(exc.message, severity="error")
+            return
+        # The row says what the server now holds, without another search.
+        self.entries = [{**e, "state": done["state"]} if e["id"] == done["id"] else e for e in self.entries]
+        self._render_entries()
+        self.notify(f"entry {entry_id}: {done['state']}")
 
     @on(DataTable.RowSelected, "#trace-table")
     async def open_trace(self, event: DataTable.RowSelected) -> None:
-        trace_id = str(event.data_table.get_row_at(event.cursor_row)[0])
+        trace_id = str(event.row_key.value)  # the row shows its first characters
         try:
             tree = await self.client.trace(trace_id)
         except AdminError as exc:
@@ -521,38 +563,16 @@ class ApplianceTUI(App[None]):
                 logging.getLogger(name).setLevel(level)
 
 
-class SecretScreen(ModalScreen[None]):
-    """A new key's secret, which the server shows only once: it stays up until dismissed, in
-    plain text to select, and `c` puts it on the clipboard."""
-
-    BINDINGS = [
-        Binding("c", "copy", "Copy secret"),
-        Binding("escape,enter", "dismiss", "Close"),
-    ]
-
-    def __init__(self, key_id: str, owner: str, secret: str) -> None:
-        super().__init__()
-        self.key_id, self.owner, self.secret = key_id, owner, secret
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="secret-dialog"):
-            yield Static(f"[b]new key {self.key_id}[/b] for {self.owner}", id="secret-title")
-            yield Static("The secret is shown only now: copy it before closing.")
-            yield Static(self.secret, id="secret-text", markup=False)
-            yield Static("c copy to the clipboard · enter or esc close", id="secret-help")
-        yield Footer(show_command_palette=False)
-
-    def action_copy(self) -> None:
-        self.app.copy_to_clipboard(self.secret)
-        self.notify("secret copied to the clipboard")
-
-
-def _fill(table: DataTable, rows: list[tuple[str, ...]]) -> None:
-    """Replace the rows, keeping the cursor where it was."""
+def _fill(table: DataTable, rows: list[tuple[str, ...]], columns: tuple[str, ...] | None = None, keys: list[str] | None = None) -> None:
+    """Replace the rows, keeping the cursor where it was. `columns` are added again, so that each
+    is as wide as its cells are now (a DataTable only ever widens a column). Cells are plain text:
+    a DataTable reads a string as markup, and a cached answer's "[/x]" would stop the screen."""
     cursor = table.cursor_row
-    table.clear()
-    for row in rows:
-        table.add_row(*row)
+    table.clear(columns=columns is not None)
+    if columns is not None:
+        table.add_columns(*columns)
+    for n, row in enumerate(rows):
+        table.add_row(*(Text(cell, end="") for cell in row), key=keys[n] if keys is not None else None)
     if rows:
         table.move_cursor(row=min(cursor, len(rows) - 1))
 

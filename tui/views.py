@@ -1,154 +1,40 @@
 """What each screen shows, as pure functions of the admin API's answers: no IO, no widgets, so they
-are tested with plain values."""
+are tested with plain values. (The overview's figures are in tui/overview.py.)"""
 
 from __future__ import annotations
 
-import math
 import shlex
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from rich.cells import cell_len
+from rich.text import Text
+
+from policy.budgets import LEVELS, PERIODS
+from tui.money import money, typed_usd
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One scrape of /metrics, reduced to what the overview needs."""
-
-    at: float
-    requests: float
-    errors: float
-    completion_tokens: float
-    ttft_buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count), model answers only
-    slots_busy: dict[str, float]
-    slots_total: dict[str, float]
-    queue: dict[str, float]
-    cache: dict[str, float]
-    cache_saved_verified: float
-    cache_request_cost: float
+def fit(headers: tuple[str, ...], rows: list[tuple[str, ...]], width: int, shrink: tuple[int, ...]) -> list[tuple[str, ...]]:
+    """The rows with the cells of the `shrink` columns (the first named, first) cut, ending in `…`,
+    until the table is at most `width` wide as a DataTable draws it (a space each side of every
+    cell). A column is never cut below its header: past that the table stays wider."""
+    widths = [max([cell_len(h), *(cell_len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+    excess = sum(widths) + 2 * len(widths) - width
+    for i in shrink:
+        cut = min(max(excess, 0), widths[i] - cell_len(headers[i]))
+        if cut > 0:
+            widths[i] -= cut
+            excess -= cut
+    return [tuple(_cut(cell, widths[i]) for i, cell in enumerate(row)) for row in rows]
 
 
-def parse_metrics(text: str, at: float) -> Sample:
-    requests = errors = tokens = saved_verified = request_cost = 0.0
-    buckets: dict[float, float] = {}
-    busy: dict[str, float] = {}
-    total: dict[str, float] = {}
-    queue: dict[str, float] = {}
-    cache: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name, labels, value = s.name, s.labels, s.value
-            if name == "appliance_http_responses_total" and labels.get("route", "").startswith("/v1/"):
-                # Every answer to a client, refusals before any model included; not the TUI's own polls.
-                requests += value
-                if labels.get("status_class") in ("4xx", "5xx"):
-                    errors += value
-            elif name == "appliance_completion_tokens_total":
-                tokens += value
-            elif name == "appliance_time_to_first_token_seconds_bucket":
-                bound = float(labels["le"])
-                buckets[bound] = buckets.get(bound, 0.0) + value
-            elif name == "appliance_slots_busy":
-                busy[labels["model"]] = value
-            elif name == "appliance_slots_total":
-                total[labels["model"]] = value
-            elif name == "appliance_queue_depth":
-                queue[labels["model"]] = value
-            elif name == "appliance_cache_lookups_total":
-                cache[labels["result"]] = value
-            elif name == "appliance_cache_saved_nanousd_total" and labels.get("state") == "verified":
-                saved_verified += value
-            elif name == "appliance_cache_request_cost_nanousd_total":
-                request_cost += value
-    ttft = tuple(sorted(buckets.items()))  # the server leaves cache hits out: this is the model's TTFT
-    return Sample(at, requests, errors, tokens, ttft, busy, total, queue, cache, saved_verified, request_cost)
-
-
-def quantile(buckets: tuple[tuple[float, float], ...], q: float) -> float | None:
-    """The q-quantile of a histogram as Prometheus' `histogram_quantile` estimates it: linear
-    inside the bucket the rank falls in (the first bucket starts at 0), the highest finite bound
-    when it falls in +Inf. `buckets` are (upper bound, cumulative count), ending with +Inf; None
-    when there is nothing to estimate from."""
-    if len(buckets) < 2 or buckets[-1][0] != math.inf or buckets[-1][1] == 0 or math.isnan(q):
-        return None
-    if q < 0:
-        return -math.inf
-    if q > 1:
-        return math.inf
-    rank = q * buckets[-1][1]
-    b = next((i for i, (_, count) in enumerate(buckets[:-1]) if count >= rank), len(buckets) - 1)
-    if b == len(buckets) - 1:
-        return buckets[-2][0]
-    end, count = buckets[b]
-    if b == 0 and end <= 0:
-        return end
-    start = 0.0
-    if b > 0:
-        start, below = buckets[b - 1]
-        count, rank = count - below, rank - below
-    return start + (end - start) * (rank / count)
-
-
-def usd(amount: float) -> str:
-    """Money at the precision it has: cents from a dollar up, three significant digits below,
-    and micro-dollars (µ$) under a tenth of a cent, where a request's cost usually lies."""
-    sign, amount = ("-" if amount < 0 else ""), abs(amount)
-    if amount < 1:
-        amount = float(f"{amount:.3g}")  # rounded first, so 0.9996 is shown as $1.00, not $1.000
-    if amount == 0:
-        return "$0"
-    if amount >= 1:
-        return f"{sign}${amount:,.2f}"
-    unit, value = ("$", amount) if amount >= 0.001 else ("µ$", amount * 1e6)
-    decimals = max(0, 2 - math.floor(math.log10(value)))
-    return f"{sign}{unit}{value:.{decimals}f}"
-
-
-def window(buckets_now: tuple[tuple[float, float], ...], buckets_then: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
-    then = dict(buckets_then)
-    return tuple((b, c - then.get(b, 0.0)) for b, c in buckets_now)
-
-
-@dataclass(frozen=True)
-class Overview:
-    requests_per_s: float
-    tokens_per_s: float
-    errors_per_s: float
-    ttft_p50_s: float | None
-    ttft_p95_s: float | None
-    models: list[tuple[str, str, int]]  # (model, "busy/total", queue)
-    hit_rate: float | None
-    verified_cost_hit_rate: float | None
-    spend_today_usd: float | None
-    global_limit_usd: float | None
-    global_period: str | None
-
-
-def overview(now: Sample, then: Sample | None, budgets: dict[str, Any] | None) -> Overview:
-    dt = (now.at - then.at) if then is not None else 0.0
-    rate = (lambda a, b: max(0.0, (a - b) / dt)) if then is not None and dt > 0 else (lambda a, b: 0.0)
-    recent = window(now.ttft_buckets, then.ttft_buckets) if then is not None else now.ttft_buckets
-    if not recent or recent[-1][1] == 0:
-        recent = now.ttft_buckets  # nothing new: show since start
-    hits, misses = now.cache.get("hit", 0.0), now.cache.get("miss", 0.0)
-    spend = limit = period = None
-    if budgets is not None:
-        top = budgets.get("top_spenders_today", {}).get("tenant", [])
-        spend = sum(t["spent_usd"] for t in top)
-        for b in budgets.get("budgets", []):
-            if b["level"] == "global":
-                limit, period, spend = b["limit_usd"], b["period"], b["spent_usd"]
-    models = [(m, f"{int(now.slots_busy.get(m, 0))}/{int(now.slots_total.get(m, 0))}", int(now.queue.get(m, 0)))
-              for m in sorted(now.slots_total)]
-    return Overview(
-        requests_per_s=rate(now.requests, then.requests if then else 0),
-        tokens_per_s=rate(now.completion_tokens, then.completion_tokens if then else 0),
-        errors_per_s=rate(now.errors, then.errors if then else 0),
-        ttft_p50_s=quantile(recent, 0.5), ttft_p95_s=quantile(recent, 0.95), models=models,
-        hit_rate=hits / (hits + misses) if hits + misses else None,
-        verified_cost_hit_rate=now.cache_saved_verified / now.cache_request_cost if now.cache_request_cost else None,
-        spend_today_usd=spend, global_limit_usd=limit, global_period=period,
-    )
+def _cut(text: str, width: int) -> str:
+    if cell_len(text) <= width:
+        return text
+    cut = Text(text)
+    cut.truncate(width, overflow="ellipsis")
+    return cut.plain
 
 
 @dataclass(frozen=True)
@@ -156,29 +42,69 @@ class BudgetNode:
     label: str
     detail: str
     children: list[BudgetNode] = field(default_factory=list)
+    edit: str = ""  # what `e` on this row puts in the budget prompt
 
 
 def budget_tree(budgets: dict[str, Any]) -> BudgetNode:
-    """global → tenants → apps → users, each with spend against its limit; reservations in flight."""
+    """global → tenants, apps, users, each with spend against its limit, and those without a limit
+    that spent today (the server's top spenders); reservations in flight."""
     by_level: dict[str, list[dict[str, Any]]] = {}
     for b in budgets.get("budgets", []):
         by_level.setdefault(b["level"], []).append(b)
+    spenders = budgets.get("top_spenders_today", {})
 
     def line(b: dict[str, Any]) -> str:
-        held = f" (+{usd(b['held_usd'])} held)" if b["held_usd"] else ""
-        return f"{usd(b['spent_usd'])} of {usd(b['limit_usd'])} per {b['period']}{held}"
+        held = f" (+{money(b['held_usd'])} held)" if b["held_usd"] else ""
+        return f"{money(b['spent_usd'])} of {money(b['limit_usd'])} per {b['period']}{held}"
+
+    def edit(b: dict[str, Any]) -> str:
+        return f"{b['level']} {'-' if b['level'] == 'global' else b['name']} {typed_usd(b['limit_usd'])} {b['period']}"
 
     glob = next(iter(by_level.get("global", [])), None)
-    root = BudgetNode("global", line(glob) if glob else "no limit")
+    root = BudgetNode("global", line(glob) if glob else "no limit", edit=edit(glob) if glob else "global - ")
     for level in ("tenant", "app", "user"):
-        group = BudgetNode(f"{level}s", f"{len(by_level.get(level, []))} with a limit")
-        group.children.extend(BudgetNode(b["name"], line(b)) for b in by_level.get(level, []))
+        limited = by_level.get(level, [])
+        free = [s for s in spenders.get(level, []) if s["name"] not in {b["name"] for b in limited}]
+        detail = f"{len(limited)} with a limit" + (f", {len(free)} more spending today" if free else "")
+        group = BudgetNode(f"{level}s", detail, edit=f"{level} ")
+        group.children.extend(BudgetNode(b["name"], line(b), edit=edit(b)) for b in limited)
+        group.children.extend(BudgetNode(s["name"], f"{money(s['spent_usd'])} today, no limit", edit=f"{level} {s['name']} ") for s in free)
         root.children.append(group)
     reservations = budgets.get("reservations", [])
     flight = BudgetNode("in flight", f"{len(reservations)} reservation{'s' if len(reservations) != 1 else ''}")
-    flight.children.extend(BudgetNode(r["request_id"], f"{r['tenant']}/{r['user']} {usd(r['amount_usd'])}") for r in reservations[:20])
+    flight.children.extend(BudgetNode(r["request_id"], f"{r['tenant']}/{r['user']} {money(r['amount_usd'])}") for r in reservations[:20])
     root.children.append(flight)
     return root
+
+
+@dataclass(frozen=True)
+class BudgetEdit:
+    level: str
+    name: str
+    usd: float
+    period: str
+
+
+def budget_args(text: str) -> BudgetEdit | str:
+    """`LEVEL NAME USD PERIOD` (NAME `-`, or left out, for global) as a BudgetEdit, or what is
+    wrong with it in one line."""
+    words = text.split()
+    if words[:1] == ["global"] and len(words) == 3:
+        words.insert(1, "-")
+    if len(words) != 4:
+        return "write LEVEL NAME USD PERIOD, e.g. tenant acme 5 day (global - 100 month)"
+    level, name, amount, period = words
+    if level not in LEVELS:
+        return f"'{level}' is not a level: write user, tenant, app or global"
+    if period not in PERIODS:
+        return f"'{period}' is not a period: write day, month or total"
+    try:
+        usd = Decimal(amount.removeprefix("$").replace(",", ""))
+    except InvalidOperation:
+        usd = Decimal("NaN")
+    if not usd.is_finite() or usd < 0:
+        return f"'{amount}' is not an amount of dollars: write e.g. 5 or 0.25"
+    return BudgetEdit(level, "*" if level == "global" else name, float(usd), period)
 
 
 def key_rows(keys: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -186,23 +112,55 @@ def key_rows(keys: dict[str, Any]) -> list[tuple[str, ...]]:
              "revoked" if k["revoked_at"] else "active") for k in keys.get("keys", [])]
 
 
-def trace_rows(traces: dict[str, Any], status: str = "all", text: str = "") -> list[tuple[str, ...]]:
-    """Newest first; `status` all|ok|error, `text` matched against tenant and model."""
+TRACE_COLUMNS = ("trace", "call", "tenant", "model", "cache", "time", "status")
+TRACE_SHRINK = (3, 2, 6, 1)  # model, tenant, status, call: the detail below shows each in full
+TRACE_ID_SHOWN = 8  # a trace's first characters: Enter opens it by its whole id
+
+
+def error_reason(attributes: dict[str, Any]) -> str:
+    """Why a span failed, from what the server records: `error.type`, the HTTP status and, when a
+    span carries one, the message."""
+    reason = str(attributes.get("error.type") or "no error.type recorded")
+    if status := attributes.get("http.response.status_code"):
+        reason += f" (HTTP {status})"
+    if message := attributes.get("error.message") or attributes.get("exception.message"):
+        reason += f": {message}"
+    return reason
+
+
+def elapsed(ms: float) -> str:
+    return f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.1f} s" if ms < 10_000 else f"{ms / 1000:.0f} s"
+
+
+def trace_rows(traces: dict[str, Any], status: str = "all", text: str = "") -> list[tuple[str, tuple[str, ...]]]:
+    """(trace id, cells), newest first; `status` all|ok|error, `text` matched against tenant and model.
+    A failed call's status says why (`✗ model_not_found`)."""
     rows = []
     for t in traces.get("traces", []):
         attributes = t["attributes"]
         if status == "error" and not t["error"] or status == "ok" and t["error"]:
             continue
-        tenant, model = str(attributes.get("appliance.tenant", "")), str(attributes.get("appliance.model", ""))
+        tenant = str(attributes.get("appliance.tenant", ""))
+        model = str(attributes.get("appliance.model") or attributes.get("gen_ai.request.model", ""))  # a refused call: what it asked for
         if text and text.lower() not in f"{tenant} {model}".lower():
             continue
-        rows.append((t["trace_id"], t["name"], tenant, model, str(attributes.get("appliance.cache.result", "")),
-                     f"{t['duration_ms']:.0f} ms", "error" if t["error"] else "ok"))
+        call = str(attributes.get("gen_ai.operation.name") or t["name"].split(" ")[0])
+        outcome = f"✗ {attributes.get('error.type') or 'error'}" if t["error"] else "ok"
+        rows.append((t["trace_id"], (t["trace_id"][:TRACE_ID_SHOWN], call, tenant, model, str(attributes.get("appliance.cache.result", "")),
+                                     elapsed(t["duration_ms"]), outcome)))
     return rows
 
 
+def trace_filter_line(status: str, text: str, shown: int, total: int) -> str:
+    """What the traces table is filtered by, for as long as it is, and how to undo it."""
+    if status == "all" and not text:
+        return f"all {total} traces · f errors or ok only · t tenant or model text"
+    said = [{"error": "errors only", "ok": "ok only"}.get(status, "")] + ([f"tenant or model has '{text}'"] if text else [])
+    return f"{shown} of {total} traces: {', '.join(s for s in said if s)} · c clears"
+
+
 def timeline(tree: dict[str, Any], width: int = 40) -> list[str]:
-    """A trace's spans as indented bars on one time axis."""
+    """A trace's spans as indented bars on one time axis, then why each failed span failed."""
     spans: list[tuple[int, dict[str, Any]]] = []
 
     def walk(nodes: list[dict[str, Any]], depth: int) -> None:
@@ -213,10 +171,11 @@ def timeline(tree: dict[str, Any], width: int = 40) -> list[str]:
     walk(tree["spans"], 0)
     if not spans:
         return []
+    # Whole nanoseconds: a float sum with a start near 2e18 is off by hundreds of them, and a bar by a cell.
     start = min(n["start_ns"] for _, n in spans)
-    end = max(n["start_ns"] + n["duration_ms"] * 1e6 for _, n in spans)
-    total = max(1.0, end - start)
-    lines = []
+    end = max(n["start_ns"] + round(n["duration_ms"] * 1e6) for _, n in spans)
+    total = max(1, end - start)
+    lines = [f"✗ {node['name']}: {error_reason(node['attributes'])}" for _, node in spans if node["error"]]
     for depth, node in spans:
         left = int((node["start_ns"] - start) / total * width)
         length = max(1, int(node["duration_ms"] * 1e6 / total * width))
@@ -235,6 +194,17 @@ def cache_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
             for b in stats.get("buckets", [])]
 
 
+ENTRY_COLUMNS = ("id", "state", "hits", "tenant", "question", "answer")
+ENTRY_SHRINK = (5, 4, 3)  # the answer, the question, then the tenant give up room
+
+
+def entry_rows(entries: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """Cache entries found by a search: whose they are and how each answer starts, so two tenants'
+    identical questions read apart."""
+    return [(str(e["id"]), e["state"], str(e["hits"]), e["tenant"], " ".join(e["question"].split()), " ".join(e["answer"].split()))
+            for e in entries]
+
+
 def false_hit_line(stats: dict[str, Any], most: int = 4) -> str:
     """The cache's promise and its own estimate by language, most traps first, in one 80-column
     line: "false hits ≤2.0%, est. en 1.2% pt 0.5%, others exact only" (a language it cannot
@@ -248,17 +218,10 @@ def false_hit_line(stats: dict[str, Any], most: int = 4) -> str:
     return f"false hits ≤{rows[0][1]['bound']:.1%}, est. " + " ".join(shown) + ", others exact only"
 
 
-def sparkline(values: list[float], width: int = 30) -> str:
-    bars = "▁▂▃▄▅▆▇█"
-    values = values[-width:]
-    if not values:
-        return ""
-    top = max(values) or 1.0
-    return "".join(bars[min(len(bars) - 1, int(v / top * (len(bars) - 1)))] for v in values)
-
-
 # The models table: what `appliance ps` prints, with the engine and kind from GET /admin/models.
 MODEL_COLUMNS = ("model", "engine", "kind", "loaded", "MiB", "slots", "queue", "idle", "unloads in")
+MODEL_SHRINK = (0, 1)  # the alias (whole in the slot lines below, and in what x asks), then the engine
+KINDS = {"embedding": "embed"}  # short enough that "unloads in" fits at 80 columns with two models
 
 
 @dataclass(frozen=True)
@@ -322,11 +285,12 @@ def _fleet_row(m: dict[str, Any], r: dict[str, Any] | None) -> FleetRow:
     """`m` gives the engine and kind; `r`, its row in /admin/models/loaded, the rest as `appliance ps` shows it."""
     if r is None:
         slots = f"{m['slots_busy']}/{m['slots_total']}"
-        return FleetRow(m["alias"], False, (m["alias"], m["engine"], m["kind"], "–", "–", slots, str(m["queue_depth"]), "–", "–"))
+        return FleetRow(m["alias"], False, (m["alias"], m["engine"], KINDS.get(m["kind"], m["kind"]), "–", "–", slots, str(m["queue_depth"]),
+                                            "–", "–"))
     queued = r["queue_depth"] + r["waiting_for_load"]  # requests waiting for the model to load are queued too
     slots = f"{r['slots_busy']}/{r['slots_total']}"
-    return FleetRow(r["alias"], r["retired"], (r["alias"], m["engine"], m["kind"], residency(r), mib(r["memory_bytes"]), slots, str(queued),
-                                               duration(r["idle_s"]), unloads_in(r)))
+    return FleetRow(r["alias"], r["retired"], (r["alias"], m["engine"], KINDS.get(m["kind"], m["kind"]), residency(r), mib(r["memory_bytes"]),
+                                               slots, str(queued), duration(r["idle_s"]), unloads_in(r)))
 
 
 def memory_line(loaded: dict[str, Any]) -> str:
