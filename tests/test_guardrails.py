@@ -99,5 +99,7 @@ def test_an_unsure_input_goes_to_the_judge_which_is_charged_and_traced(tmp_path:
             time.sleep(0.1)
         attributes = judged[0]["attributes"]
         assert 0.0 <= attributes["appliance.probability"] <= 1.0 and attributes["appliance.cost.nanousd"] == cost
+        root = found.json()["spans"][0]["attributes"]  # the console shows why the call failed, as the caller was told
+        assert root["error.type"] == "prompt_injection" and root["error.message"] == refused.json()["error"]["message"][:200]
     finally:
         stop_server(server)

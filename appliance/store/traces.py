@@ -68,11 +68,13 @@ class SqliteSpanExporter(SpanExporter):
                 parent = span.parent
                 parent_id = format(parent.span_id, "016x") if parent is not None else None
                 remote = parent is not None and parent.is_remote
+                attributes = {k: _value(v) for k, v in (span.attributes or {}).items()}
+                if not span.status.is_ok and span.status.description:
+                    attributes["error.message"] = span.status.description  # what the caller was told, for the console
                 rows.append((
                     format(context.span_id, "016x"), format(context.trace_id, "032x"),
                     None if remote else parent_id, parent_id if remote else None, span.name,
-                    span.start_time or 0, span.end_time or 0, int(not span.status.is_ok),
-                    json.dumps({k: _value(v) for k, v in (span.attributes or {}).items()}),
+                    span.start_time or 0, span.end_time or 0, int(not span.status.is_ok), json.dumps(attributes),
                 ))
             with immediate(self._db):
                 self._db.executemany("INSERT OR REPLACE INTO spans (span_id, trace_id, parent_id, remote_parent_id, name, start_ns, end_ns, "
