@@ -96,6 +96,9 @@ def test_budgets_show_lists_spenders_with_no_budget_in_dollars(keyed: tuple[Serv
     assert not any(b["name"] == "t-unlimited" for b in data["budgets"])
     api = httpx.get(f"{server.base_url}/admin/budgets", headers={"Authorization": f"Bearer {admin}"}, timeout=30).json()
     assert api["top_spenders_month"] == data["top_spenders_month"] and api["top_spenders_today"] == data["top_spenders_today"]
+    # Everyone's spend, with no global budget: at least what the listed tenants spent (the list stops at ten).
+    assert api["spent_today_usd"] >= sum(t["spent_usd"] for t in api["top_spenders_today"]["tenant"]) > 0
+    assert api["spent_month_usd"] >= api["spent_today_usd"]
 
 
 def test_an_onnx_model_takes_one_slot(tmp_path: Path) -> None:

@@ -143,8 +143,7 @@ def overview(now: Sample, then: Sample | None, budgets: dict[str, Any] | None) -
     new_lookups = new_hits + misses - then.cache.get("miss", 0.0) if then is not None else 0.0
     spend = limit = period = None
     if budgets is not None:
-        top = budgets.get("top_spenders_today", {}).get("tenant", [])
-        spend = sum(t["spent_usd"] for t in top)
+        spend = budgets.get("spent_today_usd")
         for b in budgets.get("budgets", []):
             if b["level"] == "global":
                 limit, period, spend = b["limit_usd"], b["period"], b["spent_usd"]

@@ -103,7 +103,10 @@ def _budgets_view(services: Services) -> Any:
             }
             for period in ("day", "month")
         }
-        return {"budgets": budgets, "reservations": reservations, **top}
+        # Everyone's spend (the global row is kept with or without a global budget): what the top lists leave out.
+        spent = {f"spent_{'today' if period == 'day' else 'month'}_usd": usd(ledger.spent("global", "", period, now)[0])
+                 for period in ("day", "month")}
+        return {"budgets": budgets, "reservations": reservations, **top, **spent}
 
     return services.store.run(read)
 
