@@ -22,7 +22,7 @@ import pytest
 
 from appliance.fleet.files import package_file
 from tests.conftest import CHAT_MODEL, MODEL_FILE, ROOT, Server, start_server, stop_server
-from tests.test_gate_api import admin_call, new_key
+from tests.test_gate_api import new_key
 from tests.test_hostile import assert_refused, call, chat, hostile_config
 
 ROUTE = f'\n[[routes]]\nalias = "auto"\ntiers = ["{CHAT_MODEL}"]\n'
