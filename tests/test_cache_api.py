@@ -224,7 +224,7 @@ def test_a_sweep_marks_a_changed_answer_stale_and_the_next_miss_replaces_it(cach
     stats = httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {keys['admin']}"}, timeout=30).json()
     assert any(b["consistent"] >= 1 for b in stats["buckets"])
     saved = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    assert 'appliance_cache_saved_nanousd_total{state="consistent"}' in saved  # counted apart from verified hits
+    assert 'appliance_cache_saved_usd_total{state="consistent"}' in saved  # counted apart from verified hits
 
 
 def test_a_request_that_sets_no_temperature_is_served_from_the_cache(cached: tuple[Server, dict[str, str]]) -> None:
@@ -317,8 +317,8 @@ def test_the_metrics_carry_the_cost_weighted_rate_on_verified_answers(cached: tu
     assert ask(server, keys["zeta"], question).headers["x-cache-state"] == "verified"
     scraped = httpx.get(f"{server.base_url}/metrics").text
     gauge = float(re.search(r"^appliance_cache_cost_weighted_verified_hit_rate (\S+)$", scraped, re.MULTILINE).group(1))  # type: ignore[union-attr]
-    saved = float(re.search(r'^appliance_cache_saved_nanousd_total\{state="verified"\} (\S+)$', scraped, re.MULTILINE).group(1))  # type: ignore[union-attr]
-    cost = float(re.search(r"^appliance_cache_request_cost_nanousd_total (\S+)$", scraped, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    saved = float(re.search(r'^appliance_cache_saved_usd_total\{state="verified"\} (\S+)$', scraped, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    cost = float(re.search(r"^appliance_cache_request_cost_usd_total (\S+)$", scraped, re.MULTILINE).group(1))  # type: ignore[union-attr]
     assert 0 < gauge < 1 and gauge == pytest.approx(saved / cost)
     stats = httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {keys['admin']}"}).json()
     assert stats["since_start"]["cost_weighted_verified_hit_rate"] == pytest.approx(gauge)

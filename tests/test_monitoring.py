@@ -211,8 +211,8 @@ def test_the_dashboard_has_the_panels_the_guide_names() -> None:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
     spend = next(p for p in panels if p["title"] == "Spend")
-    # The counter is in nano-dollars; the panel shows dollars.
-    assert "/ 1e9" in spend["targets"][0]["expr"] and spend["fieldConfig"]["defaults"]["unit"] == "currencyUSD"
+    # The counter is in dollars, as the panel shows them.
+    assert "appliance_spend_usd_total" in spend["targets"][0]["expr"] and spend["fieldConfig"]["defaults"]["unit"] == "currencyUSD"
 
 
 def test_the_prometheus_config_scrapes_metrics_with_a_bearer_key_file() -> None:

@@ -19,7 +19,7 @@ def test_migrations_apply_once_and_give_the_exact_schema():
     assert set(tables) == {"migrations", "request_log", "api_keys", "auth_failures", "budget_limits", "budget_usage",
                            "reservations", "settlements", "budget_adjustments", "cache_entries", "cache_hits",
                            "cache_feedback", "cache_sweeps", "spans", "eval_runs", "eval_answers", "eval_questions", "responses",
-                           "kept_answers", "cache_traps"}
+                           "kept_answers", "cache_traps", "cache_trap_cosines"}
     columns = [row[1] for row in db.execute("PRAGMA table_info(request_log)")]
     assert columns == ["id", "created_at", "endpoint", "model", "status", "finish_reason", "prompt_tokens",
                        "completion_tokens", "ttft_ms", "total_ms", "error", "tenant", "app", "user", "key_id", "cost_nanos"]

@@ -463,9 +463,12 @@ async def test_library_logs_never_reach_the_terminal(served: Server) -> None:
     behind = io.StringIO()
     handler = logging.StreamHandler(behind)
     root = logging.getLogger()
-    level, httpx_level = root.level, logging.getLogger("httpx").level
+    level, earlier_httpx = root.level, logging.getLogger("httpx").level
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    # As a CLI without -v leaves it, unless an earlier in-process CLI call in this session quietened it.
+    logging.getLogger("httpx").setLevel(logging.NOTSET)
+    httpx_level = logging.NOTSET
     try:
         app = ApplianceTUI(served.base_url, None, interval_s=0.2)
         async with app.run_test(size=(80, 24)) as pilot:
@@ -478,6 +481,7 @@ async def test_library_logs_never_reach_the_terminal(served: Server) -> None:
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
+        logging.getLogger("httpx").setLevel(earlier_httpx)
 
 
 async def test_each_screen_gives_its_table_the_keys(served: Server) -> None:

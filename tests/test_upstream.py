@@ -182,12 +182,12 @@ def test_another_appliance_serves_through_the_gateway_token_for_token(gateway: S
 
 
 def test_the_upstreams_usage_is_what_the_caller_pays_and_the_trace_names_the_upstream(gateway: Server, server: Server) -> None:
-    spent = _metric(gateway, "appliance_spend_nanousd_total", model="via-appliance")
+    spent = _metric(gateway, "appliance_spend_usd_total", model="via-appliance")
     response = _post(gateway, "via-appliance", max_tokens=12)
     usage = response.json()["usage"]
     # $1 and $2 per million tokens: 1,000 and 2,000 nano-dollars a token, on the upstream's counts.
     cost = usage["prompt_tokens"] * 1000 + usage["completion_tokens"] * 2000
-    assert _metric(gateway, "appliance_spend_nanousd_total", model="via-appliance") - spent == pytest.approx(cost, abs=1)
+    assert (_metric(gateway, "appliance_spend_usd_total", model="via-appliance") - spent) * 1e9 == pytest.approx(cost, abs=1)  # in dollars
     trace_id = response.headers["x-trace-id"]
     deadline = time.monotonic() + 15
     while True:

@@ -29,7 +29,7 @@ class Sample:
     cache: dict[str, float]
     cache_saved_verified: float
     cache_request_cost: float
-    spend_nanos: float = 0.0
+    spend_usd: float = 0.0
 
 
 def parse_metrics(text: str, at: float) -> Sample:
@@ -64,11 +64,11 @@ def parse_metrics(text: str, at: float) -> Sample:
                 queue[labels["model"]] = value
             elif name == "appliance_cache_lookups_total":
                 cache[labels["result"]] = value
-            elif name == "appliance_cache_saved_nanousd_total" and labels.get("state") == "verified":
+            elif name == "appliance_cache_saved_usd_total" and labels.get("state") == "verified":
                 saved_verified += value
-            elif name == "appliance_cache_request_cost_nanousd_total":
+            elif name == "appliance_cache_request_cost_usd_total":
                 request_cost += value
-            elif name == "appliance_spend_nanousd_total":
+            elif name == "appliance_spend_usd_total":
                 spend += value
     ttft = tuple(sorted(buckets.items()))  # the server leaves cache hits out: this is the model's TTFT
     return Sample(at, requests, errors, tokens, ttft, ttft_sum, ttft_count, busy, total, queue, cache, saved_verified, request_cost, spend)
@@ -159,7 +159,7 @@ def overview(now: Sample, then: Sample | None, budgets: dict[str, Any] | None) -
         hit_rate=hits / (hits + misses) if hits + misses else None,
         recent_hit_rate=new_hits / new_lookups if new_lookups > 0 else None,
         verified_cost_hit_rate=now.cache_saved_verified / now.cache_request_cost if now.cache_request_cost else None,
-        spend_per_min_usd=rate(now.spend_nanos, then.spend_nanos if then else 0) * 60 / 1e9,
+        spend_per_min_usd=rate(now.spend_usd, then.spend_usd if then else 0) * 60,
         spend_today_usd=spend, global_limit_usd=limit, global_period=period,
     )
 

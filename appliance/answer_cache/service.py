@@ -35,6 +35,7 @@ from appliance.store.worker import StoreWorker
 from engines.interface import FinishEvent, GenerationRequest, SamplingParams
 from policy.answer_cache import AskJudge, Cacheable, CachePolicy, Hit, Miss, judge_candidates, normalise, servable
 from policy.answer_guards import NO_LEXICON, Lexicon, lexicon_from_vocab, spelled
+from policy.budgets import usd
 
 log = logging.getLogger("appliance.cache")
 
@@ -52,8 +53,8 @@ class Lookup:
 
 def cost_weighted_verified_hit_rate(metrics: Metrics) -> float | None:
     """Saved on verified hits / cost of all cacheable requests, since start; None before any cost."""
-    cost = metrics.cache_request_cost_nanos._value.get()
-    return metrics.cache_saved_nanos.labels("verified")._value.get() / cost if cost else None
+    cost = metrics.cache_request_cost_usd._value.get()
+    return metrics.cache_saved_usd.labels("verified")._value.get() / cost if cost else None
 
 
 def model_version(settings: ModelSettings) -> str:
@@ -98,7 +99,7 @@ class SemanticCache:
         self.metrics = metrics
         self.worker = StoreWorker(db_path, name="cache-store", synchronous=synchronous)
         # Read from the counters at scrape time, as GET /admin/cache computes it; for a window, PromQL:
-        # rate(appliance_cache_saved_nanousd_total{state="verified"}[1h]) / rate(appliance_cache_request_cost_nanousd_total[1h])
+        # rate(appliance_cache_saved_usd_total{state="verified"}[1h]) / rate(appliance_cache_request_cost_usd_total[1h])
         Gauge("appliance_cache_cost_weighted_verified_hit_rate", "What hits on verified answers saved / the cost of every cacheable "
               "request (misses as charged, hits as the call they replaced), since start; 0 before any", registry=metrics.registry,
               ).set_function(lambda: cost_weighted_verified_hit_rate(metrics) or 0.0)
@@ -282,8 +283,8 @@ class SemanticCache:
                    language: str | None = None) -> None:
         now = time.time()
         self.metrics.cache_lookups.labels("hit").inc()
-        self.metrics.cache_saved_nanos.labels(entry.state).inc(entry.cost_nanos)
-        self.metrics.cache_request_cost_nanos.inc(entry.cost_nanos)
+        self.metrics.cache_saved_usd.labels(entry.state).inc(usd(entry.cost_nanos))
+        self.metrics.cache_request_cost_usd.inc(usd(entry.cost_nanos))
         self.worker.submit(lambda db: self._store(db).record_hit(entry, response_id, similarity, judged, now, score, language))
 
     def remember(self, item: Cacheable, vector: np.ndarray | None, answer: str, finish_reason: str, prompt_tokens: int,
@@ -308,7 +309,7 @@ class SemanticCache:
 
     def count_miss(self, cost_nanos: int) -> None:
         self.metrics.cache_lookups.labels("miss").inc()
-        self.metrics.cache_request_cost_nanos.inc(cost_nanos)
+        self.metrics.cache_request_cost_usd.inc(usd(cost_nanos))
 
     # -- the judge -----------------------------------------------------------------------------
 

@@ -92,15 +92,15 @@ async def cache_stats(request: Request[Any, Any, Any], services: Services) -> di
         return sum(sample.value for metric in counter.collect() for sample in metric.samples if sample.name.endswith("_total"))
 
     lookups = {r: m.cache_lookups.labels(r)._value.get() for r in ("hit", "miss", "bypass")}
-    saved_verified = m.cache_saved_nanos.labels("verified")._value.get()
-    all_cost = m.cache_request_cost_nanos._value.get()
+    saved_verified = m.cache_saved_usd.labels("verified")._value.get()
+    all_cost = m.cache_request_cost_usd._value.get()
     cacheable = lookups["hit"] + lookups["miss"]
     return {
         "since_start": {
             "lookups": lookups,
             "hit_rate": lookups["hit"] / cacheable if cacheable else None,
             "cost_weighted_verified_hit_rate": saved_verified / all_cost if all_cost else None,
-            "saved_usd": usd(int(total(m.cache_saved_nanos))),
+            "saved_usd": total(m.cache_saved_usd),
             "false_hits_reported": m.cache_false_hits._value.get(),
             "judge_calls": m.cache_judge_calls._value.get(),
             "sweep_checks": {o: m.cache_sweeps.labels(o)._value.get() for o in ("agreed", "drifted")},

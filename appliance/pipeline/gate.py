@@ -24,7 +24,7 @@ from appliance.server.metrics import Metrics
 from appliance.store.keys import FailureTally, KeyStore
 from appliance.store.ledger import Ledger, Payer, settle_logged, sweep
 from appliance.store.worker import StoreWorker
-from policy.budgets import Price, Refuse, Reserve, ReservationPolicy, dollars, seconds_until_reset
+from policy.budgets import Price, Refuse, Reserve, ReservationPolicy, dollars, seconds_until_reset, usd
 from policy.identity import AuthFailure, KeyRecord, Principal, bearer_token, check_key, fingerprint, secret_hash
 from policy.limits import RateLimiter
 
@@ -263,7 +263,7 @@ class Gate:
         def done(future: Any) -> None:
             settlement = None if future.cancelled() or future.exception() else future.result()
             if settlement is not None and not settlement.already:
-                self.metrics.spend_nanos.labels(model).inc(settlement.charged_nanos)
+                self.metrics.spend_usd.labels(model).inc(usd(settlement.charged_nanos))
         return done
 
     # -- leases --------------------------------------------------------------------------------

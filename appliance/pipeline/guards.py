@@ -10,6 +10,7 @@ from appliance.pipeline.context import CallContext
 from appliance.pipeline.errors import APIError
 from appliance.server.services import price_of
 from appliance.server.tracing import annotate
+from policy.budgets import usd
 from policy.guardrails import check_input
 
 
@@ -61,7 +62,7 @@ async def _judge_injection(ctx: CallContext, texts: list[str]) -> bool:
         cost = price.cost(*tokens)
         annotate(span, probability=probability, flagged=flagged, prompt_tokens=tokens[0], completion_tokens=tokens[1], cost__nanousd=cost)
     services.metrics.guard_judge_calls.labels("injection" if flagged else "clean").inc()
-    services.metrics.guard_judge_cost_nanos.inc(cost)
+    services.metrics.guard_judge_cost_usd.inc(usd(cost))
     ctx.trace.annotate(guard__judged=True, guard__judge_probability=probability)
     if flagged and settings.guard_judge_action == "block":
         services.metrics.guard_injection.inc()

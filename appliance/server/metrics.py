@@ -42,12 +42,13 @@ class Metrics:
         self.auth_failures = Counter("appliance_auth_failures", "Requests refused for a missing, wrong, revoked or expired key", ["reason"], registry=r)
         self.rate_limited = Counter("appliance_rate_limited", "Requests refused by a rate limit, by the level that refused", ["level", "what"], registry=r)
         self.budget_refused = Counter("appliance_budget_refused", "Requests refused because a budget could not cover them", ["level"], registry=r)
-        self.spend_nanos = Counter("appliance_spend_nanousd", "Settled spend in nano-dollars", ["model"], registry=r)
+        # Money in dollars, as operators read it (Prometheus' base-unit rule); the ledger keeps exact nano-dollars.
+        self.spend_usd = Counter("appliance_spend_usd", "Settled spend in dollars", ["model"], registry=r)
         self.leases_expired = Counter("appliance_budget_leases_expired", "Reservations released by the reaper after their lease ran out", registry=r)
         self.reservations_open = Gauge("appliance_budget_reservations_open", "Budget reservations held by requests in flight in this process", registry=r)
         self.cache_lookups = Counter("appliance_cache_lookups", "Cacheable requests by outcome (hit, miss) and the uncacheable (bypass)", ["result"], registry=r)
-        self.cache_saved_nanos = Counter("appliance_cache_saved_nanousd", "What hits saved (the original call's cost), by the entry's state", ["state"], registry=r)
-        self.cache_request_cost_nanos = Counter("appliance_cache_request_cost_nanousd", "Cost of every cacheable request: misses as charged, hits as the call they replaced", registry=r)
+        self.cache_saved_usd = Counter("appliance_cache_saved_usd", "What hits saved in dollars (the original call's cost), by the entry's state", ["state"], registry=r)
+        self.cache_request_cost_usd = Counter("appliance_cache_request_cost_usd", "Cost in dollars of every cacheable request: misses as charged, hits as the call they replaced", registry=r)
         self.cache_false_hits = Counter("appliance_cache_false_hits", "Hits reported bad through feedback", registry=r)
         self.cache_judge_calls = Counter("appliance_cache_judge_calls", "Borderline candidates sent to the equivalence judge", registry=r)
         self.cache_sweeps = Counter("appliance_cache_sweep_checks", "Entries re-asked by refresh sweeps, by outcome", ["outcome"], registry=r)
@@ -57,7 +58,7 @@ class Metrics:
         self.guard_pii = Counter("appliance_guard_pii", "Requests with personal data found, by kind and what was done", ["kind", "action"], registry=r)
         self.guard_injection = Counter("appliance_guard_injection_flags", "Requests with text posing as instructions to the system", registry=r)
         self.guard_judge_calls = Counter("appliance_guard_judge_calls", "Unsure inputs sent to the guardrail's LLM judge, by verdict", ["verdict"], registry=r)
-        self.guard_judge_cost_nanos = Counter("appliance_guard_judge_cost_nanousd", "What the guardrail judge's calls cost", registry=r)
+        self.guard_judge_cost_usd = Counter("appliance_guard_judge_cost_usd", "What the guardrail judge's calls cost, in dollars", registry=r)
         r.register(_EngineCollector(engine_stats))
 
     def render(self) -> bytes:
