@@ -347,6 +347,7 @@ class EngineStats:
     slot_states: tuple[tuple[str, int], ...] = ()
     kv_capacity_tokens: int = 0
     upstreams: tuple[UpstreamStats, ...] = ()
+    loaded: bool = True  # False: a model loaded on demand, not in memory now (its first request loads it)
 
     @property
     def kv_usage(self) -> float | None:

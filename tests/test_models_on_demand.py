@@ -99,6 +99,8 @@ def test_nothing_loads_at_start_and_a_cold_model_answers_its_first_request(serve
     warm = time.perf_counter() - started
     print(f"cold request {cold:.3f} s, warm {warm:.3f} s")
     assert model_row(server, "cold-a")["loads"] == 1  # the second request found it loaded
+    scraped = httpx.get(f"{server.base_url}/metrics", timeout=10).text  # what a dashboard reads of the same
+    assert 'appliance_model_loaded{model="cold-a"} 1.0' in scraped and 'appliance_model_loaded{model="cold-b"} 0.0' in scraped
 
 
 def test_keep_alive_zero_unloads_after_the_request(server: Server) -> None:

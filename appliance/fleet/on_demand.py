@@ -165,7 +165,7 @@ class OnDemandEngine(SpeaksVocabulary):
     def stats(self) -> EngineStats:
         if self.entry.real is not None:
             return self.entry.real.stats()
-        return EngineStats(self.entry.settings.slots, 0, self.entry.pending)  # requests waiting for the load are queued
+        return EngineStats(self.entry.settings.slots, 0, self.entry.pending, loaded=False)  # requests waiting for the load are queued
 
     async def start(self) -> None:
         pass  # the manager starts the engine when it loads

@@ -96,6 +96,8 @@ class _EngineCollector:
         self._stats = engine_stats
 
     def collect(self):  # type: ignore[no-untyped-def]
+        loaded = GaugeMetricFamily("appliance_model_loaded", "1 when the model is in memory (or served upstream), 0 when it loads on its next request",
+                                   labels=["model"])
         busy = GaugeMetricFamily("appliance_slots_busy", "Slots generating or prefilling", labels=["model"])
         total = GaugeMetricFamily("appliance_slots_total", "Slots configured", labels=["model"])
         queue = GaugeMetricFamily("appliance_queue_depth", "Requests waiting for a slot", labels=["model"])
@@ -135,6 +137,7 @@ class _EngineCollector:
                 drafted.add_metric([alias], stats.speculation.drafted)
                 accepted.add_metric([alias], stats.speculation.accepted)
                 acceptance.add_metric([alias], stats.speculation.acceptance_rate)
+            loaded.add_metric([alias], 1.0 if stats.loaded else 0.0)
             busy.add_metric([alias], stats.slots_busy)
             total.add_metric([alias], stats.slots_total)
             queue.add_metric([alias], stats.queue_depth)
@@ -152,5 +155,5 @@ class _EngineCollector:
             host_saves.add_metric([alias], p.host_saves)
             host_evictions.add_metric([alias], p.host_evictions)
             swapped.add_metric([alias], p.swapped_out)
-        yield from (busy, total, queue, kv_usage, prompt, reused, ratio, host_bytes, host_entries, host_saves, host_evictions, swapped, drafted, accepted, acceptance,
+        yield from (loaded, busy, total, queue, kv_usage, prompt, reused, ratio, host_bytes, host_entries, host_saves, host_evictions, swapped, drafted, accepted, acceptance,
                     up_state, up_healthy, up_outstanding, up_requests, up_failures, up_retries, up_refused)
