@@ -1,18 +1,26 @@
 #!/usr/bin/env python3
 """The whole range of prompts and clients: ours against llama.cpp's own llama-server, in one run.
 
-For each prompt length both servers run at once, sized alike (slots = the most clients, each able
-to hold the prompt and the answer),
-and take turns cell by cell (one KV stream per slot in both, or with --pool one shared pool of
-that many cells in both): for every client count, ours then the peer (the order alternating
-between repeats), each client sending `--rounds` streamed requests whose prompts are new text of
-about that length (no prefix cache can serve them). Cache off everywhere.
+Two ways to size the servers:
 
-Reported per cell, as the median over repeats with the spread (min-max), and ours / peer:
-aggregate completion tok/s, TTFT p50, and with one client prefill tok/s (prompt tokens / TTFT).
-After the run: each server's peak resident memory (VmHWM) per prompt length.
+- `--shipped` (what a user compares): ours runs the bundled model's [[models]] table from the shipped
+  models.toml as it is (`--extra` keys override it), and llama-server runs as a user starts it for
+  that many slots, `-np SLOTS -c SLOTS*PER_SLOT` with its own default KV layout (a stream per slot),
+  PER_SLOT 2,048 tokens or room for the prompt and answer if more.
+- otherwise both servers are sized alike (slots = the most clients, each able to hold the prompt and
+  the answer), one KV stream per slot in both, or with --pool one shared pool of that many cells.
 
-    .venv/bin/python -m bench.sweep                                   # 20,1k,4k,8k x 1,8,32
+Several servers of each side may run (`--ours NAME=BIN`, `--llama-server NAME=BIN`: ours on two
+llama.cpp builds, llama-server from two releases). All are up at once and take turns cell by cell,
+the order rotating between repeats; each client sends `--rounds` streamed requests whose prompts are
+new text of about that length (no prefix cache can serve them). Cache off everywhere.
+
+Reported per cell, as the median over repeats with the spread (min-max), and each server / the first
+llama-server: aggregate completion tok/s, TTFT p50, and with one client prefill tok/s (prompt tokens
+/ TTFT). After the run: each server's peak resident memory (VmHWM) per prompt length.
+
+    .venv/bin/python -m bench.sweep --shipped --lengths 20,1024,3800 --clients 1,8,32 --max-tokens 128 \\
+        --llama-server b11311=PATH --llama-server b11434=PATH
     .venv/bin/python -m bench.sweep --lengths 20 --clients 8,32 --max-tokens 128
     .venv/bin/python -m bench.sweep --lengths 1024 --clients 8 --pool 8192   # ours: kv_tokens = 8192
 
@@ -28,6 +36,7 @@ import json
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -37,29 +46,61 @@ from bench.kit.peers import ALIAS, PACKAGE_FILE, VENV_BIN, build_llama_server, c
 from bench.kit.server import Server, free_port
 from bench.kit.stats import median, spread
 
+ROOT = Path(__file__).resolve().parents[1]
+PER_SLOT = 2048  # llama-server's context per slot in `-np 8 -c 16384`, as the issue's user started it
 
-def ours(tmp: Path, logs: Path, model: Path | None, slots: int, context: int, threads: int, pool: int, extra: str) -> Server:
+
+def shipped_table(extra: str) -> str:
+    """The bundled model's [[models]] table from the shipped models.toml, `extra` keys over it."""
+    models = tomllib.loads((ROOT / "models.toml").read_text())["models"]
+    table = dict(next(m for m in models if m.get("package_file") == PACKAGE_FILE))
+    table.update(tomllib.loads(extra) if extra else {})
+    table.update(alias=ALIAS)
+    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items())
+
+
+def named(values: list[str], default: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
+    out = []
+    for v in values:
+        name, sep, path = v.partition("=")
+        out.append((name, Path(path)) if sep else (Path(v).parent.parent.parent.name or "llama-server", Path(v)))
+    return out or default
+
+
+def ours_shipped(name: str, binary: Path, tmp: Path, logs: Path, table: str) -> Server:
     port = free_port()
-    home = tmp / "home"
+    home = tmp / f"home-{name}"
     home.mkdir(exist_ok=True)
-    config = tmp / f"ours-{context}.toml"
+    config = tmp / f"{name}.toml"
+    config.write_text(f'[server]\nhost = "127.0.0.1"\nport = {port}\nmax_queue = 256\n\n[auth]\nmode = "open"\n\n'
+                      f'[cache]\nenabled = false\n\n[[models]]\n{table}')
+    return Server(name, [str(binary), "serve", "--config", str(config), "--port", str(port)],
+                  port, "/health", ALIAS, env={"APPLIANCE_HOME": str(home)}, log_path=logs / f"{name}.log")
+
+
+def peer_as_started(name: str, binary: Path, logs: Path, model: Path, slots: int, per_slot: int, threads: int) -> Server:
+    port = free_port()
+    return Server(name, [str(binary), "-m", str(model), "-a", ALIAS, "-np", str(slots), "-c", str(slots * per_slot),
+                         "-t", str(threads), "-ngl", "0", "--host", "127.0.0.1", "--port", str(port)],
+                  port, "/health", ALIAS, log_path=logs / f"{name}.log")
+
+
+def ours(name: str, binary: Path, tmp: Path, logs: Path, model: Path | None, slots: int, context: int, threads: int, pool: int,
+         extra: str) -> Server:
     source = f'path = "{model}"' if model else f'package_file = "{PACKAGE_FILE}"'
     pool_line = f"kv_tokens = {pool}\n" if pool < slots * context else ""
-    config.write_text(
-        f'[server]\nhost = "127.0.0.1"\nport = {port}\nmax_queue = 256\n\n[auth]\nmode = "open"\n\n[cache]\nenabled = false\n\n'
-        f'[[models]]\nalias = "{ALIAS}"\nengine = "llamacpp"\n{source}\ncontext_length = {context}\nslots = {slots}\n'
-        f"threads = {threads}\n{pool_line}{extra}\n")
-    return Server("ours", [str(VENV_BIN / "appliance"), "serve", "--config", str(config), "--port", str(port)],
-                  port, "/health", ALIAS, env={"APPLIANCE_HOME": str(home)}, log_path=logs / f"ours-{context}.log")
+    table = (f'alias = "{ALIAS}"\nengine = "llamacpp"\n{source}\ncontext_length = {context}\nslots = {slots}\n'
+             f"threads = {threads}\n{pool_line}{extra}\n")
+    return ours_shipped(f"{name}-{context}", binary, tmp, logs, table)
 
 
-def peer(binary: Path, logs: Path, model: Path, slots: int, context: int, threads: int, pool: int) -> Server:
+def peer(name: str, binary: Path, logs: Path, model: Path, slots: int, context: int, threads: int, pool: int) -> Server:
     port = free_port()
     # llama-server's own choice with a fixed slot count is one stream per slot; a pool needs -kvu
     unified = ["-kvu"] if pool < slots * context else []
-    return Server("llama-server", [str(binary), "-m", str(model), "-a", ALIAS, "-np", str(slots), "-c", str(pool), *unified,
-                                   "-t", str(threads), "-ngl", "0", "--host", "127.0.0.1", "--port", str(port)],
-                  port, "/health", ALIAS, log_path=logs / f"llama-server-{context}.log")
+    return Server(name, [str(binary), "-m", str(model), "-a", ALIAS, "-np", str(slots), "-c", str(pool), *unified,
+                         "-t", str(threads), "-ngl", "0", "--host", "127.0.0.1", "--port", str(port)],
+                  port, "/health", ALIAS, log_path=logs / f"{name}-{context}.log")
 
 
 def cell(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
@@ -80,22 +121,39 @@ def main() -> int:
     p.add_argument("--clients", default="1,8,32", help="concurrent clients, comma-separated")
     p.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request")
     p.add_argument("--rounds", type=int, default=1, help="requests each client sends one after another")
-    p.add_argument("--repeat", type=int, default=2, help="measurements of each cell per server, order alternating")
+    p.add_argument("--repeat", type=int, default=2, help="measurements of each cell per server, order rotating")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--shipped", action="store_true", help="ours as models.toml ships the bundled model; llama-server as a user starts it")
     p.add_argument("--context", type=int, default=0, help="tokens per slot (0: room for the prompt and the answer)")
     p.add_argument("--pool", type=int, default=0, help="KV cells both servers hold (0: slots x context); ours as kv_tokens")
     p.add_argument("--max-prompt-tokens", type=int, default=70000, help="skip cells sending more prompt tokens than this")
     p.add_argument("--extra", default="", help="TOML keys added to ours' [[models]] table")
     p.add_argument("--model", type=Path, help="a GGUF instead of the bundled model")
-    p.add_argument("--llama-server", type=Path, help="a llama-server binary (default: built once into the bench cache)")
+    p.add_argument("--ours", action="append", default=[], metavar="NAME=BIN",
+                   help="an `appliance` executable to run as ours (repeatable; default: this venv's)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=TOML",
+                   help="also ours with these [[models]] keys over --extra's, on the first --ours executable (repeatable)")
+    p.add_argument("--llama-server", action="append", default=[], metavar="NAME=BIN",
+                   help="a llama-server binary (repeatable; default: built once into the bench cache)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     client_counts = [int(x) for x in args.clients.split(",")]
     model = args.model or model_file()
-    binary = args.llama_server or build_llama_server(cache_root())
+    our_bins = named(args.ours, [("ours", VENV_BIN / "appliance")])
+    peer_bins = named(args.llama_server, [("llama-server", Path())])
+    if peer_bins == [("llama-server", Path())]:
+        peer_bins = [("llama-server", build_llama_server(cache_root()))]
+    variants = [("", args.extra)] * len(our_bins)
+    for v in args.variant:
+        name, _, keys = v.partition("=")
+        our_bins.append((name, our_bins[0][1]))
+        variants.append(("", "\n".join(x for x in (args.extra, keys.replace(";", "\n")) if x)))
+    table = shipped_table(args.extra) if args.shipped else ""
+    shipped_slots = int(tomllib.loads(table)["slots"]) if args.shipped else 0
+    names = [n for n, _ in our_bins] + [n for n, _ in peer_bins]
     results: dict[str, Any] = {}
-    rss: dict[str, dict[int, float | None]] = {"ours": {}, "llama-server": {}}
+    rss: dict[str, dict[int, float | None]] = {n: {} for n in names}
     prompt_no = 1000
     with tempfile.TemporaryDirectory(prefix="sweep-bench-") as tmp_name:
         tmp = Path(tmp_name)
@@ -105,11 +163,17 @@ def main() -> int:
             if not cells:
                 log(f"{length} tokens: every cell is over --max-prompt-tokens; skipped")
                 continue
-            slots = max(cells)
-            context = args.context or -(-(int(length * 1.4) + args.max_tokens + 64) // 256) * 256
-            pool = args.pool or slots * context
-            servers = [ours(tmp, logs, args.model, slots, context, args.threads, pool, args.extra),
-                       peer(binary, logs, model, slots, context, args.threads, pool)]
+            room = -(-(int(length * 1.4) + args.max_tokens + 64) // 256) * 256
+            if args.shipped:
+                servers = [ours_shipped(n, b, tmp, logs, shipped_table(extra)) for (n, b), (_, extra) in zip(our_bins, variants)]
+                servers += [peer_as_started(n, b, logs, model, shipped_slots, max(PER_SLOT, room), args.threads) for n, b in peer_bins]
+            else:
+                slots = max(cells)
+                context = args.context or room
+                pool = args.pool or slots * context
+                servers = [ours(n, b, tmp, logs, args.model, slots, context, args.threads, pool, extra)
+                           for (n, b), (_, extra) in zip(our_bins, variants)]
+                servers += [peer(n, b, logs, model, slots, context, args.threads, pool) for n, b in peer_bins]
             try:
                 for server in servers:
                     server.start()
@@ -119,50 +183,62 @@ def main() -> int:
                         raise RuntimeError(f"{server.name}: warm-up failed: {warm['errors']}")
                 for clients in cells:
                     for rep in range(args.repeat):
-                        order = servers if rep % 2 == 0 else servers[::-1]
-                        for server in order:
+                        turn = rep % len(servers)
+                        for server in servers[turn:] + servers[:turn]:
                             run = asyncio.run(run_load(server, clients, args.rounds, args.max_tokens, first_prompt=prompt_no,
                                                        prompt_tokens=length))
                             prompt_no += clients * args.rounds
                             if run["failed"]:
                                 log(f"{server.name}: failures: {run['errors']}\n{server.log_tail(15)}")
-                            got = results.setdefault(f"{length}/{clients}", {}).setdefault(server.name, [])
+                            name = server.name if args.shipped else server.name.rsplit("-", 1)[0]
+                            got = results.setdefault(f"{length}/{clients}", {}).setdefault(name, [])
                             prompt_tokens = (run["prompt_tokens"] or [length])[0]
                             got.append({"tok_s": run["tokens_per_s"], "ttft_p50": run["ttft_p50_s"], "ttft_p95": run["ttft_p95_s"],
                                         "prefill_tok_s": prompt_tokens / run["ttft_p50_s"] if clients == 1 and run["ttft_p50_s"] else None,
                                         "failed": run["failed"], "prompt_tokens": prompt_tokens, "wall_s": run["wall_s"],
-                                        "other_cores": run["other_cores"]})
-                            log(f"{length} tok x {clients} clients, {server.name}: {run['tokens_per_s'] or 0:.1f} tok/s, TTFT p50 "
+                                        "other_cores": run["other_cores"], "server_cores": run["server_cores"],
+                                        "client_cores": run["bench_client_cores"]})
+                            log(f"{length} tok x {clients} clients, {name}: {run['tokens_per_s'] or 0:.1f} tok/s, TTFT p50 "
                                 f"{(run['ttft_p50_s'] or 0) * 1e3:.0f} ms, {run['failed']} failed, prompt {prompt_tokens} tokens, "
-                                f"other processes {run['other_cores']:.2f} cores")
-                            time.sleep(0.5)  # ggml's threads stop spinning before the other server computes
+                                f"cores: server {run['server_cores']:.2f}, client {run['bench_client_cores']:.2f}, "
+                                f"other processes {run['other_cores']:.2f}")
+                            time.sleep(0.5)  # ggml's threads stop spinning before the next server computes
                 for server in servers:
                     kib = server.peak_rss_kib()
-                    rss[server.name][length] = kib / 1024 if kib is not None else None
+                    rss[server.name if args.shipped else server.name.rsplit("-", 1)[0]][length] = kib / 1024 if kib is not None else None
             finally:
                 for server in servers:
                     server.stop()
-    print(f"\n{model.name}, {args.threads} threads, {args.max_tokens} tokens out, {args.rounds} round(s), median of "
-          f"{args.repeat} (min-max); ratios ours / llama-server")
-    print("| prompt tokens | clients | tok/s ours | tok/s llama-server | ratio | TTFT p50 ms ours | TTFT p50 ms llama-server "
-          "| ratio | prefill tok/s ours | prefill tok/s llama-server | ratio |")
-    print("|---" * 11 + "|")
-    for key, by in results.items():
-        length, clients = key.split("/")
-        o, q = by.get("ours", []), by.get("llama-server", [])
-
-        def col(rows: list[dict], name: str) -> list[float]:
-            return [r[name] for r in rows if r[name] is not None]
-
-        print(f"| {length} | {clients} | {cell(col(o, 'tok_s'))} | {cell(col(q, 'tok_s'))} | {ratio(col(o, 'tok_s'), col(q, 'tok_s'))} "
-              f"| {cell(col(o, 'ttft_p50'), 1e3)} | {cell(col(q, 'ttft_p50'), 1e3)} | {ratio(col(o, 'ttft_p50'), col(q, 'ttft_p50'))} "
-              f"| {cell(col(o, 'prefill_tok_s'))} | {cell(col(q, 'prefill_tok_s'))} | {ratio(col(o, 'prefill_tok_s'), col(q, 'prefill_tok_s'))} |")
-    print("\npeak RSS MiB: " + "; ".join(f"{n} tokens: ours {rss['ours'].get(n) or 0:.0f}, llama-server {rss['llama-server'].get(n) or 0:.0f}"
-                                          for n in lengths if n in rss["ours"]))
+    report(results, rss, names, peer_bins[0][0], lengths, args, model)
     if args.json:
         args.json.write_text(json.dumps({"results": results, "rss_mib": rss, "code": code_state(), "machine": machine(),
                                          "args": vars(args)}, default=str, indent=2))
     return 0
+
+
+def report(results: dict[str, Any], rss: dict[str, dict[int, float | None]], names: list[str], base: str, lengths: list[int],
+           args: argparse.Namespace, model: Path) -> None:
+    """One table per measure: each server's median (min-max), then each against `base` (the first llama-server)."""
+    print(f"\n{model.name}, {args.threads} threads, {args.max_tokens} tokens out, {args.rounds} round(s), median of "
+          f"{args.repeat} (min-max); ratios to {base}{' (shipped config)' if args.shipped else ''}")
+
+    def col(rows: list[dict], name: str) -> list[float]:
+        return [r[name] for r in rows if r[name] is not None]
+
+    others = [n for n in names if n != base]
+    for measure, title, scale in (("tok_s", "aggregate tok/s", 1.0), ("ttft_p50", "TTFT p50 ms", 1e3), ("prefill_tok_s", "prefill tok/s (1 client)", 1.0)):
+        rows = [(key, by) for key, by in results.items() if any(col(r, measure) for r in by.values())]
+        if not rows:
+            continue
+        print(f"\n{title}\n| prompt tokens | clients | " + " | ".join(names) + " | " + " | ".join(f"{n} / {base}" for n in others) + " |")
+        print("|---" * (2 + len(names) + len(others)) + "|")
+        for key, by in rows:
+            length, clients = key.split("/")
+            cells = [cell(col(by.get(n, []), measure), scale) for n in names]
+            ratios = [ratio(col(by.get(n, []), measure), col(by.get(base, []), measure)) for n in others]
+            print(f"| {length} | {clients} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    print("\npeak RSS MiB: " + "; ".join(f"{n} tokens: " + ", ".join(f"{name} {rss[name].get(n) or 0:.0f}" for name in names)
+                                          for n in lengths if any(n in rss[name] for name in names)))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from engines.logprobs import token_logprob
 from engines.occupancy import Occupancy
 from engines.prefix import HostCache, PrefixIndex
 from engines.sampling import LogitAdjuster
-from engines.stream import EventStream
+from engines.stream import EventStream, Outbox
 from engines.text import StopMatcher, Utf8Stream
 
 log = logging.getLogger("appliance.engines")
@@ -152,6 +152,7 @@ class LocalEngine:
         self._index = PrefixIndex()
         self._host: HostCache[Any] = HostCache(self._index, host_cache_bytes, self.prefix_stats)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._outbox = Outbox()  # the model thread's events, handed to the loop once a step
         self._waiting: deque[Job] = deque()
         self._running: dict[Job, None] = {}  # admitted into the engine's batch (the model thread's; ordered)
         self._adapters: dict[str, LoadedAdapter] = {}  # the model thread changes it, under _lock
@@ -271,7 +272,7 @@ class LocalEngine:
         try:
             stream = EventStream(asyncio.get_running_loop())
             grammar = request.sampling.grammar is not None
-            job = self._new_job(request, None if grammar else self._make_sampler(request), stream.push)
+            job = self._new_job(request, None if grammar else self._make_sampler(request), self._outbox.emitter(stream))
             if grammar:
                 self._grammars.submit(self._compile_then_queue, job)
         except BaseException:
@@ -443,6 +444,7 @@ class LocalEngine:
     # ---- the model thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._outbox.bind()
         try:
             self._on_thread_start()
             while self._take_inbox(block=not self._running and not self._waiting):
@@ -450,12 +452,14 @@ class LocalEngine:
                 self._admit(self._waiting)
                 if self._running:
                     self._step()
+                self._outbox.flush()
         except Exception as exc:  # a crash here must not leave clients waiting forever
             log.exception("model thread %s crashed", self._thread.name)
             self._fail_all(f"engine failure: {exc}")
         finally:
             self._occupancy.closing = True
             self._fail_all("the model is shutting down", status=503)
+            self._outbox.flush()
             self._on_thread_end()
 
     def _take_inbox(self, *, block: bool) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from engines.interface import EngineEvent, FinishEvent, TokenEvent
 
@@ -26,10 +27,14 @@ class EventStream:
         self.tokens_pushed = 0
         self._held: EngineEvent | None = None  # the event `peek` waited for, not yet iterated
 
-    def push(self, event: EngineEvent) -> None:
-        """Thread-safe (one producer thread)."""
+    def count(self, event: EngineEvent) -> None:
+        """Counts an event as pushed, on the producer's thread (an Outbox delivers it later)."""
         if isinstance(event, TokenEvent):
             self.tokens_pushed += 1
+
+    def push(self, event: EngineEvent) -> None:
+        """Thread-safe (one producer thread)."""
+        self.count(event)
         if threading.get_ident() == self._loop_thread:
             # A producer on the loop itself (an upstream's relay): no wake-up through the loop's pipe.
             self._queue.put_nowait(event)
@@ -70,3 +75,46 @@ class EventStream:
 
     async def aclose(self) -> None:
         self.close()
+
+
+class Outbox:
+    """A model thread's events, handed to the event loop once a step instead of once each: every
+    hand-over writes the loop's wake-up pipe and wakes its thread, which then competes with the
+    model's compute threads for the cores (docs/performance/throughput.md). Events emitted on any
+    other thread (a grammar worker's refusal, a shutdown after the thread ended) go out at once."""
+
+    def __init__(self) -> None:
+        self._owner: int | None = None
+        self._held: list[tuple[EventStream, EngineEvent]] = []
+
+    def bind(self) -> None:
+        """Called first thing on the model thread: from here on its events wait for `flush`."""
+        self._owner = threading.get_ident()
+
+    def emitter(self, stream: EventStream) -> Callable[[EngineEvent], None]:
+        def emit(event: EngineEvent) -> None:
+            if threading.get_ident() != self._owner:
+                stream.push(event)
+                return
+            stream.count(event)
+            self._held.append((stream, event))
+        return emit
+
+    def flush(self) -> None:
+        """On the model thread, after each step: one wake-up per event loop for all that was held."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        by_loop: dict[Any, list[tuple[EventStream, EngineEvent]]] = {}
+        for stream, event in held:
+            by_loop.setdefault(stream._loop, []).append((stream, event))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the loop is gone; nobody is listening
+                pass
+
+
+def _deliver(batch: list[tuple[EventStream, EngineEvent]]) -> None:
+    for stream, event in batch:
+        stream._queue.put_nowait(event)

@@ -18,8 +18,9 @@ def test_repository_models_toml_is_valid() -> None:
     settings = load_settings(ROOT / "models.toml")
     chat = settings.model("smollm2-135m")
     assert chat is not None and chat.kind == "chat" and chat.slots == 8 and not chat.batch_invariant
-    # No more cells than the model's 8,192-token training context: llama.cpp warns at every start past it.
-    assert (chat.kv_cache_type, chat.kv_tokens) == ("f16", 8192)
+    # A KV stream per slot, each within the model's 8,192-token training context (llama.cpp warns past it):
+    # the layout that decodes fastest (docs/performance/throughput.md).
+    assert (chat.kv_cache_type, chat.kv_tokens, chat.context_length) == ("f16", None, 4096)
     assert chat.prefills_per_step == 1  # a chat model finishes prompts one a step
     minilm = settings.model("all-minilm-l6-v2")
     assert (minilm.engine, minilm.kind, minilm.pooling, minilm.normalize) == ("onnx", "embedding", "auto", True)
