@@ -134,7 +134,8 @@ def main() -> int:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=TOML",
                    help="also ours with these [[models]] keys over --extra's, on the first --ours executable (repeatable)")
     p.add_argument("--llama-server", action="append", default=[], metavar="NAME=BIN",
-                   help="a llama-server binary (repeatable; default: built once into the bench cache)")
+                   help="a llama-server binary, or NAME=NNNNN for that llama.cpp release built once into the bench cache "
+                        "(repeatable; default: the release llama-cpp-python vendors)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -144,6 +145,8 @@ def main() -> int:
     peer_bins = named(args.llama_server, [("llama-server", Path())])
     if peer_bins == [("llama-server", Path())]:
         peer_bins = [("llama-server", build_llama_server(cache_root()))]
+    # NAME=NNNNN: that llama.cpp release's llama-server, built once into the bench cache
+    peer_bins = [(n, build_llama_server(cache_root(), version=f"{b}.0.0") if str(b).isdigit() else b) for n, b in peer_bins]
     variants = [("", args.extra)] * len(our_bins)
     for v in args.variant:
         name, _, keys = v.partition("=")
