@@ -136,8 +136,11 @@ def main() -> int:
     p.add_argument("--llama-server", action="append", default=[], metavar="NAME=BIN",
                    help="a llama-server binary, or NAME=NNNNN for that llama.cpp release built once into the bench cache "
                         "(repeatable; default: the release llama-cpp-python vendors)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    sampling = {"temperature": args.temperature, **({"top_p": args.top_p} if args.top_p < 1.0 else {})}
     lengths = [int(x) for x in args.lengths.split(",")]
     client_counts = [int(x) for x in args.clients.split(",")]
     model = args.model or model_file()
@@ -189,7 +192,7 @@ def main() -> int:
                         turn = rep % len(servers)
                         for server in servers[turn:] + servers[:turn]:
                             run = asyncio.run(run_load(server, clients, args.rounds, args.max_tokens, first_prompt=prompt_no,
-                                                       prompt_tokens=length))
+                                                       prompt_tokens=length, sampling=sampling))
                             prompt_no += clients * args.rounds
                             if run["failed"]:
                                 log(f"{server.name}: failures: {run['errors']}\n{server.log_tail(15)}")

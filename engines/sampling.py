@@ -43,3 +43,60 @@ class LogitAdjuster:
 
     def accept(self, token: int) -> None:
         self.counts[token] += 1
+
+
+def nucleus(logits: np.ndarray, top_p: float) -> np.ndarray:
+    """The indexes of the smallest set of most probable tokens whose probability (softmax of
+    `logits`) reaches `top_p`, most probable first: llama.cpp's top-p, the token that crosses
+    `top_p` kept. Sorts only candidates above a threshold whose total already reaches `top_p`
+    (llama.cpp sorts the whole vocabulary whenever its top 256 fall short)."""
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    threshold = p.max() * 0.1
+    while True:
+        candidates = np.flatnonzero(p >= threshold)
+        # Every token above the threshold outranks every token below it, so once they hold
+        # top_p of the mass the nucleus lies among them.
+        if p[candidates].sum() >= top_p or threshold == 0.0:
+            break
+        threshold = threshold * 0.1 if threshold > 1e-30 else 0.0
+    order = candidates[np.argsort(-p[candidates], kind="stable")]
+    keep = int(np.searchsorted(np.cumsum(p[order]), np.float32(top_p))) + 1
+    return order[: min(keep, len(order))]
+
+
+def draw(logits: np.ndarray, *, temperature: float, top_p: float, top_k: int, rng: np.random.Generator) -> int:
+    """A token drawn as llama.cpp's chain top-k, top-p, temperature, dist draws it (the same
+    distribution, numpy's generator instead of its mt19937), in a fraction of its time on a large
+    vocabulary: 49,152 tokens at temperature 1 took the chain 293 µs, at top_p 0.9 733 µs
+    (docs/performance/throughput.md)."""
+    x = np.asarray(logits, dtype=np.float32).reshape(-1)
+    ids: np.ndarray | None = None
+    if 0 < top_k < len(x):
+        ids = np.argpartition(x, -top_k)[-top_k:]
+        x = x[ids]
+    if top_p < 1.0:
+        keep = nucleus(x, top_p)
+        ids = keep if ids is None else ids[keep]
+        x = x[keep]
+    z = x / np.float32(temperature)
+    i = _inverse_cdf(np.exp(z - z.max()), rng.random())
+    return int(ids[i]) if ids is not None else i
+
+
+_BLOCK = 512
+
+
+def _inverse_cdf(weights: np.ndarray, u: float) -> int:
+    """The index whose cumulative weight first passes `u` of the total: block sums first, then one
+    block's running sum (numpy's cumsum over 49,152 weights alone took 100 µs, the blocks 10)."""
+    n = len(weights)
+    whole = n - n % _BLOCK
+    sums = np.concatenate((weights[:whole].reshape(-1, _BLOCK).sum(axis=1), [weights[whole:].sum()]))
+    cum = np.cumsum(sums)
+    r = u * cum[-1]
+    b = min(int(np.searchsorted(cum, r, side="right")), len(sums) - 1)
+    start = b * _BLOCK
+    r -= cum[b - 1] if b else 0.0
+    i = int(np.searchsorted(np.cumsum(weights[start:start + _BLOCK]), r, side="right"))
+    return min(start + i, n - 1)

@@ -73,7 +73,8 @@ class Result:
         return self.usage_tokens if self.usage_tokens is not None else self.chunk_tokens
 
 
-async def one_request(client: httpx.AsyncClient, server: Server, i: int, max_tokens: int, prompt_tokens: int = 0) -> Result:
+async def one_request(client: httpx.AsyncClient, server: Server, i: int, max_tokens: int, prompt_tokens: int = 0,
+                      sampling: dict[str, float] | None = None) -> Result:
     body = {
         "model": server.model,
         "messages": [{"role": "user", "content": prompt(i, prompt_tokens)}],
@@ -81,6 +82,7 @@ async def one_request(client: httpx.AsyncClient, server: Server, i: int, max_tok
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(sampling or {}),  # temperature, top_p, seed: greedy unless given
     }
     res = Result(ok=False)
     t0 = time.perf_counter()
@@ -152,7 +154,8 @@ async def disturbance(server_pid: int) -> float:
 
 
 async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, first_prompt: int,
-                   watch: bool = False, stagger_s: float = 0.0, prompt_tokens: int = 0) -> dict[str, Any]:
+                   watch: bool = False, stagger_s: float = 0.0, prompt_tokens: int = 0,
+                   sampling: dict[str, float] | None = None) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
     timeout = httpx.Timeout(connect=10.0, read=900.0, write=30.0, pool=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -161,7 +164,7 @@ async def run_load(server: Server, clients: int, rounds: int, max_tokens: int, f
             out = []
             await asyncio.sleep(c * stagger_s)  # staggered arrivals stay out of phase for every round
             for r in range(rounds):
-                out.append(await one_request(client, server, first_prompt + r * clients + c, max_tokens, prompt_tokens))
+                out.append(await one_request(client, server, first_prompt + r * clients + c, max_tokens, prompt_tokens, sampling))
             return out
 
         assert server.proc is not None
