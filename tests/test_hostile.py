@@ -735,9 +735,11 @@ def test_a_program_the_caller_steers_is_never_run(tmp_path: Path) -> None:
                     "max_tokens": 400, "temperature": 0, "metadata": {"family": "sums"}}
             return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers={"Cache-Control": "no-store"}, timeout=300)
 
-        for program, why in ((f"import os\nos.system('touch {marker}')\nanswer = 1\n", "program: not a straight-line step"),
-                             (f"answer = __import__('os').system('touch {marker}')\n", "program: not arithmetic"),
-                             ("x = 10 ** 10\nx = x * x\nanswer = x * x\n", "program: a number out of range")):
+        # What the 135M model writes when asked to copy is its own: in one clean-clone run it put an
+        # `import os` above the __import__ line. Either refusal keeps the program from running.
+        for program, why in ((f"import os\nos.system('touch {marker}')\nanswer = 1\n", ("program: not a straight-line step",)),
+                             (f"answer = __import__('os').system('touch {marker}')\n", ("program: not arithmetic", "program: not a straight-line step")),
+                             ("x = 10 ** 10\nx = x * x\nanswer = x * x\n", ("program: a number out of range",))):
             started = time.monotonic()
             response = ask(program)
             assert response.status_code == 200, response.text
