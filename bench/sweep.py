@@ -67,15 +67,16 @@ def named(values: list[str], default: list[tuple[str, Path]]) -> list[tuple[str,
     return out or default
 
 
-def ours_shipped(name: str, binary: Path, tmp: Path, logs: Path, table: str) -> Server:
+def ours_shipped(name: str, binary: Path, tmp: Path, logs: Path, table: str, tag: str = "") -> Server:
+    """Ours with this [[models]] table; `tag` tells its files apart from another run's (a context)."""
     port = free_port()
     home = tmp / f"home-{name}"
     home.mkdir(exist_ok=True)
-    config = tmp / f"{name}.toml"
+    config = tmp / f"{name}{tag}.toml"
     config.write_text(f'[server]\nhost = "127.0.0.1"\nport = {port}\nmax_queue = 256\n\n[auth]\nmode = "open"\n\n'
                       f'[cache]\nenabled = false\n\n[[models]]\n{table}')
     return Server(name, [str(binary), "serve", "--config", str(config), "--port", str(port)],
-                  port, "/health", ALIAS, env={"APPLIANCE_HOME": str(home)}, log_path=logs / f"{name}.log")
+                  port, "/health", ALIAS, env={"APPLIANCE_HOME": str(home)}, log_path=logs / f"{name}{tag}.log")
 
 
 def peer_as_started(name: str, binary: Path, logs: Path, model: Path, slots: int, per_slot: int, threads: int) -> Server:
@@ -91,7 +92,7 @@ def ours(name: str, binary: Path, tmp: Path, logs: Path, model: Path | None, slo
     pool_line = f"kv_tokens = {pool}\n" if pool < slots * context else ""
     table = (f'alias = "{ALIAS}"\nengine = "llamacpp"\n{source}\ncontext_length = {context}\nslots = {slots}\n'
              f"threads = {threads}\n{pool_line}{extra}\n")
-    return ours_shipped(f"{name}-{context}", binary, tmp, logs, table)
+    return ours_shipped(name, binary, tmp, logs, table, tag=f"-{context}")
 
 
 def peer(name: str, binary: Path, logs: Path, model: Path, slots: int, context: int, threads: int, pool: int) -> Server:
@@ -145,16 +146,14 @@ def main() -> int:
     client_counts = [int(x) for x in args.clients.split(",")]
     model = args.model or model_file()
     our_bins = named(args.ours, [("ours", VENV_BIN / "appliance")])
-    peer_bins = named(args.llama_server, [("llama-server", Path())])
-    if peer_bins == [("llama-server", Path())]:
-        peer_bins = [("llama-server", build_llama_server(cache_root()))]
     # NAME=NNNNN: that llama.cpp release's llama-server, built once into the bench cache
-    peer_bins = [(n, build_llama_server(cache_root(), version=f"{b}.0.0") if str(b).isdigit() else b) for n, b in peer_bins]
-    variants = [("", args.extra)] * len(our_bins)
+    peer_bins = [(n, build_llama_server(cache_root(), version=f"{b}.0.0") if str(b).isdigit() else b)
+                 for n, b in named(args.llama_server, [])] or [("llama-server", build_llama_server(cache_root()))]
+    extras = [args.extra] * len(our_bins)  # ours' [[models]] keys, server by server
     for v in args.variant:
         name, _, keys = v.partition("=")
         our_bins.append((name, our_bins[0][1]))
-        variants.append(("", "\n".join(x for x in (args.extra, keys.replace(";", "\n")) if x)))
+        extras.append("\n".join(x for x in (args.extra, keys.replace(";", "\n")) if x))
     table = shipped_table(args.extra) if args.shipped else ""
     shipped_slots = int(tomllib.loads(table)["slots"]) if args.shipped else 0
     names = [n for n, _ in our_bins] + [n for n, _ in peer_bins]
@@ -171,14 +170,14 @@ def main() -> int:
                 continue
             room = -(-(int(length * 1.4) + args.max_tokens + 64) // 256) * 256
             if args.shipped:
-                servers = [ours_shipped(n, b, tmp, logs, shipped_table(extra)) for (n, b), (_, extra) in zip(our_bins, variants)]
+                servers = [ours_shipped(n, b, tmp, logs, shipped_table(extra)) for (n, b), extra in zip(our_bins, extras)]
                 servers += [peer_as_started(n, b, logs, model, shipped_slots, max(PER_SLOT, room), args.threads) for n, b in peer_bins]
             else:
                 slots = max(cells)
                 context = args.context or room
                 pool = args.pool or slots * context
                 servers = [ours(n, b, tmp, logs, args.model, slots, context, args.threads, pool, extra)
-                           for (n, b), (_, extra) in zip(our_bins, variants)]
+                           for (n, b), extra in zip(our_bins, extras)]
                 servers += [peer(n, b, logs, model, slots, context, args.threads, pool) for n, b in peer_bins]
             try:
                 for server in servers:
@@ -196,22 +195,21 @@ def main() -> int:
                             prompt_no += clients * args.rounds
                             if run["failed"]:
                                 log(f"{server.name}: failures: {run['errors']}\n{server.log_tail(15)}")
-                            name = server.name if args.shipped else server.name.rsplit("-", 1)[0]
-                            got = results.setdefault(f"{length}/{clients}", {}).setdefault(name, [])
+                            got = results.setdefault(f"{length}/{clients}", {}).setdefault(server.name, [])
                             prompt_tokens = (run["prompt_tokens"] or [length])[0]
                             got.append({"tok_s": run["tokens_per_s"], "ttft_p50": run["ttft_p50_s"], "ttft_p95": run["ttft_p95_s"],
                                         "prefill_tok_s": prompt_tokens / run["ttft_p50_s"] if clients == 1 and run["ttft_p50_s"] else None,
                                         "failed": run["failed"], "prompt_tokens": prompt_tokens, "wall_s": run["wall_s"],
                                         "other_cores": run["other_cores"], "server_cores": run["server_cores"],
                                         "client_cores": run["bench_client_cores"]})
-                            log(f"{length} tok x {clients} clients, {name}: {run['tokens_per_s'] or 0:.1f} tok/s, TTFT p50 "
+                            log(f"{length} tok x {clients} clients, {server.name}: {run['tokens_per_s'] or 0:.1f} tok/s, TTFT p50 "
                                 f"{(run['ttft_p50_s'] or 0) * 1e3:.0f} ms, {run['failed']} failed, prompt {prompt_tokens} tokens, "
                                 f"cores: server {run['server_cores']:.2f}, client {run['bench_client_cores']:.2f}, "
                                 f"other processes {run['other_cores']:.2f}")
                             time.sleep(0.5)  # ggml's threads stop spinning before the next server computes
                 for server in servers:
                     kib = server.peak_rss_kib()
-                    rss[server.name if args.shipped else server.name.rsplit("-", 1)[0]][length] = kib / 1024 if kib is not None else None
+                    rss[server.name][length] = kib / 1024 if kib is not None else None
             finally:
                 for server in servers:
                     server.stop()
