@@ -65,20 +65,16 @@ def nucleus(logits: np.ndarray, top_p: float) -> np.ndarray:
     return order[: min(keep, len(order))]
 
 
-def draw(logits: np.ndarray, *, temperature: float, top_p: float, top_k: int, rng: np.random.Generator) -> int:
-    """A token drawn as llama.cpp's chain top-k, top-p, temperature, dist draws it (the same
-    distribution, numpy's generator instead of its mt19937), in a fraction of its time on a large
-    vocabulary: 49,152 tokens at temperature 1 took the chain 293 µs, at top_p 0.9 733 µs
-    (docs/performance/throughput.md)."""
+def draw(logits: np.ndarray, *, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """A token drawn as llama.cpp's chain top-p, temperature, dist draws it (the same distribution,
+    numpy's generator instead of its mt19937), in a fraction of its time on a large vocabulary:
+    49,152 tokens at temperature 1 took the chain 293 µs, at top_p 0.9 733 µs
+    (docs/performance/throughput.md). With a top-k first the chain is as fast and stays."""
     x = np.asarray(logits, dtype=np.float32).reshape(-1)
     ids: np.ndarray | None = None
-    if 0 < top_k < len(x):
-        ids = np.argpartition(x, -top_k)[-top_k:]
-        x = x[ids]
     if top_p < 1.0:
-        keep = nucleus(x, top_p)
-        ids = keep if ids is None else ids[keep]
-        x = x[keep]
+        ids = nucleus(x, top_p)
+        x = x[ids]
     z = x / np.float32(temperature)
     i = _inverse_cdf(np.exp(z - z.max()), rng.random())
     return int(ids[i]) if ids is not None else i

@@ -325,12 +325,11 @@ class Sampler:
         # of the time the chain takes to copy the vocabulary into its candidates (7 against 44 us
         # for 49,152 tokens); llama.cpp's greedy keeps the first of equal maxima, as argmax does.
         self.greedy = temperature <= 0.0 and grammar is None
-        # With a temperature and no grammar: engines/sampling.py's draw, the chain's distribution
-        # at a fraction of its cost on a large vocabulary; seeded here as the chain would be.
-        self._draw: dict[str, float] | None = None
-        if temperature > 0.0 and grammar is None and top_k <= 0:  # top-k first: the chain is as fast
-            self._draw = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-            self._rng = np.random.default_rng(None if seed is None else seed & 0xFFFFFFFF)
+        # With a temperature and no grammar or top-k: engines/sampling.py's draw, the chain's
+        # distribution at a fraction of its cost on a large vocabulary, seeded as the chain would be.
+        self._temperature, self._top_p = temperature, top_p
+        self._rng = (np.random.default_rng(None if seed is None else seed & 0xFFFFFFFF)
+                     if temperature > 0.0 and grammar is None and top_k <= 0 else None)
         try:
             if grammar is not None:
                 problem = grammar_problem(grammar)  # llama.cpp's parser recurses without a limit: not past this
@@ -355,19 +354,21 @@ class Sampler:
             raise
 
     def sample(self, ctx: Context, index: int) -> int:
-        if self.greedy:
-            return int(np.argmax(ctx.logits(index)))
-        if self._draw is not None:
-            return draw(ctx.logits(index), rng=self._rng, **self._draw)  # type: ignore[arg-type]
+        if self.greedy or self._rng is not None:
+            return self._numpy(ctx.logits(index))
         return L.llama_sampler_sample(self.ptr, ctx.ptr, index)
+
+    def _numpy(self, logits: np.ndarray) -> int:
+        """A chain without a grammar or top-k, sampled in numpy (the reasons above)."""
+        if self._rng is None:
+            return int(np.argmax(logits))
+        return draw(logits, temperature=self._temperature, top_p=self._top_p, rng=self._rng)
 
     def pick(self, logits: np.ndarray) -> int:
         """Samples from logits computed elsewhere (the MLX engine's) with this chain, and advances
         its grammar: the same constraints, seeds and draws as a llama.cpp request."""
-        if self.greedy:
-            return int(np.argmax(logits))
-        if self._draw is not None:
-            return draw(logits, rng=self._rng, **self._draw)  # type: ignore[arg-type]
+        if self.greedy or self._rng is not None:
+            return self._numpy(logits)
         n = logits.shape[-1]
         if self._candidates is None or len(self._candidates) != n:
             self._candidates = np.zeros(n, dtype=_TOKEN_DATA)
