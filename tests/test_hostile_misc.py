@@ -214,3 +214,21 @@ program_families = ["sums"]
     finally:
         stop_server(server)
         upstream.close()
+
+
+def test_a_vanishing_temperature_answers_as_greedy_does(misc: dict[str, Any]) -> None:
+    """1e-40 is a valid temperature whose scaled logits overflow float32: llama.cpp's chain then drew
+    out of NaNs (a token the greedy one was not). Every sampler path must answer as temperature 0."""
+    server, key = misc["server"], misc["bob"]
+
+    def text(**sampling: Any) -> str:
+        body = chat(max_tokens=12, messages=[{"role": "user", "content": "Write one sentence about the sea."}], **sampling)
+        answered = call(server, key, "/v1/chat/completions", body, headers={"Cache-Control": "no-store"})
+        assert answered.status_code == 200, answered.text
+        return answered.json()["choices"][0]["message"]["content"]
+
+    greedy = text(temperature=0)
+    assert greedy
+    for sampling in ({"temperature": 1e-40}, {"temperature": 1e-40, "top_p": 0.5}, {"temperature": 1e-40, "top_k": 40},
+                     {"temperature": 5e-324, "top_p": 0.9, "top_k": 40, "seed": 3}):
+        assert text(**sampling) == greedy, sampling

@@ -307,6 +307,8 @@ class Context:
             self.ptr = None
 
 
+_MIN_TEMPERATURE = 1e-30
+
 # llama_token_data: {int32 id; float logit; float p}, 12 bytes, as a numpy record.
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
@@ -317,6 +319,10 @@ class Sampler:
 
     def __init__(self, model: Model, *, temperature: float, top_p: float, seed: int | None, grammar: str | None,
                  top_k: int = 0) -> None:
+        # A positive temperature under 1e-30 (1e-40 is a valid one) scales float32 logits past their
+        # range, and the draw then came out of NaNs: llama.cpp's chain gave a token the greedy one is
+        # not. At 1e-30 every draw is already the greedy token.
+        temperature = max(temperature, _MIN_TEMPERATURE) if temperature > 0.0 else temperature
         params = L.llama_sampler_chain_default_params()
         params.no_perf = True
         self.ptr = L.llama_sampler_chain_init(params)
