@@ -131,12 +131,14 @@ class Hit:
     entry_id: int
     similarity: float
     judged: bool
-    score: float | None = None  # the pair's score, where an error bound admitted it
+    score: float | None = None  # the pair's score, where an error bound admitted it (or sent it to the judge)
+    judge: float | None = None  # the judge's P(same answer), where a judge admitted it
 
 
 @dataclass(frozen=True)
 class AskJudge:
     candidate: Candidate
+    score: float | None = None  # its pair score, where an error bound is in force
 
 
 @dataclass(frozen=True)
@@ -163,15 +165,22 @@ def pair_score(comparison: Comparison, similarity: float, policy: CachePolicy) -
     return similarity + (0.0 if comparison.differs else 1.0)
 
 
+def judge_eligible(comparison: Comparison, similarity: float, policy: CachePolicy) -> bool:
+    """A pair the judge may be asked about: no guard flags it and it is in the judge band or above."""
+    return comparison.guard is None and similarity >= policy.judge_band
+
+
 def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy: CachePolicy,
-                     lexicon: Lexicon = NO_LEXICON, cut: Cut | None = None, language: str | None = None) -> Hit | AskJudge | Miss:
+                     lexicon: Lexicon = NO_LEXICON, cut: Cut | None = None, language: str | None = None,
+                     judge_cut: Cut | None = None) -> Hit | AskJudge | Miss:
     """Nearest first: the first servable candidate at or above its threshold that no guard flags is
     a hit; failing that, the first one in the judge band goes to the judge. Under an error bound
-    (`cut`) a hit also needs a score the cut admits, and there is no judge band: a judge without
-    labelled traps of its own has no error rate to bound. `language`, where known, adds that
-    language's negators to the English guards."""
+    (`cut`) a hit also needs a score the cut admits, and the judge is asked only where it has a cut
+    of its own (`judge_cut`, from its answers on the same labelled traps: answer_cache/calibration.py).
+    `language`, where known, adds that language's negators to the English guards."""
     reason = "no candidate"
     band: Candidate | None = None
+    band_score = -math.inf
     floor = min(policy.judge_band, policy.similarity_threshold - policy.same_words_relief)
     for c in sorted(candidates, key=lambda c: -c.similarity):
         if c.similarity < floor:
@@ -191,6 +200,9 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
             score = pair_score(comparison, c.similarity, policy)
             if score > -math.inf and cut.admits(score):
                 return Hit(c.entry_id, c.similarity, judged=False, score=score)
+            if band is None and judge_cut is not None and judge_cut.score < math.inf and judge_eligible(comparison, c.similarity, policy):
+                band = c
+                band_score = score
             if score > -math.inf:
                 reason = "bound"  # a candidate only the bound refused says more than one below its threshold
             elif reason == "no candidate":
@@ -203,5 +215,5 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
         if reason == "no candidate":
             reason = "similarity"
     if band is not None:
-        return AskJudge(band)
+        return AskJudge(band, band_score if cut is not None else None)
     return Miss(reason)

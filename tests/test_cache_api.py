@@ -445,3 +445,60 @@ def test_a_judged_miss_pays_for_the_judge(tmp_path) -> None:
         assert call is not None and call[1] == missed.json()["usage"]["completion_tokens"]
     finally:
         stop_server(server)
+
+
+def test_under_a_bound_the_judge_answers_the_known_traps_then_decides_with_its_own_cut(tmp_path) -> None:
+    """The bundled SmolLM2 as the judge under a 20% bound. French starts with no traps (exact repeats
+    only); an operator labels 30 French near misses; the judge answers them in the background (a
+    language with few unanswered traps first) and French gets two cuts. A French rewording the
+    embedder's cut refuses then goes to the judge, and its answer against the judge's cut decides.
+    The answers outlive a restart: the judge is not asked about a trap twice."""
+    cache = f'enabled = true\nsweep_interval_s = 0\nmax_false_hit_rate = 0.2\njudge_band = 0.3\njudge_model = "{CHAT_MODEL}"\n'
+    config = config_text(embeddings=False, auth="keys", price_in=1.0, price_out=2.0, cache=cache)
+    config = config.replace('[auth]\nmode = "keys"\n\n[auth.open_principal]\nadmin = true\n', '[auth]\nmode = "keys"\nkey_cache_s = 0.5\n')
+    server = start_server(tmp_path / "judge-bound", config)
+    try:
+        admin, caller = new_key(server, "ops", user="root", admin=True), new_key(server, "acme")
+
+        def french() -> dict:
+            return httpx.get(f"{server.base_url}/admin/cache", headers={"Authorization": f"Bearer {admin}"}).json()["false_hit_bound"]["fr"]
+
+        def judge_calls() -> float:
+            found = re.search(r"^appliance_cache_judge_calls_total (\S+)$", httpx.get(f"{server.base_url}/metrics").text, re.MULTILINE)
+            return float(found.group(1)) if found else 0.0
+
+        # Reworded as well as changed, so that no guard refuses them: the judge's band (a word swapped alone is refused).
+        things = ["mon abonnement", "ma carte bancaire", "mon forfait mobile", "mon contrat d'électricité", "mon assurance habitation",
+                  "mon compte épargne"]
+        verbs = [("résilier", "suspendre"), ("ouvrir", "fermer"), ("payer", "rembourser"), ("modifier", "transférer"), ("activer", "bloquer")]
+        pairs = [{"cached": f"Comment {a} {t} ?", "asked": f"Je voudrais {b} {t}, comment faire ?"} for t in things for a, b in verbs]
+        added = httpx.post(f"{server.base_url}/admin/cache/traps", json={"pairs": pairs}, headers={"Authorization": f"Bearer {admin}"},
+                           timeout=120)
+        assert added.status_code == 200, added.text
+        deadline = time.monotonic() + 240
+        while (row := french())["judge"]["traps_asked"] < row["judge"]["traps_in_band"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert row["judge"]["traps_in_band"] >= 25 and row["judge"]["traps_asked"] == row["judge"]["traps_in_band"], row
+        cut = row["judge"]["cut"]
+        assert cut is not None and row["upper"] <= 0.2 and row["traps"] >= 30
+        asked_traps = db(server).execute("SELECT count(*) FROM cache_judgements").fetchone()[0]
+        assert asked_traps >= row["judge"]["traps_in_band"]
+
+        question = "Comment puis-je résilier mon abonnement à la salle de sport ?"
+        assert ask(server, caller, question).headers["x-cache"] == "miss" and stored(server, question)
+        before = judge_calls()
+        # cosine 0.56: under the embedder's threshold, in the judge's band
+        reworded = ask(server, caller, "Je veux mettre fin à mon inscription au club de gym, je fais comment ?")
+        assert judge_calls() == before + 1, reworded.headers
+        if reworded.headers["x-cache"] == "hit":
+            probability = eventually(server, "SELECT judge FROM cache_hits WHERE response_id = ?", reworded.json()["id"])
+            assert probability is not None and probability[0] > cut
+        else:
+            reason = reworded.headers["x-cache-reason"]
+            assert reason.startswith("judge:") and float(reason.removeprefix("judge:")) <= cut + 0.005, (reason, cut)
+
+        stop_server(server)
+        server = start_server(tmp_path / "judge-bound", config)
+        assert french()["judge"]["cut"] == cut  # the kept answers: French's judge cut is back at once
+    finally:
+        stop_server(server)

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.answer_cache.calibration import EVERYONE, SEEDS, Bounds
+from appliance.answer_cache.calibration import EVERYONE, SEEDS, Bounds, Known, cuts_for
 from policy.answer_bound import ALPHA, Cut, cut_for, most_served, served_share, upper_bound
-from policy.answer_cache import CachePolicy, Candidate, Hit, Miss, judge_candidates, pair_score
+from policy.answer_cache import AskJudge, CachePolicy, Candidate, Hit, Miss, judge_candidates, pair_score
 from policy.answer_guards import Comparison
 from policy.answer_negation import negation_differs
 
@@ -101,7 +101,7 @@ def test_under_a_bound_a_hit_needs_a_score_the_cut_admits_and_the_judge_band_is_
 
 
 def test_a_tenants_reports_tighten_its_own_cuts_only() -> None:
-    seeds = {"en": [i / 1000 for i in range(1000)], "pt": [0.5] * 100}
+    seeds = {"en": [Known(i / 1000) for i in range(1000)], "pt": [Known(0.5)] * 100}
     bounds = Bounds.of(0.02, seeds, {})
     before = bounds.cut("acme", "en")
     assert before == bounds.cut(SEEDS, "en") and before.traps == 1000
@@ -109,15 +109,71 @@ def test_a_tenants_reports_tighten_its_own_cuts_only() -> None:
     assert bounds.cut("acme", "de").score == math.inf and bounds.cut("acme", "de").traps == 0  # no traps: exact repeats only
     after = bounds
     for _ in range(30):  # thirty hits acme's callers said were wrong, all scored above today's cut
-        after = after.with_traps("acme", {"en": [0.9999]})
+        after = after.with_traps("acme", {"en": [Known(0.9999)]})
     assert after.cut("acme", "en").score > before.score and after.cut("acme", "en").traps == 1030
     assert after.cut("globex", "en") == before
     summary = after.summary()["en"]
     assert summary["traps"] == 1030 and summary["bound"] == 0.02 and summary["upper"] <= 0.02
     assert after.cut(EVERYONE, "en").traps == 1030
     assert bounds.cut("acme", "en") == before  # the old bounds are not changed under a lookup reading them
-    reloaded = Bounds.of(0.02, seeds, {"acme": {"en": [0.9999] * 30}})
+    reloaded = Bounds.of(0.02, seeds, {"acme": {"en": [Known(0.9999)] * 30}})
     assert reloaded.cut("acme", "en") == after.cut("acme", "en")
+
+
+def _union_served(known: list[Known], embed: Cut, judge: Cut | None) -> int:
+    """Known traps served by the embedder's cut or the judge's (one never asked counts as served)."""
+    return sum(1 for k in known if embed.admits(k.score) or (judge is not None and k.pair is not None
+                                                            and (k.judge is None or judge.admits(k.judge))))
+
+
+def test_with_a_judge_the_two_cuts_together_stay_within_the_bound() -> None:
+    rng = random.Random(7)
+    known = [Known(rng.random(), f"p{i}" if i % 2 else None, rng.betavariate(2, 6) if i % 2 else None) for i in range(1000)]
+    embed, judge = cuts_for(known, 0.02, judging=True)
+    assert judge is not None and judge.score < math.inf
+    assert embed == cut_for([k.score for k in known], 0.01)  # the embedder keeps half the bound
+    served = _union_served(known, embed, judge)
+    assert served == judge.served and upper_bound(served, 1000) <= 0.02
+    # without a judge the embedder has the whole bound
+    assert cuts_for(known, 0.02, judging=False) == (cut_for([k.score for k in known], 0.02), None)
+
+
+def test_a_judge_that_has_not_answered_its_traps_is_not_asked() -> None:
+    unanswered = [Known(i / 1000, f"p{i}") for i in range(1000)]
+    alone = cut_for([k.score for k in unanswered], 0.02)
+    assert cuts_for(unanswered, 0.02, judging=True) == (alone, None)  # each unanswered trap counts as served: no room
+    bounds = Bounds.of(0.02, {"en": unanswered}, {}, judging=True)
+    assert bounds.both("acme", "en") == (alone, None) and len(bounds.to_judge()) == 1000
+    answered = bounds.with_judge({f"p{i}": 0.01 for i in range(1000)})
+    embed, judge = answered.both("acme", "en")
+    assert judge is not None and answered.to_judge() == []
+    assert embed == cut_for([k.score for k in unanswered], 0.01)
+    row = answered.summary()["en"]
+    assert row["judge"] == {"cut": round(judge.score, 4), "traps_asked": 1000, "traps_in_band": 1000}
+    assert row["served"] == judge.served and row["upper"] <= 0.02
+    # a tenant's report of a judged false hit tightens its own judge cut
+    reported = answered
+    for _ in range(20):
+        reported = reported.with_traps("acme", {"en": [Known(-math.inf, "reported", 0.99)]})
+    assert reported.both("acme", "en")[1].score >= judge.score  # type: ignore[union-attr]
+    assert reported.both("globex", "en") == answered.both("globex", "en")
+
+
+def test_under_a_bound_the_judge_is_asked_where_it_has_a_cut_of_its_own() -> None:
+    policy = CachePolicy(similarity_threshold=0.7, judge_band=0.5)
+    stored = "How do I reset my password?"
+    asked = "What steps reset my password quickly?"
+    closed, judge = Cut(math.inf, 900, 0, 0.02), Cut(0.6, 900, 5, 0.02)
+    # refused by the embedder's cut, in the band: the judge, with the pair's score
+    assert judge_candidates(asked, [_candidate(0.85, stored)], 1000.0, policy, cut=closed, judge_cut=judge) == AskJudge(
+        _candidate(0.85, stored), 0.85)
+    assert judge_candidates(asked, [_candidate(0.55, stored)], 1000.0, policy, cut=closed, judge_cut=judge) == AskJudge(
+        _candidate(0.55, stored), -math.inf)
+    # below the band, or the judge's cut closed, or a guard: no judge
+    assert judge_candidates(asked, [_candidate(0.45, stored)], 1000.0, policy, cut=closed, judge_cut=judge) == Miss("similarity")
+    assert judge_candidates(asked, [_candidate(0.85, stored)], 1000.0, policy, cut=closed, judge_cut=closed) == Miss("bound")
+    assert judge_candidates("How do I reset my password on Android?", [_candidate(0.95, stored)], 1000.0, policy,
+                            cut=closed, judge_cut=judge) == Miss("guard:entity")
 
 
 @pytest.mark.parametrize(("language", "cached", "asked"), [

@@ -19,7 +19,7 @@ def test_migrations_apply_once_and_give_the_exact_schema():
     assert set(tables) == {"migrations", "request_log", "api_keys", "auth_failures", "budget_limits", "budget_usage",
                            "reservations", "settlements", "budget_adjustments", "cache_entries", "cache_hits",
                            "cache_feedback", "cache_sweeps", "spans", "eval_runs", "eval_answers", "eval_questions", "responses",
-                           "kept_answers", "cache_traps", "cache_trap_cosines"}
+                           "kept_answers", "cache_traps", "cache_trap_cosines", "cache_judgements"}
     columns = [row[1] for row in db.execute("PRAGMA table_info(request_log)")]
     assert columns == ["id", "created_at", "endpoint", "model", "status", "finish_reason", "prompt_tokens",
                        "completion_tokens", "ttft_ms", "total_ms", "error", "tenant", "app", "user", "key_id", "cost_nanos"]
@@ -29,12 +29,12 @@ def test_migrations_apply_once_and_give_the_exact_schema():
         "0001_request_log", "0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
         "0011_responses", "0012_kept_answers", "0013_auth_failure_counts", "0014_cache_consistent_state",
         "0015_cache_hit_scores", "0016_cache_vector_chunks", "0017_cache_labelled_traps",
-        "0018_cache_trap_cosines"]
+        "0018_cache_trap_cosines", "0019_cache_judgements"]
     assert [row[1] for row in db.execute("PRAGMA table_info(auth_failures)")] == [
         "id", "at", "reason", "key_id", "fingerprint", "client", "path", "count", "last_at"]
     assert [row[1] for row in db.execute("PRAGMA table_info(responses)")] == ["tenant", "id", "created_at", "response", "conversation"]
     assert [row[1] for row in db.execute("PRAGMA table_info(cache_hits)")] == [
-        "response_id", "entry_id", "tenant", "at", "similarity", "judged", "entry_state", "saved_nanos", "score", "language"]
+        "response_id", "entry_id", "tenant", "at", "similarity", "judged", "entry_state", "saved_nanos", "score", "language", "judge"]
     assert [row[1] for row in db.execute("PRAGMA table_info(kept_answers)")] == [
         "tenant", "response_id", "created_at", "route", "model", "family", "messages", "answer", "finish_reason", "validator", "rating"]
 
@@ -46,7 +46,7 @@ def test_a_database_from_before_the_ledger_migrates_forward(tmp_path: Path):
     assert migrate(db) == ["0002_api_keys", "0003_budget_ledger", "0004_request_log_principal", "0005_semantic_cache", "0006_spans", "0007_eval_runs", "0008_eval_answers", "0009_eval_questions", "0010_spans_remote_parent",
                            "0011_responses", "0012_kept_answers", "0013_auth_failure_counts", "0014_cache_consistent_state",
         "0015_cache_hit_scores", "0016_cache_vector_chunks", "0017_cache_labelled_traps",
-        "0018_cache_trap_cosines"]
+        "0018_cache_trap_cosines", "0019_cache_judgements"]
     assert db.execute("SELECT id, tenant, cost_nanos FROM request_log").fetchall() == [("r1", None, None)]
 
 
@@ -161,7 +161,7 @@ def test_cache_entries_keep_their_rows_when_the_consistent_state_arrives(tmp_pat
     entry_id = store.store(bucket, "What is the capital of Peru?", "h1", vector, "Lima.", "stop", 5, 2, 700, "r1", 100.0, 10)
     assert entry_id is not None
     assert migrate(db) == ["0014_cache_consistent_state", "0015_cache_hit_scores", "0016_cache_vector_chunks", "0017_cache_labelled_traps",
-        "0018_cache_trap_cosines"]
+        "0018_cache_trap_cosines", "0019_cache_judgements"]
     assert store.set_state(entry_id, "consistent", "sweep:agreed")
     found = store.nearest(bucket.key, vector, 1)
     assert [(c.entry_id, c.state, c.question) for c in found] == [(entry_id, "consistent", "What is the capital of Peru?")]
@@ -216,7 +216,7 @@ def test_vector_tables_move_to_small_chunks_with_their_vectors(tmp_path: Path):
     for i, v in enumerate(vectors):
         db.execute("INSERT INTO cache_vec_minilm_384(entry_id, bucket, embedding) VALUES (?, ?, ?)", (i + 1, f"b{i % 2}", v.tobytes()))
     assert migrate(db) == ["0016_cache_vector_chunks", "0017_cache_labelled_traps",
-        "0018_cache_trap_cosines"]
+        "0018_cache_trap_cosines", "0019_cache_judgements"]
     names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE name LIKE 'cache_vec%'")}
     assert "cache_vec_minilm_384" not in names and "cache_vectors_minilm_384" in names
     store = CacheStore(db, "minilm", 384)

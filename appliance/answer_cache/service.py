@@ -23,7 +23,7 @@ from prometheus_client import Gauge
 
 from appliance.answer_cache import calibration
 from appliance.answer_cache import language as languages
-from appliance.answer_cache.calibration import Bounds
+from appliance.answer_cache.calibration import Bounds, Known
 from appliance.config.settings import CacheSettings, ModelSettings, TracingSettings
 from appliance.evaluation.judge import yes_probability
 from appliance.fleet.embedders import Embedder, EngineEmbedder, bundled_minilm
@@ -39,6 +39,14 @@ from policy.budgets import usd
 
 log = logging.getLogger("appliance.cache")
 
+# A caller's report of a false hit: a known trap the judge can no longer be asked about (its texts are
+# not kept); where the judge admitted it, its answer is kept with the hit.
+REPORTED = "reported"
+# Part of what a judge's answers on known traps are kept under: a new prompt asks anew.
+JUDGE_PROMPT_VERSION = "1"
+# Answers on known traps kept at a time while they are gathered (each also recomputes the cuts).
+_JUDGE_BATCH = 16
+
 @dataclass(frozen=True)
 class Lookup:
     entry: Entry | None  # the answer to serve; None on a miss
@@ -49,6 +57,7 @@ class Lookup:
     judge_tokens: tuple[int, int] = (0, 0)  # (prompt, completion) spent asking the judge
     score: float | None = None  # what the error bound admitted, on a similar hit under one
     language: str | None = None  # the question's, where a bound was looked up
+    judge: float | None = None  # the judge's P(same answer), on a hit its cut admitted
 
 
 def cost_weighted_verified_hit_rate(metrics: Metrics) -> float | None:
@@ -120,6 +129,8 @@ class SemanticCache:
         )
         self._sweeper: asyncio.Task[None] | None = None
         self._calibrating: asyncio.Task[None] | None = None
+        self._judging: asyncio.Task[None] | None = None
+        self._judge_texts: dict[str, tuple[str, str]] = {}  # pair key -> (cached, asked): the known traps the judge may be asked about
         self._store_ready = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -149,7 +160,7 @@ class SemanticCache:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="cache-sweeper")
 
     async def close(self) -> None:
-        for task in (self._sweeper, self._calibrating):
+        for task in (self._sweeper, self._calibrating, self._judging):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -169,14 +180,61 @@ class SemanticCache:
             traps = await asyncio.to_thread(calibration.shipped_traps)
             cosines = await self._cosines([(t.cached, t.asked) for t in traps])
             seeds = await asyncio.to_thread(calibration.scored, traps, cosines, self.languages.of, self.lexicon, self.policy)
-        by_tenant: dict[str, dict[str, list[float]]] = {}
+        by_tenant: dict[str, calibration.Pools] = {}
         for r in await self.worker.run(lambda db: self._store(db).reported()):
-            by_tenant.setdefault(r.tenant, {}).setdefault(r.language, []).append(r.score)
+            by_tenant.setdefault(r.tenant, {}).setdefault(r.language, []).append(Known(r.score, REPORTED, r.judge))
         labelled = await self.worker.run(lambda db: self._store(db).labelled_traps())
         for tenant, pools in (await self._scored(labelled)).items():
             calibration.merge(seeds if tenant == "" else by_tenant.setdefault(tenant, {}), pools)
-        self.bounds = await asyncio.to_thread(Bounds.of, self.policy.max_false_hit_rate, seeds, by_tenant)
+        judge = self._judge()
+        self.bounds = await asyncio.to_thread(Bounds.of, self.policy.max_false_hit_rate, seeds, by_tenant, judge is not None)
+        if judge is not None:
+            key = self._judge_key(judge)
+            answers = await self.worker.run(lambda db: self._store(db).judgements(key))
+            self.bounds = await asyncio.to_thread(self.bounds.with_judge, answers)
+            self._ask_judge_about([*await asyncio.to_thread(calibration.shipped_traps), *labelled])
         self._publish_bounds()
+
+    def _judge(self) -> LoadedModel | None:
+        """The judge model, where one is configured and can be asked (a local chat model)."""
+        model = self.registry.get(self.settings.judge_model) if self.settings.judge_model else None
+        return model if model is not None and model.template is not None else None
+
+    def _judge_key(self, judge: LoadedModel) -> str:
+        return f"{model_version(judge.settings)}#{JUDGE_PROMPT_VERSION}"
+
+    def _ask_judge_about(self, traps: list[Any]) -> None:
+        """Known traps (shipped or labelled) whose texts the judge may be asked about; starts the
+        asking unless it is under way (it takes up new ones as it goes)."""
+        judge = self._judge()
+        if judge is None:
+            return
+        self._judge_texts.update({calibration.pair_key(t.cached, t.asked): (t.cached, t.asked) for t in traps})
+        if self._judging is None or self._judging.done():
+            self._judging = asyncio.get_running_loop().create_task(self._judge_traps(judge), name="cache-judge-calibration")
+
+    async def _judge_traps(self, judge: LoadedModel) -> None:
+        """Ask the judge about each known trap in its band that it has not answered (once per judge
+        model, kept in cache_judgements), while no request waits for a model; each batch recomputes
+        the cuts, so a language's judge cut opens once its traps are all answered."""
+        key = self._judge_key(judge)
+        try:
+            while pending := [pair for pair in self.bounds.to_judge() if pair in self._judge_texts][:_JUDGE_BATCH]:
+                answers: dict[str, float] = {}
+                for pair in pending:
+                    while not self._idle():
+                        await asyncio.sleep(0.5)
+                    cached, asked = self._judge_texts[pair]
+                    answers[pair], _ = await ask_judge(judge, cached, asked)
+                await self.worker.run(lambda db: self._store(db).keep_judgements(key, answers))
+                async with self._reports:
+                    self.bounds = await asyncio.to_thread(self.bounds.with_judge, answers)
+                self._publish_bounds()
+            log.info("cache: the judge has answered every known trap in its band")
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("cache: could not ask the judge about the known traps; it is asked only where they are answered")
 
     async def _cosines(self, pairs: list[tuple[str, str]]) -> list[float]:
         assert self.embedder is not None
@@ -187,7 +245,7 @@ class SemanticCache:
             vectors.update(zip(chunk, await self.embedder.embed(chunk)))
         return [float(vectors[spelled(a, self.lexicon)] @ vectors[spelled(b, self.lexicon)]) for a, b in pairs]
 
-    async def _scored(self, labelled: list[LabelledTrap]) -> dict[str, dict[str, list[float]]]:
+    async def _scored(self, labelled: list[LabelledTrap]) -> dict[str, calibration.Pools]:
         """Labelled traps' scores, by tenant ("" for everyone) and language. A trap's cosine is
         measured once per embedder and kept (cache_trap_cosines): a start reads what it can."""
         assert self.languages is not None and self.embedder is not None
@@ -202,7 +260,7 @@ class SemanticCache:
             await self.worker.run(lambda db: self._store(db).keep_trap_cosines(name, fresh))
         log.info("cache: %d labelled traps scored, %d of them embedded now", len(labelled), len(missing))
         cosines = [known[t.id] if t.id in known else measured[t.id] for t in labelled]
-        out: dict[str, dict[str, list[float]]] = {}
+        out: dict[str, calibration.Pools] = {}
         for tenant in {t.tenant for t in labelled}:
             mine = [(calibration.SeedTrap(t.cached, t.asked, "labelled", None), c) for t, c in zip(labelled, cosines) if t.tenant == tenant]
             out[tenant] = await asyncio.to_thread(calibration.scored, [t for t, _ in mine], [c for _, c in mine], self.languages.of,
@@ -217,6 +275,7 @@ class SemanticCache:
         if added and self.policy.max_false_hit_rate > 0:
             for tenant, pools in (await self._scored(added)).items():
                 await self._add_known(tenant, pools)
+            self._ask_judge_about(added)
         return len(added)
 
     async def _calibrate_logged(self) -> None:
@@ -252,24 +311,28 @@ class SemanticCache:
         # A slip of the keys ("recieve") is spelled right before embedding, here and so in stored vectors.
         vector = (await self.embedder.embed([spelled(item.question, self.lexicon)]))[0]
         candidates = await self.worker.run(lambda db: self._store(db).nearest(key, vector))
-        language, cut = None, None
+        language, cut, judge_cut = None, None, None
         if policy.max_false_hit_rate > 0 and candidates:
             language = await asyncio.to_thread(self._language, item.question)
-            cut = self.bounds.cut(item.bucket.tenant, language)
-        decision = judge_candidates(item.question, candidates, now, policy, self.lexicon, cut, language)
+            cut, judge_cut = self.bounds.both(item.bucket.tenant, language)
+        decision = judge_candidates(item.question, candidates, now, policy, self.lexicon, cut, language, judge_cut)
         judged, judge_tokens = False, (0, 0)
         if isinstance(decision, AskJudge):
             probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question, span, item.bucket.tenant)
             judged = True
-            if probability >= policy.judge_min_probability:
-                decision = Hit(decision.candidate.entry_id, decision.candidate.similarity, judged=True)
+            # Under a bound the judge's own cut decides (set on its answers about the known traps).
+            admitted = judge_cut.admits(probability) if judge_cut is not None else probability >= policy.judge_min_probability
+            if admitted:
+                decision = Hit(decision.candidate.entry_id, decision.candidate.similarity, judged=True, score=decision.score,
+                               judge=probability if judge_cut is not None else None)
             else:
                 decision = Miss(f"judge:{probability:.2f}")
         if isinstance(decision, Hit):
             entry_id = decision.entry_id
             entry = await self.worker.run(lambda db: self._store(db).get(entry_id))
             if entry is not None:
-                return Lookup(entry, decision.similarity, decision.judged, "similar", vector, judge_tokens, decision.score, language)
+                return Lookup(entry, decision.similarity, decision.judged, "similar", vector, judge_tokens, decision.score, language,
+                              decision.judge)
             decision = Miss("gone")
         assert isinstance(decision, Miss)
         best = max((c.similarity for c in candidates), default=0.0)
@@ -280,12 +343,12 @@ class SemanticCache:
         return self.languages.of(question)
 
     def record_hit(self, entry: Entry, response_id: str, similarity: float, judged: bool, score: float | None = None,
-                   language: str | None = None) -> None:
+                   language: str | None = None, judge: float | None = None) -> None:
         now = time.time()
         self.metrics.cache_lookups.labels("hit").inc()
         self.metrics.cache_saved_usd.labels(entry.state).inc(usd(entry.cost_nanos))
         self.metrics.cache_request_cost_usd.inc(usd(entry.cost_nanos))
-        self.worker.submit(lambda db: self._store(db).record_hit(entry, response_id, similarity, judged, now, score, language))
+        self.worker.submit(lambda db: self._store(db).record_hit(entry, response_id, similarity, judged, now, score, language, judge))
 
     def remember(self, item: Cacheable, vector: np.ndarray | None, answer: str, finish_reason: str, prompt_tokens: int,
                  completion_tokens: int, cost_nanos: int, response_id: str, prompt_text: str = "", max_tokens: int = 0,
@@ -316,8 +379,8 @@ class SemanticCache:
     async def ask_judge(self, cached: str, asked: str, parent: Any = None, tenant: str | None = None) -> tuple[float, tuple[int, int]]:
         """P(the two questions have the same answer); 0 when no judge is configured. Traced and
         costed (the caller settles its tokens) like any other model call."""
-        model = self.registry.get(self.settings.judge_model) if self.settings.judge_model else None
-        if model is None or model.template is None:
+        model = self._judge()
+        if model is None:
             return 0.0, (0, 0)
         self.metrics.cache_judge_calls.inc()
         with self.tracing.span("cache.judge", parent, model=model.settings.alias) as span:
@@ -341,9 +404,9 @@ class SemanticCache:
         reported = await self.worker.run(lambda db: self._store(db).newly_reported(response_id, tenant))
         if reported is None:
             return
-        await self._add_known(reported.tenant, {reported.language: [reported.score]})
+        await self._add_known(reported.tenant, {reported.language: [Known(reported.score, REPORTED, reported.judge)]})
 
-    async def _add_known(self, tenant: str, pools: dict[str, list[float]]) -> None:
+    async def _add_known(self, tenant: str, pools: calibration.Pools) -> None:
         """More known traps for one tenant or ("") everyone, one change at a time, the cuts computed off the loop."""
         async with self._reports:
             self.bounds = await asyncio.to_thread(self.bounds.with_traps, tenant, pools)

@@ -109,8 +109,11 @@ class CacheSettings(Table, frozen=True, kw_only=True):
         "is served (counted on the shipped traps and callers' reports); 0: no bound, the thresholds and judge_band decide"))] = 0.02
     judge_band: Annotated[float, Meta(ge=0.0, le=1.0, description="from here up to the threshold, judge_model decides",
                                       extra={"default_from": "similarity_threshold"})] = 0.70
-    judge_model: Annotated[str | None, Meta(description="a local chat model asked \"same answer?\" in the band; none: the band is a miss")] = None
-    judge_min_probability: Annotated[float, Meta(ge=0.0, le=1.0, description="the judge's P(yes) that makes a hit")] = 0.85
+    judge_model: Annotated[str | None, Meta(description=(
+        "a local chat model asked \"same answer?\" in the band; under max_false_hit_rate it is asked once its answers on the "
+        "known traps give it a cut of its own; none: the band is a miss"))] = None
+    judge_min_probability: Annotated[float, Meta(ge=0.0, le=1.0, description=(
+        "the judge's P(yes) that makes a hit with max_false_hit_rate = 0 (under a bound the judge's own cut decides)"))] = 0.85
     freshness_s: Annotated[float, Meta(ge=1.0, le=3650 * DAY_S, description="how long an answer is served")] = 7 * 86400.0
     serve_unverified: Annotated[bool, Meta(description="serve answers nobody has confirmed yet")] = True
     max_temperature: Annotated[float, Meta(ge=0.0, le=2.0, description="hotter requests are not cached")] = 0.3
@@ -224,9 +227,6 @@ def read_cache(raw: dict[str, Any], where: Where) -> CacheSettings:
     cache = decode(CacheSettings, table_at(raw, "cache", where), "cache", where)
     if cache.judge_band > cache.similarity_threshold:
         raise where.fail("cache.judge_band", f"must be at most similarity_threshold ({cache.similarity_threshold}), got {cache.judge_band}")
-    if cache.judge_model is not None and cache.max_false_hit_rate > 0:
-        raise where.fail("cache.judge_model", "a judge has no labelled near misses of its own, so its error cannot be bounded: "
-                         "set cache.max_false_hit_rate = 0 to use one")
     return cache
 
 

@@ -218,7 +218,7 @@ async def serve_hit(ctx: CallContext, found: Lookup) -> Answer:
     admission = await services.gate.admit(ctx.principal, prepared.request.id, model.settings.alias, price_of(model), judge_prompt,
                                           judge_completion)
     services.gate.settle(admission, judge_prompt, judge_completion, "cache_hit")
-    services.cache.record_hit(entry, prepared.request.id, found.similarity, found.judged, found.score, found.language)
+    services.cache.record_hit(entry, prepared.request.id, found.similarity, found.judged, found.score, found.language, found.judge)
     prompt_tokens = prepared.request.prompt_length
     finish = FinishEvent(entry.finish_reason, Usage(prompt_tokens, entry.completion_tokens, prompt_tokens), "",  # type: ignore[arg-type]
                          0.0, time.time() - started)

@@ -62,6 +62,20 @@ def trap_cosines_table(db: apsw.Connection) -> None:
         ) STRICT""")
 
 
+def judgements_table(db: apsw.Connection) -> None:
+    """Migration 0019: the cache's judge's P(same answer) on each known trap, by judge model (a start
+    asks only about pairs it has not answered), and on each hit it admitted, so a report of that
+    hit as wrong tightens the judge's cut."""
+    db.execute("""
+        CREATE TABLE cache_judgements (
+            judge TEXT NOT NULL,
+            pair TEXT NOT NULL,
+            probability REAL NOT NULL,
+            PRIMARY KEY (judge, pair)
+        ) STRICT""")
+    db.execute("ALTER TABLE cache_hits ADD COLUMN judge REAL")
+
+
 # More than any language's bound needs (299 traps for 1%); each is scored once per embedder.
 MAX_LABELLED_TRAPS = 20_000
 
@@ -85,6 +99,7 @@ class Reported:
     tenant: str
     language: str
     score: float
+    judge: float | None = None  # the judge's P(same answer), where the judge admitted the hit
 
 
 def _entries_table(name: str, states: tuple[str, ...]) -> str:
@@ -284,19 +299,19 @@ class CacheStore:
             self.db.execute(f"DELETE FROM {self.vectors} WHERE entry_id = ?", (entry_id,))
 
     def record_hit(self, entry: Entry, response_id: str, similarity: float, judged: bool, now: float,
-                   score: float | None = None, language: str | None = None) -> None:
+                   score: float | None = None, language: str | None = None, judge: float | None = None) -> None:
         with immediate(self.db):
             self.db.execute("UPDATE cache_entries SET hits = hits + 1, last_used_at = ? WHERE id = ?", (now, entry.id))
             self.db.execute(
                 "INSERT OR IGNORE INTO cache_hits(response_id, entry_id, tenant, at, similarity, judged, entry_state, saved_nanos, "
-                "score, language) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (response_id, entry.id, entry.tenant, now, similarity, int(judged), entry.state, entry.cost_nanos, score, language),
+                "score, language, judge) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (response_id, entry.id, entry.tenant, now, similarity, int(judged), entry.state, entry.cost_nanos, score, language, judge),
             )
 
     def reported(self) -> list[Reported]:
         """Every hit a caller reported wrong that an error bound had admitted: the known traps beyond the shipped ones."""
         rows = self.db.execute(
-            "SELECT tenant, language, score FROM cache_hits WHERE score IS NOT NULL AND language IS NOT NULL AND response_id IN "
+            "SELECT tenant, language, score, judge FROM cache_hits WHERE score IS NOT NULL AND language IS NOT NULL AND response_id IN "
             "(SELECT response_id FROM cache_feedback WHERE rating = 'bad' AND was_hit = 1) ORDER BY at")
         return [Reported(*row) for row in rows]
 
@@ -327,11 +342,19 @@ class CacheStore:
             self.db.executemany("INSERT OR REPLACE INTO cache_trap_cosines(trap_id, embedder, cosine) "
                                 "SELECT id, ?, ? FROM cache_traps WHERE id = ?", [(embedder, c, i) for i, c in cosines.items()])
 
+    def judgements(self, judge: str) -> dict[str, float]:
+        return dict(self.db.execute("SELECT pair, probability FROM cache_judgements WHERE judge = ?", (judge,)))
+
+    def keep_judgements(self, judge: str, answers: dict[str, float]) -> None:
+        with immediate(self.db):
+            self.db.executemany("INSERT OR REPLACE INTO cache_judgements(judge, pair, probability) VALUES (?, ?, ?)",
+                                [(judge, pair, p) for pair, p in answers.items()])
+
     def newly_reported(self, response_id: str, tenant: str) -> Reported | None:
         """The hit behind a response, if a bound admitted it and this is its first report as wrong (a
         second report of the same hit is not a second trap)."""
         row = self.db.execute(
-            "SELECT tenant, language, score FROM cache_hits WHERE response_id = ? AND tenant = ? AND score IS NOT NULL "
+            "SELECT tenant, language, score, judge FROM cache_hits WHERE response_id = ? AND tenant = ? AND score IS NOT NULL "
             "AND language IS NOT NULL AND (SELECT count(*) FROM cache_feedback WHERE response_id = ? AND rating = 'bad') = 1",
             (response_id, tenant, response_id)).fetchone()
         return Reported(*row) if row else None

@@ -50,6 +50,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ("0016_cache_vector_chunks", cache_store.small_vector_chunks),
     ("0017_cache_labelled_traps", cache_store.labelled_traps_table),
     ("0018_cache_trap_cosines", cache_store.trap_cosines_table),
+    ("0019_cache_judgements", cache_store.judgements_table),
 )
 
 
