@@ -5,6 +5,12 @@ the cache's own estimate of the share of near misses it serves (GET /admin/cache
 
     .venv/bin/python -m bench.cache_http --bounds 0,0.02,0.01 tests/data/cache_pairs_blind_tune_pt.jsonl
     .venv/bin/python -m bench.cache_http --bounds 0,0.02,0.01 --sealed   # the held-out sets: once
+    .venv/bin/python -m bench.cache_http --bounds 0.02 --judge ~/.cache/appliance/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --judgements bench/runs/cache-bound/judge-qwen1.5b.json tests/data/cache_pairs_sealed3_pt.jsonl
+
+--judge adds a chat model as [cache] judge_model (judge_band 0.5 unless --judge-band says) and waits until
+it has answered the known traps of every language with enough of them; --judgements keeps its answers in
+a file between runs (loaded into the new database before the server starts, written back after).
 
 --sealed reads tests/data/sealed/*.jsonl.gz after checking each against the digest it was frozen with
 (tests/data/cache_pairs_*.sha256); once used, a set moves out of that folder and is a tuning set.
@@ -48,12 +54,50 @@ def sealed_sets() -> list[tuple[str, list[dict[str, str]]]]:
     return out
 
 
-def config(bound: float) -> str:
+def config(bound: float, judge: Path | None = None, judge_band: float = 0.5) -> str:
     text = (ROOT / "models.toml").read_text()
     text = re.sub(r"(?m)^max_false_hit_rate = .*$", f"max_false_hit_rate = {bound}", text)
     text = re.sub(r"(?m)^sweep_interval_s = .*$", "sweep_interval_s = 0", text)
     assert f"max_false_hit_rate = {bound}" in text
+    if judge is not None:
+        text = re.sub(r"(?m)^\[cache\]\n", f'[cache]\njudge_model = "judge"\njudge_band = {judge_band}\n', text, count=1)
+        text += f'\n[[models]]\nalias = "judge"\npath = "{judge}"\ncontext_length = 1024\nslots = 1\nthreads = 2\n'
     return text
+
+
+def load_judgements(db: Path, saved: Path | None) -> None:
+    """The judge's answers of an earlier run, into a fresh database (migrated here first)."""
+    if saved is None or not saved.exists():
+        return
+    from appliance.store.db import connect, migrate
+
+    conn = connect(db)
+    migrate(conn)
+    conn.executemany("INSERT OR REPLACE INTO cache_judgements(judge, pair, probability) VALUES (?, ?, ?)",
+                     [(r["judge"], r["pair"], r["probability"]) for r in json.loads(saved.read_text())])
+    conn.close()
+
+
+def save_judgements(db: Path, saved: Path | None) -> None:
+    if saved is None:
+        return
+    with apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY) as conn:
+        rows = [{"judge": j, "pair": p, "probability": q} for j, p, q in conn.execute("SELECT judge, pair, probability FROM cache_judgements")]
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(rows, indent=0))
+
+
+def judge_ready(client: httpx.Client, timeout: float = 3600.0) -> dict[str, object]:
+    """Waits until the judge has answered the known traps of each language with 50 or more."""
+    deadline = time.monotonic() + timeout
+    while True:
+        bound = client.get("/admin/cache").json()["false_hit_bound"]
+        waiting = {lang: row["judge"] for lang, row in bound.items()
+                   if row["traps"] >= 50 and row["judge"]["traps_asked"] < row["judge"]["traps_in_band"]}
+        if not waiting or time.monotonic() > deadline:
+            return bound
+        print(f"the judge is answering the known traps: {waiting}", flush=True)
+        time.sleep(20)
 
 
 def stored(db: Path, question: str, timeout: float = 15.0) -> bool:
@@ -105,6 +149,9 @@ def main() -> int:
     parser.add_argument("--sealed", action="store_true")
     parser.add_argument("--bounds", default="0.02", help="max_false_hit_rate values, one server each")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--judge", type=Path, help="a chat model's GGUF as the cache's judge")
+    parser.add_argument("--judge-band", type=float, default=0.5)
+    parser.add_argument("--judgements", type=Path, help="the judge's answers on known traps, kept between runs")
     args = parser.parse_args()
     sets = sealed_sets() if args.sealed else []
     sets += [(p.name, [json.loads(line) for line in p.read_text().splitlines() if line.strip()]) for p in args.pairs]
@@ -114,11 +161,21 @@ def main() -> int:
     for bound in (float(b) for b in args.bounds.split(",")):
         with tempfile.TemporaryDirectory(prefix="cache-http-") as tmp:
             workdir = Path(tmp)
-            write_config(workdir, config(bound))
+            write_config(workdir, config(bound, args.judge, args.judge_band))
+            db = workdir / "home" / "appliance.db"
+            db.parent.mkdir(parents=True, exist_ok=True)
+            if args.judge is not None:
+                load_judgements(db, args.judgements)
             server = start(workdir)
             try:
                 with httpx.Client(base_url=server.base, timeout=300) as client:
                     model = client.get("/v1/models").json()["data"][0]["id"]
+                    if args.judge is not None and bound > 0:
+                        started = time.monotonic()
+                        ready = judge_ready(client)
+                        save_judgements(db, args.judgements)
+                        print(f"the judge's cuts ({time.monotonic() - started:.0f} s): "
+                              + ", ".join(f"{k} {v['judge']}" for k, v in ready.items() if v["traps"] >= 50), flush=True)  # type: ignore[index]
                     started = time.monotonic()
                     for name, pairs in sets:
                         row = summarise(name, run_set(client, workdir / "home" / "appliance.db", model, name, pairs))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from policy.answer_bound import Cut
 from policy.answer_guards import NO_LEXICON, Comparison, Lexicon, compare
-from policy.answer_negation import negation_differs
+from policy.answer_negation import negations_differ
 
 # verified: by a caller's feedback, a validator or an operator, never by the cache itself; consistent: a
 # sweep asked again and the model agreed with itself (consistency, not correctness).
@@ -124,6 +124,7 @@ class Candidate:
     similarity: float
     state: str
     created_at: float
+    language: str | None = None  # the stored question's, where a bound is in force
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,8 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
     a hit; failing that, the first one in the judge band goes to the judge. Under an error bound
     (`cut`) a hit also needs a score the cut admits, and the judge is asked only where it has a cut
     of its own (`judge_cut`, from its answers on the same labelled traps: answer_cache/calibration.py).
-    `language`, where known, adds that language's negators to the English guards."""
+    `language`, where known, has each question's negators counted in its own language (the
+    candidate's language on it) in place of the English guards' count."""
     reason = "no candidate"
     band: Candidate | None = None
     band_score = -math.inf
@@ -189,11 +191,11 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
         if not servable(c.state, c.created_at, now, policy):
             reason = "stale" if c.state in SERVED else c.state
             continue
-        comparison = compare(c.question, asked, lexicon)
+        comparison = compare(c.question, asked, lexicon, count_negators=language is None)
         if comparison.guard is not None:
             reason = f"guard:{comparison.guard}"
             continue
-        if language is not None and negation_differs(c.question, asked, language):
+        if language is not None and negations_differ(c.question, c.language or language, asked, language):
             reason = "guard:negation"
             continue
         if cut is not None:

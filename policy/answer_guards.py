@@ -113,6 +113,14 @@ def _stem(word: str) -> str:
 _OPPOSITE = {**{_stem(w): {_stem(o) for o in os} for w, os in _pairs(OPPOSITES).items()}, **_pairs(OPPOSITES)}
 
 
+def _unaccented(word: str) -> str:
+    """Accents dropped, as people often type them ("horario", "opcao"): a word and its accented
+    spelling are one word (a slip, not a swap)."""
+    if word.isascii():
+        return word
+    return "".join(c for c in unicodedata.normalize("NFKD", word) if not unicodedata.combining(c))
+
+
 def words(text: str) -> list[Word]:
     found: list[Word] = []
     text = _expand(text)
@@ -123,7 +131,7 @@ def words(text: str) -> list[Word]:
         start = not text[: m.start()].strip() or text[: m.start()].rstrip()[-1] in ".?!:;\"(-"
         parts = [p for p in re.split(r"[-_/]", token) if p] if token[:1].isalpha() else [token]
         for part in parts:
-            plain = part.casefold().replace("'", "").rstrip(".").lstrip("$")
+            plain = _unaccented(part.casefold().replace("'", "").rstrip(".").lstrip("$"))
             if not plain:
                 continue
             beside_number = i > 0 and tokens[i - 1][:1].isdigit()
@@ -323,10 +331,12 @@ def _key(w: Word, other: list[Word], lexicon: Lexicon) -> str:
     return next((o.stem for o in other if _same_word(w, o, lexicon)), w.stem)
 
 
-def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON) -> Comparison:
+def compare(cached: str, asked: str, lexicon: Lexicon = NO_LEXICON, count_negators: bool = True) -> Comparison:
+    """`count_negators`: False where the caller counts each question's negators in its own language
+    (policy/answer_negation.py), since "no" is a negator in English and "in the" in Portuguese."""
     wa, wb = _unscaffolded(words(cached)), _unscaffolded(words(asked))
     ca, cb = _content(wa), _content(wb)
-    if _negations(wa) != _negations(wb):
+    if count_negators and _negations(wa) != _negations(wb):
         return Comparison("negation")
     stems_a, stems_b = {w.stem for w in wa} | {w.plain for w in wa}, {w.stem for w in wb} | {w.plain for w in wb}
     for x, y in ((stems_a, stems_b), (stems_b, stems_a)):
@@ -411,6 +421,11 @@ def _qualified(ws: list[Word], added: list[Word], other: list[Word], lexicon: Le
 _NOT_MODIFIERS = ("ly", "s", "ed")  # an adverb, or a verb's form: "the symbol represents iron", "an order placed online"
 _QUESTION_NOUNS = {"reason", "caus", "way", "step", "process", "procedur", "method", "mean", "purpos", "syntax", "command",
                    "formula", "differenc", "vs", "versus", "using", "via"}  # how a question asks, not what about
+
+
+def negations(text: str) -> int:
+    """English negators in a question, as compare counts them."""
+    return _negations(_unscaffolded(words(text)))
 
 
 def _negations(ws: list[Word]) -> int:

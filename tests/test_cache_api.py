@@ -452,9 +452,10 @@ def test_under_a_bound_the_judge_answers_the_known_traps_then_decides_with_its_o
     only); an operator labels 30 French near misses; the judge answers them in the background (a
     language with few unanswered traps first) and French gets two cuts. A French rewording the
     embedder's cut refuses then goes to the judge, and its answer against the judge's cut decides.
-    The answers outlive a restart: the judge is not asked about a trap twice."""
+    The answers outlive a restart: the judge is not asked about a trap twice. A pair too long for the
+    judge's context stays unanswered (counted as served) and the others are answered all the same."""
     cache = f'enabled = true\nsweep_interval_s = 0\nmax_false_hit_rate = 0.2\njudge_band = 0.3\njudge_model = "{CHAT_MODEL}"\n'
-    config = config_text(embeddings=False, auth="keys", price_in=1.0, price_out=2.0, cache=cache)
+    config = config_text(embeddings=False, auth="keys", price_in=1.0, price_out=2.0, cache=cache, context_length=1024)
     config = config.replace('[auth]\nmode = "keys"\n\n[auth.open_principal]\nadmin = true\n', '[auth]\nmode = "keys"\nkey_cache_s = 0.5\n')
     server = start_server(tmp_path / "judge-bound", config)
     try:
@@ -472,13 +473,16 @@ def test_under_a_bound_the_judge_answers_the_known_traps_then_decides_with_its_o
                   "mon compte épargne"]
         verbs = [("résilier", "suspendre"), ("ouvrir", "fermer"), ("payer", "rembourser"), ("modifier", "transférer"), ("activer", "bloquer")]
         pairs = [{"cached": f"Comment {a} {t} ?", "asked": f"Je voudrais {b} {t}, comment faire ?"} for t in things for a, b in verbs]
+        filler = " zqxjk" * 310  # over 1,024 tokens, both questions together
+        pairs.append({"cached": f"Comment résilier mon contrat ?{filler}", "asked": f"Je voudrais suspendre mon contrat, comment faire ?{filler}"})
         added = httpx.post(f"{server.base_url}/admin/cache/traps", json={"pairs": pairs}, headers={"Authorization": f"Bearer {admin}"},
                            timeout=120)
         assert added.status_code == 200, added.text
         deadline = time.monotonic() + 240
-        while (row := french())["judge"]["traps_asked"] < row["judge"]["traps_in_band"] and time.monotonic() < deadline:
+        while (row := french())["judge"]["traps_asked"] < row["judge"]["traps_in_band"] - 1 and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert row["judge"]["traps_in_band"] >= 25 and row["judge"]["traps_asked"] == row["judge"]["traps_in_band"], row
+        assert row["judge"]["traps_in_band"] >= 26 and row["judge"]["traps_asked"] == row["judge"]["traps_in_band"] - 1, row
+        assert "the judge cannot answer a known trap" in server.log.read_text()
         cut = row["judge"]["cut"]
         assert cut is not None and row["upper"] <= 0.2 and row["traps"] >= 30
         asked_traps = db(server).execute("SELECT count(*) FROM cache_judgements").fetchone()[0]

@@ -14,7 +14,7 @@ from appliance.answer_cache.calibration import EVERYONE, SEEDS, Bounds, Known, c
 from policy.answer_bound import ALPHA, Cut, cut_for, most_served, served_share, upper_bound
 from policy.answer_cache import AskJudge, CachePolicy, Candidate, Hit, Miss, judge_candidates, pair_score
 from policy.answer_guards import Comparison
-from policy.answer_negation import negation_differs
+from policy.answer_negation import negations_differ
 
 
 def test_the_upper_bound_matches_its_closed_forms() -> None:
@@ -185,15 +185,20 @@ def test_under_a_bound_the_judge_is_asked_where_it_has_a_cut_of_its_own() -> Non
     ("fr", "Puis-je payer par carte ?", "Je ne peux pas payer par carte ?"),
 ])
 def test_a_negation_in_the_questions_language_is_a_near_miss(language: str, cached: str, asked: str) -> None:
-    assert negation_differs(cached, asked, language)
-    assert not negation_differs(cached, cached.upper(), language)
+    assert negations_differ(cached, language, asked, language)
+    assert not negations_differ(cached, language, cached.upper(), language)
 
 
 def test_a_negator_of_one_language_is_an_ordinary_word_of_another() -> None:
-    # "no" is "in the" in Portuguese, a negator in Spanish
-    assert not negation_differs("Como pago o boleto?", "Como pago o boleto no app?", "pt")
-    assert negation_differs("¿Cómo pago la factura?", "¿Cómo no pago la factura?", "es")
-    assert not negation_differs("How do I pay?", "How do I not pay?", "en")  # English is the guards' job
+    # "no" is "in the" in Portuguese, a negator in Spanish and English
+    assert not negations_differ("Como pago o boleto?", "pt", "Como pago o boleto no app?", "pt")
+    assert negations_differ("¿Cómo pago la factura?", "es", "¿Cómo no pago la factura?", "es")
+    assert negations_differ("How do I pay?", "en", "How do I not pay?", "en")
+    assert negations_differ("How can I pay?", "en", "Why can't I pay?", "en")  # English's contractions
+    # each question read in its own language: a rewording across languages keeps its one negator
+    assert not negations_differ("Meu app não está recebendo notificações, o que fazer?", "pt",
+                                "The app isn't getting notifications, how do I fix it?", "en")
+    assert negations_differ("Meu app está recebendo notificações?", "pt", "The app isn't getting notifications?", "en")
     from appliance.answer_cache.service import bundled_lexicon
 
     policy, lexicon = CachePolicy(similarity_threshold=0.7), bundled_lexicon()
@@ -201,6 +206,14 @@ def test_a_negator_of_one_language_is_an_ordinary_word_of_another() -> None:
     asked = "Quais linhas de ônibus não funcionam de madrugada em São Paulo?"  # the English guards let it through
     assert isinstance(judge_candidates(asked, [candidate], 1000.0, policy, lexicon, cut=Cut(-math.inf, 900, 0, 0.02)), Hit)
     assert judge_candidates(asked, [candidate], 1000.0, policy, lexicon, cut=Cut(-math.inf, 900, 0, 0.02), language="pt") == Miss("guard:negation")
+    # a Portuguese "no" (in the) is no negation once the language is known; an English "not" still is
+    reworded = Candidate(7, "Como pago o boleto?", 0.99, "unverified", 1000.0, "pt")
+    assert isinstance(judge_candidates("Como pago o boleto no app?", [reworded], 1000.0, policy, lexicon,
+                                       cut=Cut(-math.inf, 900, 0, 0.02), language="pt"), Hit)
+    english = Candidate(7, "How do I pay the bill?", 0.99, "unverified", 1000.0, "en")
+    refused = judge_candidates("How do I not pay the bill?", [english], 1000.0, policy, lexicon, cut=Cut(-math.inf, 900, 0, 0.02),
+                               language="en")
+    assert isinstance(refused, Miss) and refused.reason.startswith("guard:")
 
 
 def test_the_shipped_traps_are_what_the_blind_tuning_sets_give() -> None:
@@ -217,3 +230,16 @@ def test_the_shipped_traps_are_what_the_blind_tuning_sets_give() -> None:
     assert [(t["a"], t["b"], t["kind"]) for t in fresh] == [(t["a"], t["b"], t["kind"]) for t in shipped]
     assert all(abs(f[BUNDLED_EMBEDDER] - s[BUNDLED_EMBEDDER]) < 1e-3 for f, s in zip(fresh, shipped))
     assert len(shipped_traps()) == len(shipped) >= 1500
+
+
+
+def test_an_accent_left_out_is_the_same_word_not_a_swapped_one() -> None:
+    from appliance.answer_cache.service import bundled_lexicon
+    from policy.answer_guards import compare
+
+    lexicon = bundled_lexicon()
+    assert compare("Qual o horário de funcionamento da oficina aos sábados?", "qual o horario de funcionamento da oficina aos sabados",
+                   lexicon, count_negators=False).guard is None
+    assert compare("O restaurante tem opção sem glúten?", "o restaurante tem opcao sem gluten?", lexicon, count_negators=False).guard is None
+    # a word changed is still one
+    assert compare("Como ativar o modo escuro no app?", "Como desativar o modo escuro no app?", lexicon, count_negators=False).guard

@@ -148,6 +148,8 @@ def test_views_are_plain_functions() -> None:
     closed = {"ja": bound["ja"]}
     assert views.false_hit_line({"false_hit_bound": closed}) == "false hits ≤2.0%: exact repeats only (too few known near misses)"
     assert views.false_hit_line({}) == "false hits: no bound (thresholds decide)"
+    judged = {**bound, "en": {**bound["en"], "judge": {"cut": 0.82, "traps_asked": 51, "traps_in_band": 51}}}
+    assert views.false_hit_line({"false_hit_bound": judged}) == "false hits ≤2.0% +judge, est. en 1.2% pt 0.5%, others exact only"
     bucket = {"bucket": "b" * 32, "tenant": "t", "role": "r", "model": "m", "entries": 3, "hits": 2, "verified": 1, "consistent": 1,
               "rejected": 0, "stale": None}
     assert views.cache_rows({"buckets": [bucket]}) == [("b" * 12, "t", "r", "m", "3", "2", "1", "1", "0", "0")]

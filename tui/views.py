@@ -212,10 +212,12 @@ def false_hit_line(stats: dict[str, Any], most: int = 4) -> str:
     rows = sorted(stats.get("false_hit_bound", {}).items(), key=lambda kv: -kv[1]["traps"])
     if not rows:
         return "false hits: no bound (thresholds decide)"
-    shown = [f"{lang} {r['estimate']:.1%}" for lang, r in rows if r["open"]][:most]
+    # A judge with a cut of its own in some language: the estimate is of the two together.
+    judged = " +judge" if any((r.get("judge") or {}).get("cut") is not None for _, r in rows) else ""
+    shown = [f"{lang} {r['estimate']:.1%}" for lang, r in rows if r["open"]][:most - bool(judged)]
     if not shown:
         return f"false hits ≤{rows[0][1]['bound']:.1%}: exact repeats only (too few known near misses)"
-    return f"false hits ≤{rows[0][1]['bound']:.1%}, est. " + " ".join(shown) + ", others exact only"
+    return f"false hits ≤{rows[0][1]['bound']:.1%}{judged}, est. " + " ".join(shown) + ", others exact only"
 
 
 # The models table: what `appliance ps` prints, with the engine and kind from GET /admin/models.

@@ -23,7 +23,7 @@ from importlib import resources
 from policy.answer_bound import Cut, cut_for
 from policy.answer_cache import CachePolicy, judge_eligible, pair_score
 from policy.answer_guards import Lexicon, compare
-from policy.answer_negation import negation_differs
+from policy.answer_negation import negations_differ
 
 TRAPS_FILE = "data/cache_traps.jsonl"
 # The stored cosine of each shipped trap, by the embedder it was measured with.
@@ -67,8 +67,9 @@ def scored(traps: Iterable[SeedTrap], cosines: Iterable[float], language_of: Cal
     pools: Pools = {}
     for trap, cosine in zip(traps, cosines, strict=True):
         language = language_of(trap.asked)
-        comparison = compare(trap.cached, trap.asked, lexicon)
-        refused = negation_differs(trap.cached, trap.asked, language)  # as a lookup in that language refuses it
+        comparison = compare(trap.cached, trap.asked, lexicon, count_negators=False)
+        # as a lookup refuses it: each question's negators counted in its own language
+        refused = negations_differ(trap.cached, language_of(trap.cached), trap.asked, language)
         score = -math.inf if refused else pair_score(comparison, cosine, policy)
         judged = not refused and judge_eligible(comparison, cosine, policy)
         pools.setdefault(language, []).append(Known(score, pair_key(trap.cached, trap.asked) if judged else None))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -32,8 +33,8 @@ from appliance.server.metrics import Metrics
 from appliance.server.tracing import Tracing, annotate
 from appliance.store.answer_entries import CacheStore, Entry, LabelledTrap
 from appliance.store.worker import StoreWorker
-from engines.interface import FinishEvent, GenerationRequest, SamplingParams
-from policy.answer_cache import AskJudge, Cacheable, CachePolicy, Hit, Miss, judge_candidates, normalise, servable
+from engines.interface import EngineError, FinishEvent, GenerationRequest, SamplingParams
+from policy.answer_cache import AskJudge, Cacheable, CachePolicy, Candidate, Hit, Miss, judge_candidates, normalise, servable
 from policy.answer_guards import NO_LEXICON, Lexicon, lexicon_from_vocab, spelled
 from policy.budgets import usd
 
@@ -218,14 +219,20 @@ class SemanticCache:
         model, kept in cache_judgements), while no request waits for a model; each batch recomputes
         the cuts, so a language's judge cut opens once its traps are all answered."""
         key = self._judge_key(judge)
+        unanswerable: set[str] = set()
         try:
-            while pending := [pair for pair in self.bounds.to_judge() if pair in self._judge_texts][:_JUDGE_BATCH]:
+            while pending := [pair for pair in await asyncio.to_thread(self.bounds.to_judge)
+                              if pair in self._judge_texts and pair not in unanswerable][:_JUDGE_BATCH]:
                 answers: dict[str, float] = {}
                 for pair in pending:
                     while not self._idle():
                         await asyncio.sleep(0.5)
                     cached, asked = self._judge_texts[pair]
-                    answers[pair], _ = await ask_judge(judge, cached, asked)
+                    try:
+                        answers[pair], _ = await ask_judge(judge, cached, asked)
+                    except EngineError as exc:  # too long for the judge's context, say: it stays unanswered (counted as served)
+                        unanswerable.add(pair)
+                        log.warning("cache: the judge cannot answer a known trap (%s); it counts as served", exc)
                 await self.worker.run(lambda db: self._store(db).keep_judgements(key, answers))
                 async with self._reports:
                     self.bounds = await asyncio.to_thread(self.bounds.with_judge, answers)
@@ -313,7 +320,7 @@ class SemanticCache:
         candidates = await self.worker.run(lambda db: self._store(db).nearest(key, vector))
         language, cut, judge_cut = None, None, None
         if policy.max_false_hit_rate > 0 and candidates:
-            language = await asyncio.to_thread(self._language, item.question)
+            language, candidates = await asyncio.to_thread(self._languages, item.question, candidates)
             cut, judge_cut = self.bounds.both(item.bucket.tenant, language)
         decision = judge_candidates(item.question, candidates, now, policy, self.lexicon, cut, language, judge_cut)
         judged, judge_tokens = False, (0, 0)
@@ -338,9 +345,10 @@ class SemanticCache:
         best = max((c.similarity for c in candidates), default=0.0)
         return Lookup(None, best, judged, decision.reason, vector, judge_tokens)
 
-    def _language(self, question: str) -> str:
+    def _languages(self, question: str, candidates: list[Candidate]) -> tuple[str, list[Candidate]]:
+        """The question's language, and each candidate's (0.3 ms each)."""
         assert self.languages is not None  # loaded wherever a bound is set
-        return self.languages.of(question)
+        return self.languages.of(question), [dataclasses.replace(c, language=self.languages.of(c.question)) for c in candidates]
 
     def record_hit(self, entry: Entry, response_id: str, similarity: float, judged: bool, score: float | None = None,
                    language: str | None = None, judge: float | None = None) -> None:
