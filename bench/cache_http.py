@@ -8,7 +8,7 @@ the cache's own estimate of the share of near misses it serves (GET /admin/cache
     .venv/bin/python -m bench.cache_http --bounds 0.02 --judge ~/.cache/appliance/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
         --judgements bench/runs/cache-bound/judge-qwen1.5b.json tests/data/cache_pairs_sealed3_pt.jsonl
 
---judge adds a chat model as [cache] judge_model (judge_band 0.5 unless --judge-band says) and waits until
+--judge adds a chat model as [cache] judge_model (judge_band 0.3 unless --judge-band says) and waits until
 it has answered the known traps of every language with enough of them; --judgements keeps its answers in
 a file between runs (loaded into the new database before the server starts, written back after).
 
@@ -54,7 +54,7 @@ def sealed_sets() -> list[tuple[str, list[dict[str, str]]]]:
     return out
 
 
-def config(bound: float, judge: Path | None = None, judge_band: float = 0.5) -> str:
+def config(bound: float, judge: Path | None = None, judge_band: float = 0.3) -> str:
     text = (ROOT / "models.toml").read_text()
     text = re.sub(r"(?m)^max_false_hit_rate = .*$", f"max_false_hit_rate = {bound}", text)
     text = re.sub(r"(?m)^sweep_interval_s = .*$", "sweep_interval_s = 0", text)
@@ -150,7 +150,7 @@ def main() -> int:
     parser.add_argument("--bounds", default="0.02", help="max_false_hit_rate values, one server each")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--judge", type=Path, help="a chat model's GGUF as the cache's judge")
-    parser.add_argument("--judge-band", type=float, default=0.5)
+    parser.add_argument("--judge-band", type=float, default=0.3)
     parser.add_argument("--judgements", type=Path, help="the judge's answers on known traps, kept between runs")
     args = parser.parse_args()
     sets = sealed_sets() if args.sealed else []
