@@ -15,6 +15,7 @@ what the cache saves per 1,000 requests, before (as recorded) and after (replaye
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -25,8 +26,9 @@ from appliance.answer_cache.calibration import Bounds
 from appliance.answer_cache.service import bundled_lexicon
 from appliance.fleet.embedders import bundled_minilm
 from bench.kit.paths import ROOT
-from policy.answer_cache import CachePolicy, normalise, pair_score
-from policy.answer_guards import compare, spelled
+from policy.answer_bound import Cut
+from policy.answer_cache import AskJudge, CachePolicy, Candidate, Hit, judge_candidates, normalise
+from policy.answer_guards import spelled
 
 SPLITS = ROOT / "bench" / "workload" / "splits"
 
@@ -34,6 +36,7 @@ SPLITS = ROOT / "bench" / "workload" / "splits"
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bound", type=float, default=CachePolicy().max_false_hit_rate)
+    parser.add_argument("--judge-band", type=float, default=0.3, help="for counting the lookups a judge would be asked about")
     parser.add_argument("--run", type=Path, default=ROOT / "bench" / "runs" / "economics-evaluation")
     args = parser.parse_args()
     outcomes = [json.loads(line) for line in (args.run / "outcomes.jsonl").read_text().splitlines() if line.strip()]
@@ -42,22 +45,29 @@ def main() -> int:
     requests = {r["id"]: r for r in map(json.loads, (SPLITS / f"{split}.jsonl").read_text().splitlines())}
     cost = {o["id"]: o["cost_nanos"] for o in whole}
     # Each request's stored answer's cost, as the cache keeps it: what its model call cost when first answered.
-    policy = CachePolicy(max_false_hit_rate=args.bound)
+    policy = CachePolicy(max_false_hit_rate=args.bound, freshness_s=math.inf)
+    judging = dataclasses.replace(policy, judge_band=args.judge_band)
     lexicon, languages, embedder = bundled_lexicon(), language.load(), bundled_minilm()
     bounds = Bounds.of(args.bound, calibration.shipped_pools(languages.of, lexicon, policy), {})
 
+    judge_asks: list[str] = []
+
     def decided(request: dict[str, object]) -> tuple[bool, str]:
-        """Whether today's cache serves this request the answer stored for its cache_of, and why."""
+        """Whether today's cache serves this request the answer stored for its cache_of, and why (the
+        lookup's own decision, policy/answer_cache.py: judge_candidates, with no judge)."""
         stored = requests[str(request["cache_of"])]
         cached, asked = stored["messages"][-1]["content"], request["messages"][-1]["content"]  # type: ignore[index]
         if normalise(cached) == normalise(asked):
             return True, "exact"
         va, vb = embedder.embed_now([spelled(cached, lexicon), spelled(asked, lexicon)])
-        score = pair_score(compare(cached, asked, lexicon), float(va @ vb), policy)
-        cut = bounds.cut("replay", languages.of(asked))
-        if score == -math.inf:
-            return False, "a guard or the similarity floor, not the bound"
-        return cut.admits(score), f"score {score:.3f}, cut {cut.score:.3f}"
+        language = languages.of(asked)
+        candidate = Candidate(0, cached, float(va @ vb), "verified", 0.0, languages.of(cached))
+        cut = bounds.cut("replay", language)
+        decision = judge_candidates(asked, [candidate], 0.0, policy, lexicon, cut, language)
+        # where a judge with an open cut would be asked (and charged), had one been configured
+        if isinstance(judge_candidates(asked, [candidate], 0.0, judging, lexicon, cut, language, Cut(-math.inf, 1, 1, 1.0)), AskJudge):
+            judge_asks.append(str(request["id"]))
+        return isinstance(decision, Hit), decision.reason if not isinstance(decision, Hit) else f"score {decision.score:.3f}, cut {cut.score:.3f}"
 
     try:
         before_hits = [o for o in whole if o["answered_by"] == "cache"]
@@ -84,6 +94,7 @@ def main() -> int:
     print(f"after (bound {args.bound}): cache share {len(kept) / n:.1%}, traps served {len(trap_served)}, "
           f"cost-weighted verified hit rate {kept_saved / total:.2%}, saved ${kept_saved / 1e9 * 1000 / n:.6f} per 1,000 requests; "
           "no judge or verification call is made (the bound needs none)")
+    print(f"with a judge configured, {len(set(judge_asks))} of these lookups would ask it (a call each, charged to the caller)")
     for o, why in dropped:
         r = requests[o["id"]]
         print(f"  no longer served: {r['cache']} {o['id']} ({why}): {r['messages'][-1]['content'][:70]!r}")
