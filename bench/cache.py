@@ -7,6 +7,7 @@ buckets, the embedder's latency, and a hit through HTTP against the model call i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -60,7 +61,8 @@ def fill(store: CacheStore, entries: int, buckets: int, rng: np.random.Generator
 
 def lookups(store: CacheStore, keys: list[str], n: int, rng: np.random.Generator) -> list[float]:
     """What the server does for one request after embedding: exact hash, nearest 4 in the
-    bucket, the question's language, the decision under the error bound, and reading the entry."""
+    bucket, the question's language and each candidate's, the decision under the error bound, and
+    reading the entry."""
     policy = CachePolicy()
     languages = language.load()
     pools = calibration.shipped_pools(languages.of, bundled_lexicon(), policy)
@@ -73,8 +75,10 @@ def lookups(store: CacheStore, keys: list[str], n: int, rng: np.random.Generator
         started = time.perf_counter()
         store.exact(key, question_hash(f"unseen {i}"))
         candidates = store.nearest(key, vector)
-        languages.of(f"How do I reset my password, take {i}?")
-        judge_candidates(f"unseen {i}", candidates, time.time(), policy, cut=cut)
+        asked = f"How do I reset my password, take {i}?"
+        asked_language = languages.of(asked)
+        candidates = [dataclasses.replace(c, language=languages.of(c.question)) for c in candidates]  # as the server names them
+        judge_candidates(asked, candidates, time.time(), policy, cut=cut, language=asked_language)
         store.get(candidates[0].entry_id)
         times.append(time.perf_counter() - started)
     return times
