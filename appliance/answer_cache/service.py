@@ -175,12 +175,12 @@ class SemanticCache:
         language, with callers' reports: the cuts in force. The bundled embedder's cosines ship with
         the traps; another embedder's are measured here once per start (minutes on a small model)."""
         assert self.embedder is not None and self.languages is not None
+        traps = await asyncio.to_thread(calibration.shipped_traps)
         if self.settings.embedder == calibration.BUNDLED_EMBEDDER:
-            seeds = await asyncio.to_thread(calibration.shipped_pools, self.languages.of, self.lexicon, self.policy)
+            cosines = [t.cosine or 0.0 for t in traps]
         else:
-            traps = await asyncio.to_thread(calibration.shipped_traps)
             cosines = await self._cosines([(t.cached, t.asked) for t in traps])
-            seeds = await asyncio.to_thread(calibration.scored, traps, cosines, self.languages.of, self.lexicon, self.policy)
+        seeds = await asyncio.to_thread(calibration.scored, traps, cosines, self.languages.of, self.lexicon, self.policy)
         by_tenant: dict[str, calibration.Pools] = {}
         for r in await self.worker.run(lambda db: self._store(db).reported()):
             by_tenant.setdefault(r.tenant, {}).setdefault(r.language, []).append(Known(r.score, REPORTED, r.judge))
@@ -188,12 +188,14 @@ class SemanticCache:
         for tenant, pools in (await self._scored(labelled)).items():
             calibration.merge(seeds if tenant == "" else by_tenant.setdefault(tenant, {}), pools)
         judge = self._judge()
-        self.bounds = await asyncio.to_thread(Bounds.of, self.policy.max_false_hit_rate, seeds, by_tenant, judge is not None)
-        if judge is not None:
+        if judge is not None:  # the judge's kept answers, before the cuts are computed once
             key = self._judge_key(judge)
             answers = await self.worker.run(lambda db: self._store(db).judgements(key))
-            self.bounds = await asyncio.to_thread(self.bounds.with_judge, answers)
-            self._ask_judge_about([*await asyncio.to_thread(calibration.shipped_traps), *labelled])
+            seeds, by_tenant = await asyncio.to_thread(lambda: (calibration.with_judge(seeds, answers), {
+                tenant: calibration.with_judge(pools, answers) for tenant, pools in by_tenant.items()}))
+        self.bounds = await asyncio.to_thread(Bounds.of, self.policy.max_false_hit_rate, seeds, by_tenant, judge is not None)
+        if judge is not None:
+            self._ask_judge_about([*traps, *labelled])
         self._publish_bounds()
 
     def _judge(self) -> LoadedModel | None:
