@@ -54,8 +54,13 @@ def sealed_sets() -> list[tuple[str, list[dict[str, str]]]]:
     return out
 
 
-def config(bound: float, judge: Path | None = None, judge_band: float = 0.3) -> str:
+def config(bound: float, judge: Path | None = None, judge_band: float = 0.3, embedder: str | None = None,
+           floor: float | None = None) -> str:
     text = (ROOT / "models.toml").read_text()
+    if embedder is not None:
+        text = re.sub(r'(?m)^embedder = "[^"]*"', f'embedder = "{embedder}"', text)
+    if floor is not None:
+        text = re.sub(r"(?m)^similarity_threshold = .*$", f"similarity_threshold = {floor}", text)
     text = re.sub(r"(?m)^max_false_hit_rate = .*$", f"max_false_hit_rate = {bound}", text)
     text = re.sub(r"(?m)^sweep_interval_s = .*$", "sweep_interval_s = 0", text)
     assert f"max_false_hit_rate = {bound}" in text
@@ -152,6 +157,8 @@ def main() -> int:
     parser.add_argument("--judge", type=Path, help="a chat model's GGUF as the cache's judge")
     parser.add_argument("--judge-band", type=float, default=0.3)
     parser.add_argument("--judgements", type=Path, help="the judge's answers on known traps, kept between runs")
+    parser.add_argument("--embedder", help="[cache] embedder in place of the shipped one (minilm, e5-small)")
+    parser.add_argument("--floor", type=float, help="[cache] similarity_threshold in place of the shipped one")
     args = parser.parse_args()
     sets = sealed_sets() if args.sealed else []
     sets += [(p.name, [json.loads(line) for line in p.read_text().splitlines() if line.strip()]) for p in args.pairs]
@@ -161,7 +168,7 @@ def main() -> int:
     for bound in (float(b) for b in args.bounds.split(",")):
         with tempfile.TemporaryDirectory(prefix="cache-http-") as tmp:
             workdir = Path(tmp)
-            write_config(workdir, config(bound, args.judge, args.judge_band))
+            write_config(workdir, config(bound, args.judge, args.judge_band, args.embedder, args.floor))
             db = workdir / "home" / "appliance.db"
             db.parent.mkdir(parents=True, exist_ok=True)
             if args.judge is not None:

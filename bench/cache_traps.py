@@ -1,6 +1,6 @@
 """Writes appliance/data/cache_traps.jsonl: the near misses (pairs labelled miss) of the pair sets
 written blind (by writers who saw no guard or other set), with each pair's cosine by the bundled
-embedder, from which the answer cache computes its error bound per language at start. Never from
+embedder (each of fleet.embedders.BUNDLED), from which the answer cache computes its error bound per language at start. Never from
 tests/data/sealed/ (held out, measured once), and never from the sets the guards were written
 against (cache_pairs.jsonl, _tune2, _tune3, _heldout, _heldout2): the guards catch those traps far
 more often than anyone else's, so a bound counted on them promised 2% and served 4% of unseen
@@ -17,18 +17,15 @@ import argparse
 import json
 import sys
 
-from appliance.answer_cache.calibration import BUNDLED_EMBEDDER, TRAPS_FILE
+from appliance.answer_cache.calibration import TRAPS_FILE
 from bench.kit.paths import ROOT
 
 SOURCES = sorted((ROOT / "tests" / "data").glob("cache_pairs_blind_*.jsonl")) + sorted((ROOT / "tests" / "data").glob("cache_seeds_*.jsonl"))
 OUT = ROOT / "appliance" / TRAPS_FILE
 
 
-def rows() -> list[dict[str, object]]:
-    from appliance.answer_cache.service import bundled_lexicon
-    from appliance.fleet.embedders import bundled_minilm
-    from policy.answer_guards import spelled
-
+def rows(embedders: tuple[str, ...] | None = None) -> list[dict[str, object]]:
+    """Every near miss of the sources, once, with its cosine by each of `embedders` (all bundled ones)."""
     traps: list[dict[str, object]] = []
     seen: set[tuple[str, str]] = set()
     for path in SOURCES:
@@ -40,16 +37,29 @@ def rows() -> list[dict[str, object]]:
                 continue
             seen.add((r["a"], r["b"]))
             traps.append({"a": r["a"], "b": r["b"], "kind": r["kind"], "lang": r.get("lang", "en"), "source": path.name})
-    lexicon, embedder = bundled_lexicon(), bundled_minilm()
-    try:
-        # Spelled as the cache spells a question before embedding it, here and in stored vectors.
-        texts = sorted({spelled(str(t[side]), lexicon) for t in traps for side in ("a", "b")})
-        vectors = dict(zip(texts, embedder.embed_now(texts)))
-    finally:
-        embedder.close()
-    for t in traps:
-        t[BUNDLED_EMBEDDER] = round(float(vectors[spelled(str(t["a"]), lexicon)] @ vectors[spelled(str(t["b"]), lexicon)]), 6)
+    from appliance.fleet.embedders import BUNDLED
+
+    for name in embedders or tuple(BUNDLED):
+        for t, cosine in zip(traps, cosines(name, [(str(t["a"]), str(t["b"])) for t in traps]), strict=True):
+            t[name] = cosine
     return traps
+
+
+def cosines(embedder: str, pairs: list[tuple[str, str]]) -> list[float]:
+    """Each pair's cosine by a bundled embedder, both questions spelled as the cache spells a question
+    before embedding it (here and in stored vectors)."""
+    from appliance.answer_cache.service import bundled_lexicon
+    from appliance.fleet.embedders import BUNDLED
+    from policy.answer_guards import spelled
+
+    lexicon = bundled_lexicon()
+    texts = sorted({spelled(q, lexicon) for pair in pairs for q in pair})
+    model = BUNDLED[embedder]()
+    try:
+        vectors = dict(zip(texts, model.embed_now(texts)))
+    finally:
+        model.close()
+    return [round(float(vectors[spelled(a, lexicon)] @ vectors[spelled(b, lexicon)]), 6) for a, b in pairs]
 
 
 def main() -> int:

@@ -140,6 +140,7 @@ class Hit:
 class AskJudge:
     candidate: Candidate
     score: float | None = None  # its pair score, where an error bound is in force
+    flagged: bool = False  # a soft guard flagged it: the judge's answer is read by judge_score
 
 
 @dataclass(frozen=True)
@@ -166,9 +167,27 @@ def pair_score(comparison: Comparison, similarity: float, policy: CachePolicy) -
     return similarity + (0.0 if comparison.differs else 1.0)
 
 
+# Guards a judge may overrule under an error bound, on a stricter reading of its answer: they read names,
+# abbreviations and reworded verbs through English word lists, and refuse many true rewordings in other
+# languages ("CNH" / "carteira de motorista"). Negations, numbers and dates stay hard: no judge overrules them.
+SOFT_GUARDS = frozenset({"entity", "swap", "scope"})
+# How much surer the judge must be where a soft guard flagged the pair, in log-odds (tuned on the tuning
+# pair sets: docs/performance/cache.md).
+FLAGGED_LOG_ODDS = 2.0
+
+
 def judge_eligible(comparison: Comparison, similarity: float, policy: CachePolicy) -> bool:
-    """A pair the judge may be asked about: no guard flags it and it is in the judge band or above."""
-    return comparison.guard is None and similarity >= policy.judge_band
+    """A pair the judge may be asked about: in the judge band or above, and no guard flags it but a soft one."""
+    return (comparison.guard is None or comparison.guard in SOFT_GUARDS) and similarity >= policy.judge_band
+
+
+def judge_score(probability: float, flagged: bool) -> float:
+    """The judge's P(same answer) as its cut reads it: on a pair a soft guard flagged, discounted by
+    FLAGGED_LOG_ODDS. The same function scores the known traps and the lookups, so one cut holds both."""
+    if not flagged:
+        return probability
+    p = min(max(probability, 1e-12), 1 - 1e-12)
+    return 1.0 / (1.0 + math.exp(FLAGGED_LOG_ODDS - math.log(p / (1 - p))))
 
 
 def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy: CachePolicy,
@@ -183,6 +202,8 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
     reason = "no candidate"
     band: Candidate | None = None
     band_score = -math.inf
+    band_flagged = False
+    judging = cut is not None and judge_cut is not None and judge_cut.score < math.inf
     floor = min(policy.judge_band, policy.similarity_threshold - policy.same_words_relief)
     for c in sorted(candidates, key=lambda c: -c.similarity):
         if c.similarity < floor:
@@ -192,7 +213,7 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
             reason = "stale" if c.state in SERVED else c.state
             continue
         comparison = compare(c.question, asked, lexicon, count_negators=language is None)
-        if comparison.guard is not None:
+        if comparison.guard is not None and not (judging and comparison.guard in SOFT_GUARDS):
             reason = f"guard:{comparison.guard}"
             continue
         if language is not None and negations_differ(c.question, c.language or language, asked, language):
@@ -202,9 +223,11 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
             score = pair_score(comparison, c.similarity, policy)
             if score > -math.inf and cut.admits(score):
                 return Hit(c.entry_id, c.similarity, judged=False, score=score)
-            if band is None and judge_cut is not None and judge_cut.score < math.inf and judge_eligible(comparison, c.similarity, policy):
-                band = c
-                band_score = score
+            if band is None and judging and judge_eligible(comparison, c.similarity, policy):
+                band, band_score, band_flagged = c, score, comparison.guard is not None
+            if comparison.guard is not None:
+                reason = f"guard:{comparison.guard}"
+                continue
             if score > -math.inf:
                 reason = "bound"  # a candidate only the bound refused says more than one below its threshold
             elif reason == "no candidate":
@@ -217,5 +240,5 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
         if reason == "no candidate":
             reason = "similarity"
     if band is not None:
-        return AskJudge(band, band_score if cut is not None else None)
+        return AskJudge(band, band_score if cut is not None else None, band_flagged)
     return Miss(reason)

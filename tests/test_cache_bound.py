@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.answer_cache.calibration import EVERYONE, SEEDS, Bounds, Known, cuts_for
+from appliance.answer_cache.calibration import EVERYONE, SEEDS, Bounds, Known, cuts_for, with_judge
 from policy.answer_bound import ALPHA, Cut, cut_for, most_served, served_share, upper_bound
 from policy.answer_cache import AskJudge, CachePolicy, Candidate, Hit, Miss, judge_candidates, pair_score
 from policy.answer_guards import Comparison
@@ -169,11 +169,34 @@ def test_under_a_bound_the_judge_is_asked_where_it_has_a_cut_of_its_own() -> Non
         _candidate(0.85, stored), 0.85)
     assert judge_candidates(asked, [_candidate(0.55, stored)], 1000.0, policy, cut=closed, judge_cut=judge) == AskJudge(
         _candidate(0.55, stored), -math.inf)
-    # below the band, or the judge's cut closed, or a guard: no judge
+    # below the band, or the judge's cut closed, or a hard guard: no judge
     assert judge_candidates(asked, [_candidate(0.45, stored)], 1000.0, policy, cut=closed, judge_cut=judge) == Miss("similarity")
     assert judge_candidates(asked, [_candidate(0.85, stored)], 1000.0, policy, cut=closed, judge_cut=closed) == Miss("bound")
-    assert judge_candidates("How do I reset my password on Android?", [_candidate(0.95, stored)], 1000.0, policy,
-                            cut=closed, judge_cut=judge) == Miss("guard:entity")
+    assert judge_candidates("How do I reset my password in 2 steps?", [_candidate(0.95, stored)], 1000.0, policy,
+                            cut=closed, judge_cut=judge) == Miss("guard:number")
+    assert judge_candidates("How do I never reset my password?", [_candidate(0.95, stored)], 1000.0, policy,
+                            cut=closed, judge_cut=judge) == Miss("guard:negation")
+    # a soft guard (entity, swap, scope): the judge, whose answer is read more strictly; no judge, no hit
+    android = "How do I reset my password on Android?"
+    assert judge_candidates(android, [_candidate(0.95, stored)], 1000.0, policy, cut=closed, judge_cut=judge) == AskJudge(
+        _candidate(0.95, stored), -math.inf, flagged=True)
+    assert judge_candidates(android, [_candidate(0.95, stored)], 1000.0, policy, cut=closed, judge_cut=closed) == Miss("guard:entity")
+    assert judge_candidates(android, [_candidate(0.95, stored)], 1000.0, policy, cut=Cut(-math.inf, 900, 900, 0.02)) == Miss("guard:entity")
+
+
+def test_a_soft_guards_flag_makes_the_judge_answer_count_for_less() -> None:
+    """judge_score: the same P is read lower on a flagged pair, by FLAGGED_LOG_ODDS, monotone in P, and
+    the known traps are read the same way, so one cut holds both kinds of pair."""
+    from policy.answer_cache import FLAGGED_LOG_ODDS, judge_score
+
+    assert judge_score(0.9, False) == 0.9
+    assert judge_score(0.9, True) == pytest.approx(1 / (1 + math.exp(FLAGGED_LOG_ODDS - math.log(9))))
+    ps = [0.0, 0.1, 0.5, 0.9, 0.99, 1.0]
+    flagged = [judge_score(p, True) for p in ps]
+    assert flagged == sorted(flagged) and all(f < p or p == 0.0 for f, p in zip(flagged, ps))
+    pools = {"en": [Known(-math.inf, "a", flagged=True), Known(-math.inf, "b")]}
+    read = with_judge(pools, {"a": 0.9, "b": 0.9})["en"]
+    assert read[0].judge == judge_score(0.9, True) < read[1].judge == 0.9
 
 
 @pytest.mark.parametrize(("language", "cached", "asked"), [
@@ -218,18 +241,23 @@ def test_a_negator_of_one_language_is_an_ordinary_word_of_another() -> None:
 
 def test_the_shipped_traps_are_what_the_blind_tuning_sets_give() -> None:
     """appliance/data/cache_traps.jsonl against `python -m bench.cache_traps` now: every near miss of the
-    blind-written sets, none of the sealed ones, each with the bundled embedder's cosine."""
+    blind-written sets, none of the sealed ones, each with every bundled embedder's cosine."""
     import json
 
-    from appliance.answer_cache.calibration import BUNDLED_EMBEDDER, shipped_traps
+    from appliance.answer_cache.calibration import shipped_traps
+    from appliance.fleet.embedders import BUNDLED
     from bench import cache_traps
 
     assert all("sealed" not in str(path.parent) for path in cache_traps.SOURCES)
-    fresh = cache_traps.rows()
+    fresh = cache_traps.rows(("minilm",))
     shipped = [json.loads(line) for line in cache_traps.OUT.read_text(encoding="utf-8").splitlines()]
     assert [(t["a"], t["b"], t["kind"]) for t in fresh] == [(t["a"], t["b"], t["kind"]) for t in shipped]
-    assert all(abs(f[BUNDLED_EMBEDDER] - s[BUNDLED_EMBEDDER]) < 1e-3 for f, s in zip(fresh, shipped))
-    assert len(shipped_traps()) == len(shipped) >= 1500
+    assert all(abs(f["minilm"] - s["minilm"]) < 1e-3 for f, s in zip(fresh, shipped))
+    sample = shipped[::25]  # the multilingual embedder takes minutes over them all on one thread
+    for name in set(BUNDLED) - {"minilm"}:
+        again = cache_traps.cosines(name, [(t["a"], t["b"]) for t in sample])
+        assert all(abs(c - t[name]) < 1e-3 for c, t in zip(again, sample))
+    assert len(shipped_traps("e5-small")) == len(shipped) >= 1500
 
 
 

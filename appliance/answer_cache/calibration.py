@@ -21,13 +21,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from policy.answer_bound import Cut, cut_for
-from policy.answer_cache import CachePolicy, judge_eligible, pair_score
+from policy.answer_cache import CachePolicy, judge_eligible, judge_score, pair_score
 from policy.answer_guards import Lexicon, compare
 from policy.answer_negation import negations_differ
 
 TRAPS_FILE = "data/cache_traps.jsonl"
-# The stored cosine of each shipped trap, by the embedder it was measured with.
-BUNDLED_EMBEDDER = "minilm"
 
 
 @dataclass(frozen=True)
@@ -35,13 +33,14 @@ class SeedTrap:
     cached: str
     asked: str
     kind: str
-    cosine: float | None  # by the bundled embedder, as shipped
+    cosine: float | None  # by the embedder asked for, as shipped; None: not shipped for it
 
 
-def shipped_traps() -> list[SeedTrap]:
+def shipped_traps(embedder: str = "minilm") -> list[SeedTrap]:
+    """The shipped traps, each with its stored cosine by `embedder` (a name in fleet.embedders.BUNDLED)."""
     text = resources.files("appliance").joinpath(TRAPS_FILE).read_text(encoding="utf-8")
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    return [SeedTrap(r["a"], r["b"], r["kind"], r.get(BUNDLED_EMBEDDER)) for r in rows]
+    return [SeedTrap(r["a"], r["b"], r["kind"], r.get(embedder)) for r in rows]
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,8 @@ class Known:
 
     score: float
     pair: str | None = None  # what the judge's answer is kept under (pair_key); None: not a question for the judge
-    judge: float | None = None
+    judge: float | None = None  # as its cut reads it (policy/answer_cache.py: judge_score)
+    flagged: bool = False  # a soft guard flagged the pair: only the judge may serve it, on a stricter reading
 
 
 Pools = dict[str, list[Known]]  # language -> known traps
@@ -72,13 +72,14 @@ def scored(traps: Iterable[SeedTrap], cosines: Iterable[float], language_of: Cal
         refused = negations_differ(trap.cached, language_of(trap.cached), trap.asked, language)
         score = -math.inf if refused else pair_score(comparison, cosine, policy)
         judged = not refused and judge_eligible(comparison, cosine, policy)
-        pools.setdefault(language, []).append(Known(score, pair_key(trap.cached, trap.asked) if judged else None))
+        pools.setdefault(language, []).append(Known(score, pair_key(trap.cached, trap.asked) if judged else None,
+                                                    flagged=comparison.guard is not None))
     return pools
 
 
-def shipped_pools(language_of: Callable[[str], str], lexicon: Lexicon, policy: CachePolicy) -> Pools:
-    """The shipped traps scored with the bundled embedder's cosines they carry (blocking)."""
-    traps = shipped_traps()
+def shipped_pools(language_of: Callable[[str], str], lexicon: Lexicon, policy: CachePolicy, embedder: str = "minilm") -> Pools:
+    """The shipped traps scored with a bundled embedder's cosines they carry (blocking)."""
+    traps = shipped_traps(embedder)
     return scored(traps, [t.cosine or 0.0 for t in traps], language_of, lexicon, policy)
 
 
@@ -88,8 +89,10 @@ def merge(into: Pools, more: Pools) -> None:
 
 
 def with_judge(pools: Pools, answers: dict[str, float]) -> Pools:
-    """The pools with the judge's answers filled in where it has given them."""
-    return {language: [Known(k.score, k.pair, answers.get(k.pair, k.judge)) if k.pair is not None else k for k in known]
+    """The pools with the judge's answers (its P(same answer) by pair) filled in where it has given them,
+    each as the judge's cut reads it."""
+    return {language: [Known(k.score, k.pair, judge_score(answers[k.pair], k.flagged), k.flagged)
+                       if k.pair is not None and k.pair in answers else k for k in known]
             for language, known in pools.items()}
 
 

@@ -27,14 +27,14 @@ from appliance.answer_cache import language as languages
 from appliance.answer_cache.calibration import Bounds, Known
 from appliance.config.settings import CacheSettings, ModelSettings, TracingSettings
 from appliance.evaluation.judge import yes_probability
-from appliance.fleet.embedders import Embedder, EngineEmbedder, bundled_minilm
+from appliance.fleet.embedders import BUNDLED, Embedder, EngineEmbedder
 from appliance.fleet.registry import LoadedModel, Registry
 from appliance.server.metrics import Metrics
 from appliance.server.tracing import Tracing, annotate
 from appliance.store.answer_entries import CacheStore, Entry, LabelledTrap
 from appliance.store.worker import StoreWorker
 from engines.interface import EngineError, FinishEvent, GenerationRequest, SamplingParams
-from policy.answer_cache import AskJudge, Cacheable, CachePolicy, Candidate, Hit, Miss, judge_candidates, normalise, servable
+from policy.answer_cache import AskJudge, Cacheable, CachePolicy, Candidate, Hit, Miss, judge_candidates, judge_score, normalise, servable
 from policy.answer_guards import NO_LEXICON, Lexicon, lexicon_from_vocab, spelled
 from policy.budgets import usd
 
@@ -140,8 +140,8 @@ class SemanticCache:
         if not self.settings.enabled:
             return
         self.lexicon = await asyncio.to_thread(bundled_lexicon)
-        if self.settings.embedder == "minilm":
-            self.embedder = await asyncio.to_thread(bundled_minilm)
+        if self.settings.embedder in BUNDLED:
+            self.embedder = await asyncio.to_thread(BUNDLED[self.settings.embedder])
         else:
             model = self.registry.get(self.settings.embedder)
             assert model is not None  # settings checked the alias
@@ -152,7 +152,7 @@ class SemanticCache:
         await self.worker.run(lambda db: CacheStore(db, embedder.name, embedder.dimension))
         if self.policy.max_false_hit_rate > 0:
             self.languages = await asyncio.to_thread(languages.load)
-            if self.settings.embedder == calibration.BUNDLED_EMBEDDER:
+            if self.settings.embedder in BUNDLED:
                 await self._calibrate()  # about a second: the shipped traps carry this embedder's cosines
             else:  # another embedder measures every trap first (minutes on a small model): exact repeats only till then
                 self._calibrating = asyncio.get_running_loop().create_task(self._calibrate_logged(), name="cache-calibration")
@@ -175,8 +175,8 @@ class SemanticCache:
         language, with callers' reports: the cuts in force. The bundled embedder's cosines ship with
         the traps; another embedder's are measured here once per start (minutes on a small model)."""
         assert self.embedder is not None and self.languages is not None
-        traps = await asyncio.to_thread(calibration.shipped_traps)
-        if self.settings.embedder == calibration.BUNDLED_EMBEDDER:
+        traps = await asyncio.to_thread(calibration.shipped_traps, self.settings.embedder)
+        if all(t.cosine is not None for t in traps):
             cosines = [t.cosine or 0.0 for t in traps]
         else:
             cosines = await self._cosines([(t.cached, t.asked) for t in traps])
@@ -330,10 +330,11 @@ class SemanticCache:
             probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question, span, item.bucket.tenant)
             judged = True
             # Under a bound the judge's own cut decides (set on its answers about the known traps).
-            admitted = judge_cut.admits(probability) if judge_cut is not None else probability >= policy.judge_min_probability
+            read = judge_score(probability, decision.flagged)
+            admitted = judge_cut.admits(read) if judge_cut is not None else probability >= policy.judge_min_probability
             if admitted:
                 decision = Hit(decision.candidate.entry_id, decision.candidate.similarity, judged=True, score=decision.score,
-                               judge=probability if judge_cut is not None else None)
+                               judge=read if judge_cut is not None else None)
             else:
                 decision = Miss(f"judge:{probability:.2f}")
         if isinstance(decision, Hit):

@@ -101,7 +101,7 @@ class LimitSettings(Table, frozen=True, kw_only=True):
 
 class CacheSettings(Table, frozen=True, kw_only=True):
     enabled: Annotated[bool, Meta(description="the semantic cache: a reworded question gets a stored answer")] = True
-    embedder: Annotated[str, Meta(description="\"minilm\" (shipped), or the alias of a model of kind \"embedding\"")] = "minilm"
+    embedder: Annotated[str, Meta(description="\"minilm\" (shipped, English), \"e5-small\" (shipped, multilingual), or the alias of a model of kind \"embedding\"")] = "minilm"
     # Tuned on tests/data/cache_pairs.jsonl with the near-miss guards (bench/cache_quality.py).
     similarity_threshold: Annotated[float, Meta(ge=0.0, le=1.0, description="the cosine similarity of a hit")] = 0.70
     max_false_hit_rate: Annotated[float, Meta(ge=0.0, le=0.5, description=(

@@ -143,10 +143,10 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
     if judge is not None and (not isinstance(target := settings.model(judge), LocalModel) or target.kind != "chat"):
         raise where.fail("guardrails.judge_model", f"{judge!r} is not the alias of a local chat model in this file (the judge answers through a grammar)")
     cache = settings.cache
-    if cache.enabled and cache.embedder != "minilm":
+    if cache.enabled and cache.embedder not in ("minilm", "e5-small"):
         target = settings.model(cache.embedder)
         if target is None or target.kind != "embedding":
-            raise where.fail("cache.embedder", f"{cache.embedder!r} is neither \"minilm\" nor the alias of a model of kind \"embedding\"")
+            raise where.fail("cache.embedder", f"{cache.embedder!r} is neither \"minilm\", \"e5-small\" nor the alias of a model of kind \"embedding\"")
     if cache.enabled and cache.judge_model is not None:
         target = settings.model(cache.judge_model)
         if target is None or target.kind != "chat":

