@@ -307,6 +307,27 @@ def test_an_embedding_model_of_the_fleet_can_be_the_embedder(tmp_path) -> None:
         stop_server(server)
 
 
+def test_the_multilingual_embedder_ships_with_its_bound_ready(tmp_path) -> None:
+    """`embedder = "e5-small"`: its vectors in a space of their own, every language's cut open at start
+    from the cosines the shipped traps carry (nothing measured), and a Portuguese question typed again
+    without accents served, while its negation is not."""
+    config = config_text(embeddings=False, cache='enabled = true\nsweep_interval_s = 0\nembedder = "e5-small"\nsimilarity_threshold = 0.86')
+    server = start_server(tmp_path / "e5", config)
+    try:
+        bounds = httpx.get(f"{server.base_url}/admin/cache").json()["false_hit_bound"]
+        assert all(bounds[lang]["open"] and bounds[lang]["upper"] <= 0.02 for lang in ("en", "pt", "es", "de"))
+        question = "Como faço para desbloquear o cartão de crédito no aplicativo?"
+        assert ask(server, "unused", question).headers["x-cache"] == "miss"
+        assert stored(server, question)
+        again = ask(server, "unused", "como faco para desbloquear o cartao de credito no aplicativo")
+        assert again.headers["x-cache"] == "hit", again.headers.get("x-cache-reason")
+        assert ask(server, "unused", "Como faço para bloquear o cartão de crédito no aplicativo?").headers["x-cache"] == "miss"
+        tables = [r[0] for r in db(server).execute("SELECT name FROM sqlite_master WHERE name LIKE 'cache_vectors_multilingual%'")]
+        assert tables, "the vectors live in the E5 embedder's own space"
+    finally:
+        stop_server(server)
+
+
 def test_the_metrics_carry_the_cost_weighted_rate_on_verified_answers(cached: tuple[Server, dict[str, str]]) -> None:
     server, keys = cached
     question = "What is the tallest tree species?"
