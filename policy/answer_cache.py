@@ -173,12 +173,20 @@ def pair_score(comparison: Comparison, similarity: float, policy: CachePolicy) -
 SOFT_GUARDS = frozenset({"entity", "swap", "scope"})
 # How much surer the judge must be where a soft guard flagged the pair, in log-odds (tuned on the tuning
 # pair sets: docs/performance/cache.md).
-FLAGGED_LOG_ODDS = 2.0
+FLAGGED_LOG_ODDS = 1.0
 
 
 def judge_eligible(comparison: Comparison, similarity: float, policy: CachePolicy) -> bool:
     """A pair the judge may be asked about: in the judge band or above, and no guard flags it but a soft one."""
     return (comparison.guard is None or comparison.guard in SOFT_GUARDS) and similarity >= policy.judge_band
+
+
+def judge_flagged(comparison: Comparison, cached_language: str | None, asked_language: str | None) -> bool:
+    """Where the judge's answer is read more strictly: a soft guard flagged the pair, or the two questions
+    are in different languages (the judge tells a near miss from a rewording less well across a switch,
+    and the known traps are mostly of one language)."""
+    crossed = cached_language is not None and asked_language is not None and cached_language != asked_language
+    return comparison.guard is not None or crossed
 
 
 def judge_score(probability: float, flagged: bool) -> float:
@@ -224,7 +232,7 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
             if score > -math.inf and cut.admits(score):
                 return Hit(c.entry_id, c.similarity, judged=False, score=score)
             if band is None and judging and judge_eligible(comparison, c.similarity, policy):
-                band, band_score, band_flagged = c, score, comparison.guard is not None
+                band, band_score, band_flagged = c, score, judge_flagged(comparison, c.language or language, language)
             if comparison.guard is not None:
                 reason = f"guard:{comparison.guard}"
                 continue

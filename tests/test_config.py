@@ -56,6 +56,9 @@ def test_defaults_fill_what_is_missing(data_dir: Path) -> None:
         ("models = 3\n", "models", "array of tables"),
         ("[server\n", "(syntax)", ""),
         ("[defaults]\ntemperature = 5\n" + MODEL, "defaults.temperature", "between 0.0 and 2.0"),
+        ('[cache]\nembedder = "e5"\n' + MODEL, "cache.embedder", "neither"),
+        ('[cache]\nembedder = "e5-small"\n' + MODEL, "cache.similarity_threshold", "unrelated questions"),
+        ('[cache]\nembedder = "e5-small"\nsimilarity_threshold = 0.86\njudge_band = 0.5\n' + MODEL, "cache.judge_band", "unrelated questions"),
     ],
 )
 def test_errors_name_file_and_key(text: str, key: str, fragment: str) -> None:

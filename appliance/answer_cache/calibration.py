@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from policy.answer_bound import Cut, cut_for
-from policy.answer_cache import CachePolicy, judge_eligible, judge_score, pair_score
+from policy.answer_cache import CachePolicy, judge_eligible, judge_flagged, judge_score, pair_score
 from policy.answer_guards import Lexicon, compare
 from policy.answer_negation import negations_differ
 
@@ -66,14 +66,14 @@ def scored(traps: Iterable[SeedTrap], cosines: Iterable[float], language_of: Cal
     """Each trap's score, by the language of its asked question (blocking: a few hundred ms)."""
     pools: Pools = {}
     for trap, cosine in zip(traps, cosines, strict=True):
-        language = language_of(trap.asked)
+        language, cached_language = language_of(trap.asked), language_of(trap.cached)
         comparison = compare(trap.cached, trap.asked, lexicon, count_negators=False)
         # as a lookup refuses it: each question's negators counted in its own language
-        refused = negations_differ(trap.cached, language_of(trap.cached), trap.asked, language)
+        refused = negations_differ(trap.cached, cached_language, trap.asked, language)
         score = -math.inf if refused else pair_score(comparison, cosine, policy)
         judged = not refused and judge_eligible(comparison, cosine, policy)
         pools.setdefault(language, []).append(Known(score, pair_key(trap.cached, trap.asked) if judged else None,
-                                                    flagged=comparison.guard is not None))
+                                                    flagged=judge_flagged(comparison, cached_language, language)))
     return pools
 
 

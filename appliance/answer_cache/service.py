@@ -336,7 +336,7 @@ class SemanticCache:
                 decision = Hit(decision.candidate.entry_id, decision.candidate.similarity, judged=True, score=decision.score,
                                judge=read if judge_cut is not None else None)
             else:
-                decision = Miss(f"judge:{probability:.2f}")
+                decision = Miss(f"judge:{probability:.2f}" + ("/strict" if decision.flagged else ""))
         if isinstance(decision, Hit):
             entry_id = decision.entry_id
             entry = await self.worker.run(lambda db: self._store(db).get(entry_id))

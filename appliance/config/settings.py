@@ -147,6 +147,12 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
         target = settings.model(cache.embedder)
         if target is None or target.kind != "embedding":
             raise where.fail("cache.embedder", f"{cache.embedder!r} is neither \"minilm\", \"e5-small\" nor the alias of a model of kind \"embedding\"")
+    if cache.enabled and cache.embedder == "e5-small":
+        # E5's cosines are compressed: unrelated questions reach 0.80 (with MiniLM, 0.3), so MiniLM's floor admits anything.
+        for key, value in (("similarity_threshold", cache.similarity_threshold), ("judge_band", cache.judge_band)):
+            if value < 0.8:
+                raise where.fail(f"cache.{key}", f"{value} is below the cosines of unrelated questions with embedder \"e5-small\" "
+                                 "(about 0.80); 0.86 keeps 99% of rewordings (docs/performance/cache.md)")
     if cache.enabled and cache.judge_model is not None:
         target = settings.model(cache.judge_model)
         if target is None or target.kind != "chat":
