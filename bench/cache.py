@@ -1,7 +1,7 @@
 """What the semantic cache costs and saves: lookup latency in a store of 100,000 entries over 100
 buckets, the embedder's latency, and a hit through HTTP against the model call it replaces.
 
-    .venv/bin/python -m bench.cache [--entries 100000] [--buckets 100] [--json PATH]
+    .venv/bin/python -m bench.cache [--entries 100000] [--buckets 100] [--embedder minilm|e5-small] [--json PATH]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 from appliance.answer_cache import calibration, language
 from appliance.answer_cache.calibration import Bounds
 from appliance.answer_cache.service import bundled_lexicon
-from appliance.fleet.embedders import bundled_minilm
+from appliance.fleet.embedders import BUNDLED
 from appliance.store.answer_entries import CacheStore
 from appliance.store.db import connect, migrate
 from bench.kit.server import start, write_config
@@ -59,13 +59,13 @@ def fill(store: CacheStore, entries: int, buckets: int, rng: np.random.Generator
     return keys
 
 
-def lookups(store: CacheStore, keys: list[str], n: int, rng: np.random.Generator) -> list[float]:
+def lookups(store: CacheStore, keys: list[str], n: int, rng: np.random.Generator, embedder: str = "minilm") -> list[float]:
     """What the server does for one request after embedding: exact hash, nearest 4 in the
     bucket, the question's language and each candidate's, the decision under the error bound, and
     reading the entry."""
     policy = CachePolicy()
     languages = language.load()
-    pools = calibration.shipped_pools(languages.of, bundled_lexicon(), policy)
+    pools = calibration.shipped_pools(languages.of, bundled_lexicon(), policy, embedder)
     cut = Bounds.of(policy.max_false_hit_rate, pools, {}).cut("", "en")  # English's cut at the shipped bound
     times = []
     for i in range(n):
@@ -100,10 +100,11 @@ price_output_per_mtok = 0.04
 """
 
 
-def http(n: int, workdir: Path, max_tokens: int) -> tuple[dict[str, list[float]], float]:
+def http(n: int, workdir: Path, max_tokens: int, embedder: str = "minilm") -> tuple[dict[str, list[float]], float]:
     """Latencies by kind of request, and /metrics' cost-weighted hit rate on verified answers after
     them (the first answer is rated good, so every hit is on a verified answer)."""
-    write_config(workdir, CONFIG)
+    cache = f'embedder = "{embedder}"\n' + ("similarity_threshold = 0.86\n" if embedder == "e5-small" else "")
+    write_config(workdir, CONFIG.replace("[cache]\n", "[cache]\n" + cache))
     server = start(workdir)
     try:
         client = httpx.Client(base_url=server.base, timeout=60)
@@ -144,11 +145,12 @@ def main() -> int:
     parser.add_argument("--lookups", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--embedder", choices=sorted(BUNDLED), default="minilm")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rng = np.random.default_rng(7)
     results: dict[str, object] = {}
-    embedder = bundled_minilm()
+    embedder = BUNDLED[args.embedder]()
     try:
         questions = [f"How do I configure feature number {i} of my account settings?" for i in range(200)]
         times = []
@@ -168,12 +170,12 @@ def main() -> int:
         started = time.perf_counter()
         keys = fill(store, args.entries, args.buckets, rng)
         print(f"filled {args.entries:,} entries in {args.buckets} buckets in {time.perf_counter() - started:.1f} s")
-        times = lookups(store, keys, args.lookups, rng)
+        times = lookups(store, keys, args.lookups, rng, args.embedder)
         results["lookup_ms"] = {"entries": args.entries, "buckets": args.buckets, "p50": round(ms(times, 0.5), 3), "p95": round(ms(times, 0.95), 3)}
         print(f"lookup (exact + 4 nearest in the bucket + decision + read): p50 {ms(times, 0.5):.2f} ms, p95 {ms(times, 0.95):.2f} ms "
               f"(target p50 < 5 ms)")
         db.close()
-        served, weighted = http(args.requests, Path(tmp), args.max_tokens)
+        served, weighted = http(args.requests, Path(tmp), args.max_tokens, args.embedder)
         results["cost_weighted_verified_hit_rate"] = round(weighted, 4)
         results["http_ms"] = {k: {"p50": round(ms(v, 0.5), 2), "p95": round(ms(v, 0.95), 2), "n": len(v)} for k, v in served.items()}
         call = ms(served["model call (no-cache)"], 0.5)
