@@ -232,3 +232,22 @@ def test_a_vanishing_temperature_answers_as_greedy_does(misc: dict[str, Any]) ->
     for sampling in ({"temperature": 1e-40}, {"temperature": 1e-40, "top_p": 0.5}, {"temperature": 1e-40, "top_k": 40},
                      {"temperature": 5e-324, "top_p": 0.9, "top_k": 40, "seed": 3}):
         assert text(**sampling) == greedy, sampling
+
+
+def test_the_multilingual_embedder_takes_any_text_a_caller_sends() -> None:
+    """A lone surrogate (valid JSON, not UTF-8), a NUL and a question far past the model's window: each
+    embeds, within the character bound, instead of raising or taking time in proportion to its length."""
+    import numpy as np
+
+    from appliance.fleet.embedders import E5_MAX_CHARS, bundled_e5
+
+    embedder = bundled_e5()
+    try:
+        long = "Como faço para desbloquear o cartão? " * 2000
+        started = time.perf_counter()
+        rows = embedder.embed_now(["caf\ud800 aberto?", "a\x00b", long, long[:E5_MAX_CHARS]])
+        assert time.perf_counter() - started < 5
+        assert rows.shape == (4, embedder.dimension) and np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-4)
+        assert float(rows[2] @ rows[3]) > 0.9999  # cut at the bound, not embedded in full
+    finally:
+        embedder.close()

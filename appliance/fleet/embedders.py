@@ -159,7 +159,9 @@ class E5Embedder:
     def _embed(self, texts: list[str]) -> np.ndarray:
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
-        rows = np.asarray(self._model.query([t[:E5_MAX_CHARS] for t in texts]), dtype=np.float32).reshape(len(texts), -1)
+        # The engine takes UTF-8: a lone surrogate (valid in JSON, not in UTF-8) is replaced, not raised.
+        texts = [t[:E5_MAX_CHARS].encode("utf-8", "replace").decode("utf-8") for t in texts]
+        rows = np.asarray(self._model.query(texts), dtype=np.float32).reshape(len(texts), -1)
         return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
 
     async def embed(self, texts: list[str]) -> np.ndarray:
