@@ -140,7 +140,7 @@ class Hit:
 class AskJudge:
     candidate: Candidate
     score: float | None = None  # its pair score, where an error bound is in force
-    flagged: bool = False  # a soft guard flagged it: the judge's answer is read by judge_score
+    flagged: bool = False  # judge_flagged: the judge's answer is read more strictly (judge_score)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ class Known:
     score: float
     pair: str | None = None  # what the judge's answer is kept under (pair_key); None: not a question for the judge
     judge: float | None = None  # as its cut reads it (policy/answer_cache.py: judge_score)
-    flagged: bool = False  # a soft guard flagged the pair: only the judge may serve it, on a stricter reading
+    flagged: bool = False  # a soft guard flagged the pair, or it switches language: the judge's answer is read more strictly
 
 
 Pools = dict[str, list[Known]]  # language -> known traps
