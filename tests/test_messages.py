@@ -220,9 +220,17 @@ def test_llm_comply_finds_the_messages_api_conformant_where_the_model_can_be(ser
     # A check's own time limit is long: under a full suite's load a 135M model's streamed answer took 14 s alone.
     done = subprocess.run([comply, "run", "--format", "anthropic", "-u", f"{server.base_url}/v1", "-k", key, "-m", CHAT_MODEL, "--json",
                            "--timeout", "180"], capture_output=True, text=True, timeout=900)
-    results = {r["id"]: r["status"] for r in json.loads(done.stdout)["results"]}
+    checks = json.loads(done.stdout)["results"]
+    results = {r["id"]: r["status"] for r in checks}
     assert results.pop("anth-image-input") == "failed" and results.pop("anth-thinking-display") == "skipped"
     # Whether the 135M model calls the tool at llm-comply's (unset, so sampled) temperature is the model's
     # choice, not the wire's: tests/test_messages.py's own tool-use round trip forces the call.
     results.pop("anth-tool-calling")
-    assert len(results) >= 6 and {k: v for k, v in results.items() if v != "passed"} == {}, done.stdout[-3000:]
+    # So is an answer that rambles to llm-comply's 1,024-token cap (seen once in CI on "Always respond in
+    # exactly one word"): a check whose only complaint is that the wire said so truthfully is the model's.
+    rambled = [r["id"] for r in checks if r.get("errors") == ["stop_reason: expected 'end_turn', got 'max_tokens'"]]
+    for check in rambled:
+        results.pop(check, None)
+    # but not most of them: a server that never saw its stop would fail every check so
+    assert len(rambled) <= 2 and len(results) + len(rambled) >= 6, done.stdout[-3000:]
+    assert {k: v for k, v in results.items() if v != "passed"} == {}, done.stdout[-3000:]
