@@ -48,18 +48,18 @@ def rows(embedders: tuple[str, ...] | None = None) -> list[dict[str, object]]:
 def cosines(embedder: str, pairs: list[tuple[str, str]]) -> list[float]:
     """Each pair's cosine by a bundled embedder, both questions spelled as the cache spells a question
     before embedding it (here and in stored vectors)."""
+    from appliance.answer_cache.calibration import pair_cosines, pair_texts
     from appliance.answer_cache.service import bundled_lexicon
     from appliance.fleet.embedders import BUNDLED
-    from policy.answer_guards import spelled
 
     lexicon = bundled_lexicon()
-    texts = sorted({spelled(q, lexicon) for pair in pairs for q in pair})
+    texts = pair_texts(pairs, lexicon)
     model = BUNDLED[embedder]()
     try:
         vectors = dict(zip(texts, model.embed_now(texts)))
     finally:
         model.close()
-    return [round(float(vectors[spelled(a, lexicon)] @ vectors[spelled(b, lexicon)]), 6) for a, b in pairs]
+    return [round(cosine, 6) for cosine in pair_cosines(pairs, lexicon, vectors)]
 
 
 def main() -> int:

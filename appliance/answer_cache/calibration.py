@@ -16,13 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Any
 
 from policy.answer_bound import Cut, cut_for
 from policy.answer_cache import CachePolicy, judge_eligible, judge_flagged, judge_score, pair_score
-from policy.answer_guards import Lexicon, compare
+from policy.answer_guards import Lexicon, compare, spelled
 from policy.answer_negation import negations_differ
 
 TRAPS_FILE = "data/cache_traps.jsonl"
@@ -55,6 +56,17 @@ class Known:
 
 
 Pools = dict[str, list[Known]]  # language -> known traps
+
+
+def pair_texts(pairs: Iterable[tuple[str, str]], lexicon: Lexicon) -> list[str]:
+    """The distinct texts a list of question pairs needs embedded, each spelled as the cache spells a
+    question before embedding it (in lookups and in stored vectors)."""
+    return sorted({spelled(q, lexicon) for pair in pairs for q in pair})
+
+
+def pair_cosines(pairs: Iterable[tuple[str, str]], lexicon: Lexicon, vectors: Mapping[str, Any]) -> list[float]:
+    """Each pair's cosine from the normalised vectors of pair_texts."""
+    return [float(vectors[spelled(a, lexicon)] @ vectors[spelled(b, lexicon)]) for a, b in pairs]
 
 
 def pair_key(cached: str, asked: str) -> str:

@@ -247,12 +247,12 @@ class SemanticCache:
 
     async def _cosines(self, pairs: list[tuple[str, str]]) -> list[float]:
         assert self.embedder is not None
-        texts = sorted({spelled(q, self.lexicon) for pair in pairs for q in pair})
+        texts = calibration.pair_texts(pairs, self.lexicon)
         vectors: dict[str, np.ndarray] = {}
         for start in range(0, len(texts), 32):  # a batch at a time: callers' embeddings go between
             chunk = texts[start:start + 32]
             vectors.update(zip(chunk, await self.embedder.embed(chunk)))
-        return [float(vectors[spelled(a, self.lexicon)] @ vectors[spelled(b, self.lexicon)]) for a, b in pairs]
+        return calibration.pair_cosines(pairs, self.lexicon, vectors)
 
     async def _scored(self, labelled: list[LabelledTrap]) -> dict[str, calibration.Pools]:
         """Labelled traps' scores, by tenant ("" for everyone) and language. A trap's cosine is

