@@ -272,3 +272,17 @@ def test_an_accent_left_out_is_the_same_word_not_a_swapped_one() -> None:
     assert compare("O restaurante tem opção sem glúten?", "o restaurante tem opcao sem gluten?", lexicon, count_negators=False).guard is None
     # a word changed is still one
     assert compare("Como ativar o modo escuro no app?", "Como desativar o modo escuro no app?", lexicon, count_negators=False).guard
+
+
+def test_the_economics_replay_runs_the_lookups_own_decision_over_the_recorded_workload() -> None:
+    """bench/cache_economics replays 231 recorded requests through the lookup under the shipped bound:
+    exact repeats of verified answers come back, no trap or unrelated question is served, and every
+    saving it reports is a hit's."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "bench.cache_economics", "--bound", "0.02"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    replayed = next(line for line in done.stdout.splitlines() if line.startswith("replayed"))
+    hits = int(replayed.split("cache share ")[1].split("(")[1].split(")")[0])
+    assert hits >= 5 and "wrong answers served 0 (traps 0)" in replayed and "judge calls 0" in replayed, done.stdout
