@@ -10,7 +10,7 @@ where the decision says so (its cut set on its answers about the shipped traps, 
         [--judge GGUF --judge-band 0.3 --judgements FILE] [--run bench/runs/economics-evaluation]
 
 Prints the cache's share of answers, wrong answers served (traps, and questions another question's
-answer does not fit), the cost-weighted verified hit rate (what hits on verified answers saved / the
+answer does not fit: its check is another), the cost-weighted verified hit rate (what hits on verified answers saved / the
 cost of every request, hits counted as the call they replaced), the judge's calls and their cost at the
 fleet's price for its model, and the net saving per 1,000 requests: before (as recorded) and replayed.
 """
@@ -47,7 +47,6 @@ JUDGE_PRICED_AS = "qwen-1.5b"  # the fleet's model the judge file is; its price 
 @dataclass
 class Stored:
     request: str  # the request whose model call answered it
-    root: str  # the question it answers: the request itself, or the one it rewords or repeats
     question: str
     vector: np.ndarray
     verified: bool
@@ -134,10 +133,6 @@ def main() -> int:
     requests = {r["id"]: r for r in map(json.loads, (SPLITS / f"{split}.jsonl").read_text().splitlines())}
     by_id = {o["id"]: o for o in whole}
 
-    def root(rid: str) -> str:
-        r = requests[rid]
-        return str(r["cache_of"]) if r["cache"] in ("repeat", "reword") else rid
-
     def call_cost(rid: str) -> int:
         """What the request's model call cost: as recorded, or (a recorded hit) its stored answer's call."""
         o = by_id[rid]
@@ -171,7 +166,7 @@ def main() -> int:
 
     prices = fleet_prices(tomlkit.parse((ROOT / "bench" / "fleets" / "fleet.toml").read_text()))
     try:
-        tally = replay(whole, requests, root, call_cost, BUNDLED[args.embedder](), lexicon, languages, policy, bounds, judge,
+        tally = replay(whole, requests, call_cost, BUNDLED[args.embedder](), lexicon, languages, policy, bounds, judge,
                        prices[JUDGE_PRICED_AS])
     finally:
         if judge is not None:
@@ -187,7 +182,7 @@ def main() -> int:
     return 0
 
 
-def replay(whole: list[dict[str, Any]], requests: dict[str, dict[str, Any]], root: Any, call_cost: Any, embedder: Any, lexicon: Any,
+def replay(whole: list[dict[str, Any]], requests: dict[str, dict[str, Any]], call_cost: Any, embedder: Any, lexicon: Any,
            languages: Any, policy: CachePolicy, bounds: Bounds, judge: Judge | None, judge_price: Price) -> Tally:
     """The workload in its order through the lookup's decision; a miss is the recorded call, kept in its bucket."""
     tally = Tally()
@@ -204,13 +199,14 @@ def replay(whole: list[dict[str, Any]], requests: dict[str, dict[str, Any]], roo
             lang = languages.of(asked)
             served = decide(asked, vector, lang, stored, policy, lexicon, bounds, judge, judge_price, tally)
             if served is None:
-                stored.append(Stored(o["id"], root(o["id"]), asked, vector, bool(o["correct"]), lang))
+                stored.append(Stored(o["id"], asked, vector, bool(o["correct"]), lang))
                 continue
             tally.hits += 1
             tally.saved += call_cost(o["id"])
             if r["cache"] == "trap":
                 tally.wrong.append((o["id"], "trap", f"{r.get('trap_kind')} of {served.request}"))
-            elif served.root != root(o["id"]):
+            elif requests[served.request]["check"] != r["check"]:
+                # The stored answer passed its own request's check; where this request's check is another, it is counted wrong.
                 tally.wrong.append((o["id"], str(r["cache"]), f"given {served.request}'s answer"))
     finally:
         embedder.close()
