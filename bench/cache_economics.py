@@ -36,7 +36,7 @@ from appliance.answer_cache.service import JUDGE_PROMPT_VERSION, bundled_lexicon
 from appliance.fleet.embedders import BUNDLED
 from bench.kit.fleet import fleet_prices
 from bench.kit.paths import ROOT
-from policy.answer_cache import AskJudge, CachePolicy, Candidate, Hit, judge_candidates, judge_score, normalise
+from policy.answer_cache import FREE, AskJudge, CachePolicy, Candidate, Hit, judge_candidates, judge_score, normalise
 from policy.answer_guards import spelled
 from policy.budgets import Price
 
@@ -51,6 +51,7 @@ class Stored:
     vector: np.ndarray
     verified: bool
     language: str
+    cost_nanos: int  # what its model call cost
 
 
 @dataclass
@@ -124,6 +125,7 @@ def main() -> int:
     parser.add_argument("--floor", type=float, help="[cache] similarity_threshold in place of the shipped policy's")
     parser.add_argument("--judge", type=Path, help="a chat model's GGUF as the cache's judge (priced as the fleet's qwen-1.5b)")
     parser.add_argument("--judge-band", type=float, default=0.3)
+    parser.add_argument("--free-judge", action="store_true", help="ask the judge whatever its call costs (as before the lookup weighed it)")
     parser.add_argument("--judgements", type=Path, help="the judge's answers, kept between runs (cache_http's format)")
     parser.add_argument("--run", type=Path, default=ROOT / "bench" / "runs" / "economics-evaluation")
     args = parser.parse_args()
@@ -167,11 +169,12 @@ def main() -> int:
     prices = fleet_prices(tomlkit.parse((ROOT / "bench" / "fleets" / "fleet.toml").read_text()))
     try:
         tally = replay(whole, requests, call_cost, BUNDLED[args.embedder](), lexicon, languages, policy, bounds, judge,
-                       prices[JUDGE_PRICED_AS])
+                       prices[JUDGE_PRICED_AS], not args.free_judge)
     finally:
         if judge is not None:
             judge.close()
     label = f"{args.embedder}" + (f" floor {args.floor}" if args.floor else "") + (f" + judge (band {args.judge_band})" if judging else "")
+    label += ", asked whatever it costs" if judging and args.free_judge else ""
     net = tally.saved - tally.judge_nanos
     print(f"replayed ({label}, bound {args.bound}): cache share {tally.hits / n:.1%} ({tally.hits}), wrong answers served "
           f"{len(tally.wrong)} (traps {sum(k == 'trap' for _, k, _ in tally.wrong)}), cost-weighted verified hit rate "
@@ -183,7 +186,7 @@ def main() -> int:
 
 
 def replay(whole: list[dict[str, Any]], requests: dict[str, dict[str, Any]], call_cost: Any, embedder: Any, lexicon: Any,
-           languages: Any, policy: CachePolicy, bounds: Bounds, judge: Judge | None, judge_price: Price) -> Tally:
+           languages: Any, policy: CachePolicy, bounds: Bounds, judge: Judge | None, judge_price: Price, judge_gated: bool = True) -> Tally:
     """The workload in its order through the lookup's decision; a miss is the recorded call, kept in its bucket."""
     tally = Tally()
     buckets: dict[str, list[Stored]] = {}
@@ -197,9 +200,9 @@ def replay(whole: list[dict[str, Any]], requests: dict[str, dict[str, Any]], cal
             stored = buckets.setdefault(bucket, [])
             vector = embedder.embed_now([spelled(asked, lexicon)])[0]
             lang = languages.of(asked)
-            served = decide(asked, vector, lang, stored, policy, lexicon, bounds, judge, judge_price, tally)
+            served = decide(asked, vector, lang, stored, policy, lexicon, bounds, judge, judge_price, tally, judge_gated)
             if served is None:
-                stored.append(Stored(o["id"], asked, vector, bool(o["correct"]), lang))
+                stored.append(Stored(o["id"], asked, vector, bool(o["correct"]), lang, call_cost(o["id"])))
                 continue
             tally.hits += 1
             tally.saved += call_cost(o["id"])
@@ -214,7 +217,7 @@ def replay(whole: list[dict[str, Any]], requests: dict[str, dict[str, Any]], cal
 
 
 def decide(asked: str, vector: np.ndarray, lang: str, stored: list[Stored], policy: CachePolicy, lexicon: Any, bounds: Bounds,
-           judge: Judge | None, judge_price: Price, tally: Tally) -> Stored | None:
+           judge: Judge | None, judge_price: Price, tally: Tally, judge_gated: bool = True) -> Stored | None:
     """The entry the cache serves for this question, or None: the lookup's own steps (exact repeat,
     the 4 nearest, judge_candidates under the bound, the judge's cut)."""
     exact = [s for s in stored if s.verified and normalise(s.question) == normalise(asked)]
@@ -222,9 +225,10 @@ def decide(asked: str, vector: np.ndarray, lang: str, stored: list[Stored], poli
         return exact[-1]
     nearest = sorted(range(len(stored)), key=lambda i: -float(stored[i].vector @ vector))[:4]
     candidates = [Candidate(i, stored[i].question, float(stored[i].vector @ vector), "verified" if stored[i].verified else "unverified", 0.0,
-                            stored[i].language) for i in nearest]
+                            stored[i].language, stored[i].cost_nanos) for i in nearest]
     cut, judge_cut = bounds.both("", lang) if policy.max_false_hit_rate > 0 else (None, None)
-    decision = judge_candidates(asked, candidates, 0.0, policy, lexicon, cut, lang, judge_cut)
+    # the judge's price, as the server reads it from the judge model's settings (--free-judge: as if it cost nothing)
+    decision = judge_candidates(asked, candidates, 0.0, policy, lexicon, cut, lang, judge_cut, judge_price if judge_gated else FREE)
     if isinstance(decision, AskJudge) and judge is not None:
         pair = (decision.candidate.question, asked)
         probability = judge.ask([pair], costed=True)[pair_key(*pair)]

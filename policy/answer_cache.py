@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from policy.answer_bound import Cut
 from policy.answer_guards import NO_LEXICON, Comparison, Lexicon, compare
 from policy.answer_negation import negations_differ
+from policy.budgets import Price
 
 # verified: by a caller's feedback, a validator or an operator, never by the cache itself; consistent: a
 # sweep asked again and the model agreed with itself (consistency, not correctness).
@@ -125,6 +126,7 @@ class Candidate:
     state: str
     created_at: float
     language: str | None = None  # the stored question's, where a bound is in force
+    cost_nanos: int = 0  # what the stored answer's model call cost: what a hit on it saves
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,10 @@ SOFT_GUARDS = frozenset({"entity", "swap", "scope"})
 # How much surer the judge must be where a soft guard flagged the pair, in log-odds (tuned on the tuning
 # pair sets: docs/performance/cache.md).
 FLAGGED_LOG_ODDS = 1.0
+# The judge's prompt without the two questions (answer_cache/service.py: ask_judge, in the chat template of
+# a Qwen or SmolLM model): 60 tokens, measured. What a judge call costs is priced from it (judge_call_cost).
+JUDGE_PROMPT_TOKENS = 60
+FREE = Price(0, 0)
 
 
 def judge_eligible(comparison: Comparison, similarity: float, policy: CachePolicy) -> bool:
@@ -198,16 +204,24 @@ def judge_score(probability: float, flagged: bool) -> float:
     return 1.0 / (1.0 + math.exp(FLAGGED_LOG_ODDS - math.log(p / (1 - p))))
 
 
+def judge_call_cost(price: Price, cached: str, asked: str) -> int:
+    """What asking the judge about two questions costs, in nano-dollars, before it is asked: its fixed
+    prompt plus both questions at about four characters a token, and its one-token answer."""
+    return price.cost(JUDGE_PROMPT_TOKENS + (len(cached) + len(asked)) // 4, 1)
+
+
 def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy: CachePolicy,
                      lexicon: Lexicon = NO_LEXICON, cut: Cut | None = None, language: str | None = None,
-                     judge_cut: Cut | None = None) -> Hit | AskJudge | Miss:
+                     judge_cut: Cut | None = None, judge_price: Price = FREE) -> Hit | AskJudge | Miss:
     """Nearest first: the first servable candidate at or above its threshold that no guard flags is
     a hit; failing that, the first one in the judge band goes to the judge. Under an error bound
     (`cut`) a hit also needs a score the cut admits, and the judge is asked only where it has a cut
     of its own (`judge_cut`, from its answers on the same labelled traps: answer_cache/calibration.py).
     `language`, where known, has each question's negators counted in its own language (the
-    candidate's language on it) in place of the English guards' count."""
+    candidate's language on it) in place of the English guards' count. A judge call that would cost more
+    than the stored answer it could save (`judge_price`) is never asked: the lookup misses instead."""
     reason = "no candidate"
+    dearer = False  # a candidate went without the judge because asking costs more than its answer
     band: Candidate | None = None
     band_score = -math.inf
     band_flagged = False
@@ -232,7 +246,10 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
             if score > -math.inf and cut.admits(score):
                 return Hit(c.entry_id, c.similarity, judged=False, score=score)
             if band is None and judging and judge_eligible(comparison, c.similarity, policy):
-                band, band_score, band_flagged = c, score, judge_flagged(comparison, c.language or language, language)
+                if c.cost_nanos >= judge_call_cost(judge_price, c.question, asked):
+                    band, band_score, band_flagged = c, score, judge_flagged(comparison, c.language or language, language)
+                else:
+                    dearer = True
             if comparison.guard is not None:
                 reason = f"guard:{comparison.guard}"
                 continue
@@ -244,9 +261,12 @@ def judge_candidates(asked: str, candidates: list[Candidate], now: float, policy
         if c.similarity >= threshold_for(comparison, policy):
             return Hit(c.entry_id, c.similarity, judged=False)
         if band is None and c.similarity >= policy.judge_band:
-            band = c
+            if c.cost_nanos >= judge_call_cost(judge_price, c.question, asked):
+                band = c
+            else:
+                dearer = True
         if reason == "no candidate":
             reason = "similarity"
     if band is not None:
         return AskJudge(band, band_score if cut is not None else None, band_flagged)
-    return Miss(reason)
+    return Miss("judge:dearer" if dearer else reason)

@@ -11,6 +11,7 @@ import math
 from decimal import Decimal
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 LEVELS = ("user", "tenant", "app", "global")
 PERIODS = ("day", "month", "total")
@@ -27,6 +28,11 @@ class Price:
     def per_million(input_usd: float, output_usd: float) -> Price:
         # $ per 1e6 tokens = 1e12 pico-dollars per 1e6 tokens = 1e6 pico-dollars per token.
         return Price(round(input_usd * 1_000_000), round(output_usd * 1_000_000))
+
+    @staticmethod
+    def of(model: Any) -> Price:
+        """A model's price as its settings give it (`price_input_per_mtok`, `price_output_per_mtok`)."""
+        return Price.per_million(model.price_input_per_mtok, model.price_output_per_mtok)
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> int:
         """Nano-dollars, rounded up once for the whole request."""

@@ -426,7 +426,9 @@ def test_the_judge_decides_the_band_through_the_server_and_never_overrides_a_gua
     in the band asks it, and a cut-off of 0 so its answer always lets the hit through."""
     cache = (f'enabled = true\nsweep_interval_s = 0\nsimilarity_threshold = 0.99\njudge_band = 0.3\nmax_false_hit_rate = 0\njudge_model = "{CHAT_MODEL}"\n'
              "judge_min_probability = 0.0")
-    server = start_server(tmp_path / "judged", config_text(embeddings=False, price_in=1.0, price_out=2.0, cache=cache))
+    # Prompts free, output paid: a stored 12-token answer is worth more than the judge's one-token answer,
+    # so asking is worth it (test_the_judge_is_not_asked_where_it_costs_more_than_the_answer_it_could_save).
+    server = start_server(tmp_path / "judged", config_text(embeddings=False, price_in=0.0, price_out=2.0, cache=cache))
     try:
         def judge_calls() -> float:
             found = re.search(r"^appliance_cache_judge_calls_total (\S+)$", httpx.get(f"{server.base_url}/metrics").text, re.MULTILINE)
@@ -525,5 +527,24 @@ def test_under_a_bound_the_judge_answers_the_known_traps_then_decides_with_its_o
         stop_server(server)
         server = start_server(tmp_path / "judge-bound", config)
         assert french()["judge"]["cut"] == cut  # the kept answers: French's judge cut is back at once
+    finally:
+        stop_server(server)
+
+
+def test_the_judge_is_not_asked_where_it_costs_more_than_the_answer_it_could_save(tmp_path) -> None:
+    """The judge is the answering model at its price: its prompt (about 90 tokens) costs more than a stored
+    12-token answer did, so a reworded question in the band misses without asking it, and says why."""
+    cache = (f'enabled = true\nsweep_interval_s = 0\nsimilarity_threshold = 0.99\njudge_band = 0.3\nmax_false_hit_rate = 0\njudge_model = "{CHAT_MODEL}"\n'
+             "judge_min_probability = 0.0")
+    server = start_server(tmp_path / "dearer", config_text(embeddings=False, price_in=1.0, price_out=2.0, cache=cache))
+    try:
+        first = ask(server, "unused", QUESTION)
+        assert first.headers["x-cache"] == "miss" and stored(server, QUESTION)
+        stored_cost = db(server).execute("SELECT cost_nanos FROM cache_entries").fetchone()[0]
+        assert 0 < stored_cost < 90 * 1000  # under the judge's prompt at $1 a million tokens
+        reworded = ask(server, "unused", "I forgot my password, how can I set a new one?")
+        assert reworded.headers["x-cache"] == "miss" and reworded.headers["x-cache-reason"] == "judge:dearer", reworded.headers
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        assert not re.search(r"^appliance_cache_judge_calls_total [1-9]", metrics, re.MULTILINE)
     finally:
         stop_server(server)

@@ -286,3 +286,29 @@ def test_the_economics_replay_runs_the_lookups_own_decision_over_the_recorded_wo
     replayed = next(line for line in done.stdout.splitlines() if line.startswith("replayed"))
     hits = int(replayed.split("cache share ")[1].split("(")[1].split(")")[0])
     assert hits >= 5 and "wrong answers served 0 (traps 0)" in replayed and "judge calls 0" in replayed, done.stdout
+
+
+def test_the_judge_is_asked_only_where_its_call_costs_no_more_than_the_answer_it_could_save() -> None:
+    import dataclasses
+
+    from policy.answer_cache import JUDGE_PROMPT_TOKENS, judge_call_cost
+    from policy.budgets import Price
+
+    stored, asked = "How do I reset my password?", "What steps reset my password quickly?"
+    price = Price.per_million(1.0, 2.0)
+    call = judge_call_cost(price, stored, asked)
+    assert call == price.cost(JUDGE_PROMPT_TOKENS + (len(stored) + len(asked)) // 4, 1) > 0
+    cheap, dear = (dataclasses.replace(_candidate(0.85, stored), cost_nanos=c) for c in (call - 1, call))
+    # under a bound, with the judge's own cut
+    policy = CachePolicy(similarity_threshold=0.7, judge_band=0.5)
+    closed, judge = Cut(math.inf, 900, 0, 0.02), Cut(0.6, 900, 5, 0.02)
+    assert judge_candidates(asked, [cheap], 1000.0, policy, cut=closed, judge_cut=judge, judge_price=price) == Miss("judge:dearer")
+    assert judge_candidates(asked, [dear], 1000.0, policy, cut=closed, judge_cut=judge, judge_price=price) == AskJudge(dear, 0.85)
+    assert isinstance(judge_candidates(asked, [cheap], 1000.0, policy, cut=closed, judge_cut=judge), AskJudge)  # a free judge: always
+    # without a bound, the band alone
+    plain = CachePolicy(similarity_threshold=0.99, judge_band=0.5)
+    assert judge_candidates(asked, [cheap], 1000.0, plain, judge_price=price) == Miss("judge:dearer")
+    assert judge_candidates(asked, [dear], 1000.0, plain, judge_price=price) == AskJudge(dear)
+    # a cheap candidate does not stop the judge from being asked about a dearer one further down
+    second = dataclasses.replace(dear, entry_id=2, similarity=0.8)
+    assert judge_candidates(asked, [cheap, second], 1000.0, plain, judge_price=price) == AskJudge(second)

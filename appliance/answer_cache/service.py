@@ -34,9 +34,21 @@ from appliance.server.tracing import Tracing, annotate
 from appliance.store.answer_entries import CacheStore, Entry, LabelledTrap
 from appliance.store.worker import StoreWorker
 from engines.interface import EngineError, FinishEvent, GenerationRequest, SamplingParams
-from policy.answer_cache import AskJudge, Cacheable, CachePolicy, Candidate, Hit, Miss, judge_candidates, judge_score, normalise, servable
+from policy.answer_cache import (
+    FREE,
+    AskJudge,
+    Cacheable,
+    CachePolicy,
+    Candidate,
+    Hit,
+    Miss,
+    judge_candidates,
+    judge_score,
+    normalise,
+    servable,
+)
 from policy.answer_guards import NO_LEXICON, Lexicon, lexicon_from_vocab, spelled
-from policy.budgets import usd
+from policy.budgets import Price, usd
 
 log = logging.getLogger("appliance.cache")
 
@@ -324,7 +336,9 @@ class SemanticCache:
         if policy.max_false_hit_rate > 0 and candidates:
             language, candidates = await asyncio.to_thread(self._languages, item.question, candidates)
             cut, judge_cut = self.bounds.both(item.bucket.tenant, language)
-        decision = judge_candidates(item.question, candidates, now, policy, self.lexicon, cut, language, judge_cut)
+        judge = self._judge()
+        decision = judge_candidates(item.question, candidates, now, policy, self.lexicon, cut, language, judge_cut,
+                                    Price.of(judge.settings) if judge is not None else FREE)
         judged, judge_tokens = False, (0, 0)
         if isinstance(decision, AskJudge):
             probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question, span, item.bucket.tenant)

@@ -223,7 +223,7 @@ def cmd_distill_evaluate(args: argparse.Namespace) -> int:
         return 2
     teacher = args.teacher or route.tiers[-1]
     asked = distill_eval.Asked(args.student, args.adapter, teacher, args.data.expanduser(), args.workload, args.family, args.max_tokens)
-    prices = {m.alias: Price.per_million(m.price_input_per_mtok, m.price_output_per_mtok) for m in settings.models}
+    prices = {m.alias: Price.of(m) for m in settings.models}
     call(server_url(args), args.key, "GET", "/v1/models")  # no server, or a key it refuses: said now, not per question
     try:
         adapter = distill_eval.adapter_path(settings, args.student, args.adapter)

@@ -36,7 +36,7 @@ def cmd_eval_router(args: argparse.Namespace) -> int:
         route = route_named(settings, args.route)
         if route is None:
             return 2
-        prices = {m.alias: Price.per_million(m.price_input_per_mtok, m.price_output_per_mtok) for m in settings.models}
+        prices = {m.alias: Price.of(m) for m in settings.models}
         questions = (evaluate.load_questions(args.file, args.limit or sys.maxsize) if args.file
                      else evaluate.numeric(evaluate.gsm8k(args.limit or 50)))
         check = None

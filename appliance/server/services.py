@@ -47,4 +47,4 @@ class Services:
 
 
 def price_of(model: LoadedModel) -> Price:
-    return Price.per_million(model.settings.price_input_per_mtok, model.settings.price_output_per_mtok)
+    return Price.of(model.settings)

@@ -239,11 +239,11 @@ class CacheStore:
 
     def nearest(self, bucket: str, vector: np.ndarray, k: int = 4) -> list[Candidate]:
         rows = self.db.execute(
-            f"SELECT v.entry_id, v.distance, e.question, e.state, e.created_at FROM {self.vectors} v "
+            f"SELECT v.entry_id, v.distance, e.question, e.state, e.created_at, e.cost_nanos FROM {self.vectors} v "
             f"JOIN cache_entries e ON e.id = v.entry_id WHERE v.embedding MATCH ? AND k = ? AND v.bucket = ? ORDER BY v.distance",
             (vector.astype(np.float32).tobytes(), k, bucket),
         )
-        return [Candidate(eid, question, 1.0 - dist, state, created) for eid, dist, question, state, created in rows]
+        return [Candidate(eid, question, 1.0 - dist, state, created, cost_nanos=cost) for eid, dist, question, state, created, cost in rows]
 
     def get(self, entry_id: int) -> Entry | None:
         row = self.db.execute(f"SELECT {_ENTRY} FROM cache_entries WHERE id = ?", (entry_id,)).fetchone()
