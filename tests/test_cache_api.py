@@ -455,7 +455,8 @@ def test_a_judged_miss_pays_for_the_judge(tmp_path) -> None:
     are settled apart from the model call that answers (they were charged to no one before)."""
     cache = (f'enabled = true\nsweep_interval_s = 0\nsimilarity_threshold = 0.99\njudge_band = 0.3\nmax_false_hit_rate = 0\njudge_model = "{CHAT_MODEL}"\n'
              "judge_min_probability = 1.0")
-    server = start_server(tmp_path / "judged-miss", config_text(embeddings=False, price_in=1.0, price_out=2.0, cache=cache))
+    # prompts free, output paid: the judge's call costs less than the stored answer, so it is asked (and charged)
+    server = start_server(tmp_path / "judged-miss", config_text(embeddings=False, price_in=0.0, price_out=2.0, cache=cache))
     try:
         ask(server, "unused", QUESTION)
         assert stored(server, QUESTION)
@@ -478,7 +479,8 @@ def test_under_a_bound_the_judge_answers_the_known_traps_then_decides_with_its_o
     The answers outlive a restart: the judge is not asked about a trap twice. A pair too long for the
     judge's context stays unanswered (counted as served) and the others are answered all the same."""
     cache = f'enabled = true\nsweep_interval_s = 0\nmax_false_hit_rate = 0.2\njudge_band = 0.3\njudge_model = "{CHAT_MODEL}"\n'
-    config = config_text(embeddings=False, auth="keys", price_in=1.0, price_out=2.0, cache=cache, context_length=1024)
+    # prompts free, output paid: the judge's call costs less than a stored answer, so lookups ask it
+    config = config_text(embeddings=False, auth="keys", price_in=0.0, price_out=2.0, cache=cache, context_length=1024)
     config = config.replace('[auth]\nmode = "keys"\n\n[auth.open_principal]\nadmin = true\n', '[auth]\nmode = "keys"\nkey_cache_s = 0.5\n')
     server = start_server(tmp_path / "judge-bound", config)
     try:
