@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from engines.stream import EventStream
 
 
+# The markers a reasoning model writes around its reasoning before the answer (Qwen3, DeepSeek-R1's
+# distills); an engine that takes messages writes an upstream's reasoning between them too.
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
 @dataclass(frozen=True)
 class ModelKey:
     """What a KV cache or slot is valid for: the same model with another adapter is another key."""
@@ -69,6 +73,7 @@ class GenerationRequest:
     # results, which (role, content) cannot; and tools, tool_choice, parallel_tool_calls as JSON.
     messages_json: str | None = None
     tools_json: str | None = None
+    reasoning_effort: str | None = None  # the caller's, passed on as it was given ("none": no reasoning)
     # Whose earlier prompts' KV this request may reuse: only KV computed under the same scope. Opaque
     # here (like vLLM's cache_salt); the server sets it per tenant, or "" where everyone may share.
     prefix_scope: str = ""
@@ -130,7 +135,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0  # served from KV the slot already held
-    reasoning_tokens: int = 0  # of the completion's, those inside a reasoning model's reasoning (the pipeline counts them)
+    reasoning_tokens: int = 0  # of the completion's, inside a reasoning model's reasoning: an upstream's own count, else the pipeline's
 
     @property
     def total_tokens(self) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 from appliance.store.keys import OTHER_CLIENTS, FailureTally, KeyStore, count_failures, create_tables
 from policy.programs import PROMPT as PROGRAM_PROMPT
 from tests.conftest import CHAT_MODEL, EMBED_MODEL, Server, config_text, start_server, stop_server
+from tests.scripted_upstream import ScriptedUpstream
 from tests.test_gate_api import admin_call, new_key
 from tests.test_hostile import assert_refused, call, chat, database, hostile_config
 
@@ -149,47 +149,16 @@ def test_adapters_on_a_route_are_refused_as_documented(misc: dict[str, Any]) -> 
     assert call(server, admin, "/v1/chat/completions", {**chat(model="auto"), "adapters": []}).status_code == 200
 
 
-class ScriptedUpstream:
-    """An OpenAI-compatible server that streams one fixed reply for a program request (its system
-    turn is the program prompt) and another for anything else: a tier that writes what a caller steered it to."""
-
-    def __init__(self, program: str, answer: str) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                self._send(b'{"object": "list", "data": []}', "application/json")
-
-            def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                first = body["messages"][0]
-                text = program if first["role"] == "system" and first["content"] == PROGRAM_PROMPT else answer
-                chunks = [{"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]},
-                          {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 20, "completion_tokens": 30}}]
-                self._send(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n", "text/event-stream")
-
-            def _send(self, payload: bytes, kind: str) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-
-
 def test_a_program_past_the_evaluators_bounds_is_refused_and_the_request_answered_as_asked(tmp_path: Path) -> None:
     """A tier steered into writing 1,200 nested minus signs: the evaluator refuses the program (it
     raised RecursionError, a 500), and the request is answered the usual way."""
-    upstream = ScriptedUpstream("```python\nanswer = " + "-" * 1200 + "1\n```", "The answer is 4.")
+    program, answer = "```python\nanswer = " + "-" * 1200 + "1\n```", "The answer is 4."
+
+    def script(body: dict[str, Any]) -> list[dict[str, Any]]:
+        first = body["messages"][0]
+        return [{"content": program if first["role"] == "system" and first["content"] == PROGRAM_PROMPT else answer}]
+
+    upstream = ScriptedUpstream(script)
     config = config_text(embeddings=False) + f"""
 [[models]]
 alias = "writer"
@@ -213,6 +182,7 @@ program_families = ["sums"]
         assert response.json()["choices"][0]["message"]["content"] == "The answer is 4."
     finally:
         stop_server(server)
+        upstream.close()
         upstream.close()
 
 

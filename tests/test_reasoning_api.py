@@ -20,6 +20,7 @@ from appliance.pipeline.call import Outgoing
 from appliance.prompt.reasoning import Phase, ReasoningFormat, ReasoningSplit
 from engines.interface import FinishEvent, Usage
 from tests.conftest import CHAT_MODEL, Server, config_text, start_server, stop_server
+from tests.scripted_upstream import ScriptedUpstream
 
 THINKING_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -145,3 +146,96 @@ def test_what_a_stream_keeps_for_the_cache_is_the_answer_without_its_reasoning()
     assert "".join(out.content) == "It is 4."  # what `remember` stores
     assert "".join(t for k, t in wire.sent if k == "reasoning") == "Two and two make four."
     assert finish.usage.reasoning_tokens == 6
+
+
+# A thinking model served by another server: llama-server and DeepSeek's API send its reasoning as
+# `reasoning_content` deltas, newer vLLM and Ollama as `reasoning`; the answer follows as content.
+THOUGHT = ["Two and", " two make", " four."]
+
+
+def _thinking(field: str) -> list[dict[str, Any]]:
+    return [{field: piece} for piece in THOUGHT] + [{"content": "It is"}, {"content": " 4."}]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, thinker: Server) -> Iterator[tuple[Server, ScriptedUpstream]]:
+    """An appliance whose models run elsewhere: the thinker above (a real model, through real HTTP), a
+    scripted thinking model that closes its reasoning (none that does ships here), and a route over it."""
+    def usage(body: dict[str, Any], deltas: list[dict[str, Any]]) -> dict[str, Any]:
+        counted = {"prompt_tokens": 20, "completion_tokens": len(deltas)}  # llama-server-shaped counts its reasoning; the other does not
+        return counted if body["model"] == "vllm-shaped" else {**counted, "completion_tokens_details": {"reasoning_tokens": len(THOUGHT)}}
+
+    scripted = ScriptedUpstream(lambda body: _thinking("reasoning" if body["model"] == "vllm-shaped" else "reasoning_content"), usage)
+    config = """
+[auth]
+mode = "open"
+
+[cache]
+enabled = false
+
+[defaults]
+max_tokens = 64
+"""
+    for alias, url, upstream_model in [("thought", f"{thinker.base_url}/v1", CHAT_MODEL), ("scripted", scripted.url, "llama-shaped"),
+                                       ("vllm", scripted.url, "vllm-shaped")]:
+        config += f"""
+[[models]]
+alias = "{alias}"
+engine = "openai"
+base_url = "{url}"
+upstream_model = "{upstream_model}"
+health_interval_s = 0
+"""
+    config += '\n[[routes]]\nalias = "auto"\ntiers = ["scripted"]\n'
+    server = start_server(tmp_path_factory.mktemp("gateway"), config)
+    yield server, scripted
+    stop_server(server)
+    scripted.close()
+
+
+def test_an_upstreams_reasoning_reaches_the_caller_apart_whole_and_streamed(gateway: tuple[Server, ScriptedUpstream], thinker: Server) -> None:
+    server, _ = gateway
+    direct = thinker.client().chat.completions.create(model=CHAT_MODEL, messages=ASK, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    relayed = server.client().chat.completions.create(model="thought", messages=ASK, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    thought = (direct.choices[0].message.model_extra or {})["reasoning_content"]
+    message = relayed.choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] == thought and message.content == ""
+    assert relayed.usage is not None and relayed.usage.completion_tokens_details.reasoning_tokens > 0  # type: ignore[union-attr]
+    chunks = list(server.client().chat.completions.create(model="thought", messages=ASK, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+                                                          stream=True))
+    assert "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices) == thought
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    # "none" goes on to the upstream, whose template turns its thinking off.
+    plain = server.client().chat.completions.create(model="thought", messages=ASK, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+                                                    reasoning_effort="none")
+    assert plain.choices[0].message.content and "reasoning_content" not in (plain.choices[0].message.model_extra or {})
+
+
+@pytest.mark.parametrize("model", ["scripted", "vllm"])
+def test_either_name_for_an_upstreams_reasoning_is_split_from_its_answer(gateway: tuple[Server, ScriptedUpstream], model: str) -> None:
+    server, _ = gateway
+    whole = server.client().chat.completions.create(model=model, messages=ASK)  # type: ignore[arg-type]
+    message = whole.choices[0].message
+    assert message.content == "It is 4." and (message.model_extra or {})["reasoning_content"] == "".join(THOUGHT)
+    # The upstream's own count where it gives one; else each chunk the split read inside (the one that ends it too).
+    assert whole.usage is not None and whole.usage.completion_tokens_details.reasoning_tokens == (  # type: ignore[union-attr]
+        len(THOUGHT) if model == "scripted" else len(THOUGHT) + 1)
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    blocks = client.messages.create(model=model, max_tokens=64, messages=ASK).content  # type: ignore[arg-type]
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in blocks] == [
+        ("thinking", "".join(THOUGHT)), ("text", "It is 4.")]
+
+
+def test_a_routed_answer_keeps_its_reasoning_whole_and_replayed(gateway: tuple[Server, ScriptedUpstream]) -> None:
+    server, _ = gateway
+    whole = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": "auto", "messages": ASK}, timeout=60)
+    assert whole.status_code == 200 and whole.headers["x-route-model"] == "scripted", whole.text
+    message = whole.json()["choices"][0]["message"]
+    assert message["content"] == "It is 4." and message["reasoning_content"] == "".join(THOUGHT)
+    streamed = _sse(httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": "auto", "messages": ASK, "stream": True},
+                               timeout=60))
+    deltas = [c["choices"][0]["delta"] for c in streamed if c.get("choices")]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "".join(THOUGHT)
+    assert "".join(d.get("content") or "" for d in deltas) == "It is 4."
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert all(not d.get("reasoning_content") for d in deltas[first_content:])  # the reasoning comes first

@@ -13,7 +13,8 @@ from appliance.config.settings import ConfigError, parse_settings
 from engines.interface import GenerationRequest, SamplingParams
 from engines.upstream import policy
 from engines.upstream.policy import Breaker, BreakerPolicy, Candidate, RetryPolicy
-from engines.upstream.wire import ChunkError, error_message, estimate_tokens, parse_chunk, request_body
+from engines.upstream.engine import _Counted
+from engines.upstream.wire import ChunkError, Piece, ThinkText, ToolCallDelta, error_message, estimate_tokens, parse_chunk, request_body
 
 P = BreakerPolicy(failures_to_open=3, cooldown_s=10.0)
 
@@ -145,10 +146,29 @@ def test_stream_chunks_parse_into_pieces() -> None:
     end = parse_chunk('{"choices":[{"delta":{},"finish_reason":"content_filter"}]}')
     assert end.finish_reason == "stop" and end.text == ""
     usage = parse_chunk('{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":8}}}')
-    assert usage.usage == (9, 4, 8)
+    assert usage.usage == (9, 4, 8, 0)
+    thought = parse_chunk('{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4,"completion_tokens_details":{"reasoning_tokens":3}}}')
+    assert thought.usage == (9, 4, 0, 3)
     assert parse_chunk('{"error":{"message":"boom"}}').error == "boom"
     with pytest.raises(ChunkError):
         parse_chunk("not json")
+
+
+@pytest.mark.parametrize("delta", ['{"reasoning_content":"Hm"}', '{"reasoning":"Hm"}', '{"reasoning_content":"Hm","reasoning":"Hm"}'])
+def test_reasoning_under_either_name_is_read_once(delta: str) -> None:
+    piece = parse_chunk('{"choices":[{"delta":' + delta + ',"finish_reason":null}]}')
+    assert piece.reasoning == "Hm" and piece.text == ""
+
+
+def test_an_upstreams_reasoning_goes_on_between_the_markers_closed_before_the_answer_or_a_call() -> None:
+    counted = _Counted()
+    texts = [e.text for piece in [Piece(reasoning="Two and"), Piece(reasoning=" two."), Piece(text="Four.")] for e in counted.events(piece, 0.0)]
+    assert texts == ["<think>Two and", " two.", "</think>Four."]
+    calls = _Counted()
+    texts = [e.text for piece in [Piece(reasoning="Look it up."), Piece(tool_calls=(ToolCallDelta(0, "c1", "find", "{}"),))]
+             for e in calls.events(piece, 0.0)]
+    assert texts[1].startswith("</think><tool_call>")
+    assert _Counted().events(Piece(), 0.0) == [] and ThinkText().close() == ""
 
 
 def test_error_bodies_are_named_whatever_their_shape() -> None:

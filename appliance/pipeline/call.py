@@ -404,12 +404,15 @@ def _pieces(text: str) -> list[str]:
     return re.findall(r"\s*\S+\s*|\s+", text) or [text]
 
 
-async def replay(wire: Wire, text: str, finish: FinishEvent, tools: ToolPlan | None) -> AsyncIterator[bytes]:
+async def replay(wire: Wire, text: str, finish: FinishEvent, tools: ToolPlan | None, reasoning: str = "") -> AsyncIterator[bytes]:
     """A known answer (a cache hit, a routed answer validated before it is sent: one choice) as
-    the stream a model would have sent."""
+    the stream a model would have sent: its reasoning, if any, first."""
     out = Outgoing(wire, tools, 0)
     for frame in wire.opening(1):
         yield frame
+    for piece in _pieces(reasoning) if reasoning else []:
+        for frame in wire.reasoning(0, piece):
+            yield frame
     for piece in _pieces(text):
         for frame in out.text(piece, None):
             yield frame
@@ -418,14 +421,14 @@ async def replay(wire: Wire, text: str, finish: FinishEvent, tools: ToolPlan | N
 
 
 def known_answer(ctx: CallContext, model_name: str, text: str, logprobs: list[TokenLogprob], finish: FinishEvent, started: float,
-                 headers: dict[str, str]) -> Answer:
+                 headers: dict[str, str], reasoning: str = "") -> Answer:
     """An answer already in hand (a cache hit, a routed answer validated before it is sent), whole
-    or replayed as a stream, for the request `ctx` prepared."""
+    or replayed as a stream, for the request `ctx` prepared; a routed answer keeps its model's reasoning."""
     _, prepared = ctx.chosen()
     wire = ctx.wire_for(prepared, model_name, int(started))
     if not ctx.stream:
-        return Answer(wire.full([Collected(text, logprobs, finish)], finish), headers)
-    return Answer(replay(wire, text, finish, prepared.tools), headers, wire.media_type)
+        return Answer(wire.full([Collected(text, logprobs, finish, reasoning)], finish), headers)
+    return Answer(replay(wire, text, finish, prepared.tools, reasoning), headers, wire.media_type)
 
 
 def record(ctx: CallContext, started: float, finish: FinishEvent | None, status: str | None, completion_tokens: int | None = None,

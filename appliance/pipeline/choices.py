@@ -93,6 +93,10 @@ async def _collect(stream: EventStream, split: ReasoningSplit | None) -> Collect
 
 
 def with_reasoning_tokens(finish: FinishEvent, count: int) -> FinishEvent:
+    """The finish with the split's count of reasoning tokens, unless the engine counted them (an
+    upstream that reports its own: it streams chunks, not tokens, so the split's count is near)."""
+    if finish.usage.reasoning_tokens:
+        return finish
     return dataclasses.replace(finish, usage=dataclasses.replace(finish.usage, reasoning_tokens=count))
 
 

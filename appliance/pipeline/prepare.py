@@ -19,7 +19,7 @@ from appliance.pipeline.errors import APIError, invalid
 from appliance.pipeline.tool_request import generic_messages, tool_plan, tool_turns
 from appliance.prompt import tool_calls
 from appliance.prompt.chat import control_text
-from appliance.prompt.reasoning import Phase, ReasoningFormat, ReasoningSplit, starting_phase
+from appliance.prompt.reasoning import CLOSE, OPEN, Phase, ReasoningFormat, ReasoningSplit, starting_phase
 from appliance.prompt.schema_bounds import schema_grammar, schema_problem
 from appliance.prompt.template import TemplateBoundError, TemplateError
 from appliance.prompt.tool_calls import ToolPlan
@@ -37,6 +37,8 @@ MAX_TOP_K = 1_000_000  # past any vocabulary (Gemma's is 262,144); llama.cpp tak
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 # OpenAI's reasoning_effort values; "none" turns a reasoning model's thinking off.
 EFFORTS = ("none", "minimal", "low", "medium", "high")
+# An upstream's reasoning as its engine hands it on; whether it can be turned off is the upstream's to say.
+UPSTREAM_REASONING = ReasoningFormat(OPEN, CLOSE, switchable=True)
 
 
 @dataclass(frozen=True)
@@ -372,9 +374,12 @@ def _prepare_upstream_chat(body: ChatCompletionRequest, model: LoadedModel, defa
     sampling = _sampling(body, defaults, body.logprobs, body.top_logprobs or 0, None)
     request = GenerationRequest(request_id, (), max_tokens, sampling, _stops(body.stop), messages=messages,
                                 response_format=response_format, estimated_prompt_tokens=estimate,
-                                messages_json=messages_json, tools_json=tools_json)
+                                messages_json=messages_json, tools_json=tools_json, reasoning_effort=body.reasoning_effort)
+    # The engine writes an upstream's reasoning between the markers, before the answer (wire.ThinkText); an
+    # upstream that leaves its model's markers in the text is split the same way.
     return Prepared(request, json.dumps([{"role": r, "content": c} for r, c in messages]),
-                    tools=plan if plan is not None and plan.mode != "none" else None, choices=body.n)
+                    tools=plan if plan is not None and plan.mode != "none" else None, choices=body.n,
+                    reasoning=Reasoning(UPSTREAM_REASONING, Phase.BEFORE))
 
 
 def _wire_message(message: dict[str, Any]) -> dict[str, Any]:

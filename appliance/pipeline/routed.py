@@ -63,9 +63,10 @@ async def routed_chat(ctx: CallContext, body: ChatCompletionRequest, route: Rout
     run = _Run(body, route, plan)
     bounded, floor, ceiling = await choose_tier(ctx, route, chat_messages(body), run.checks.wants_json, plan)
     reply = await _up_the_chain(ctx, run, bounded, floor, ceiling)
-    text, logprobs, finish = reply.answered.text, reply.answered.logprobs, reply.answered.finish
+    answered, finish = reply.answered, reply.answered.finish
     ctx.trace.answered(ctx.request_id, reply.model_name, [finish.reason], finish.usage.prompt_tokens, finish.usage.completion_tokens)
-    return known_answer(reply.ctx, reply.model_name, text, logprobs, finish, started, reply.headers)
+    return known_answer(reply.ctx, reply.model_name, answered.text, answered.logprobs, finish, started, reply.headers,
+                        answered.reasoning)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class _Answered:
     text: str
     logprobs: list[Any]
     finish: FinishEvent
+    reasoning: str = ""  # a reasoning model's, relayed beside the answer (only the answer is validated)
 
 
 @dataclass(frozen=True)
@@ -265,7 +267,7 @@ async def _attempt(ctx: CallContext, run: _Run, asked: ChatCompletionRequest, ti
             ctx.services.metrics.route_escalations.labels(model.settings.alias, verdict.reason.split(":")[0].split(" ")[0]).inc()
             return _Outcome(verdict.reason)
         logprobs = collected.logprobs if prepared.request.sampling.logprobs else []
-        return _Outcome("ok", _Answered(prepared, collected.text, logprobs, finish))
+        return _Outcome("ok", _Answered(prepared, collected.text, logprobs, finish, collected.reasoning))
 
 
 def _served(ctx: CallContext, run: _Run, tier: _Tier, label: int | str, answered: _Answered,

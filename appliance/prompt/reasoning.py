@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-OPEN, CLOSE = "<think>", "</think>"
+from engines.interface import THINK_CLOSE as CLOSE, THINK_OPEN as OPEN
+
 SWITCH = "enable_thinking"  # the template variable a request's "no reasoning" sets to false
 
 

@@ -39,7 +39,7 @@ from engines.interface import (
 from engines.stream import EventStream
 from engines.upstream import policy
 from engines.upstream.policy import Breaker, BreakerPolicy, Candidate, FailureKind, RetryPolicy
-from engines.upstream.wire import CallText, ChunkError, DataLines, Piece, error_message, parse_chunk, request_body
+from engines.upstream.wire import CallText, ChunkError, DataLines, Piece, ThinkText, error_message, parse_chunk, request_body
 
 log = logging.getLogger("appliance.upstream")
 
@@ -359,7 +359,7 @@ class UpstreamEngine:
                     reason = self._take(data, stream, counted, started) or reason
         if reason is None:
             raise _Failure("broken_stream" if counted.streamed else "server", "the stream ended without a finish reason")
-        tail = counted.calls.close()  # a tool call still open ends with the stream
+        tail = counted.thought.close() + counted.calls.close()  # reasoning or a tool call still open ends with the stream
         if tail:
             stream.push(TokenEvent(tail, -1))
         return FinishEvent(reason, counted.usage(request), time_to_first_token_s=counted.first_token_s,
@@ -416,13 +416,18 @@ class _Counted:
         self.streamed = False  # a token went out to the caller: from here on no retry
         self.tokens = 0
         self.first_token_s: float | None = None
-        self.reported: tuple[int, int, int] | None = None
+        self.reported: tuple[int, int, int, int] | None = None
         self.calls = CallText()
+        self.thought = ThinkText()
 
     def events(self, piece: Piece, started: float) -> list[TokenEvent]:
-        if piece.tool_calls or piece.text:
-            # Content after a call closes it; the calls go on as text the API reads back (wire.CallText).
-            text = (self.calls.close() if piece.text else "") + piece.text + self.calls.feed(piece.tool_calls)
+        if piece.tool_calls or piece.text or piece.reasoning:
+            # Reasoning goes first, between markers the API splits off again (wire.ThinkText); content
+            # after a call closes it; the calls go on as text the API reads back (wire.CallText).
+            thought = self.thought.feed(piece.reasoning)
+            if piece.text or piece.tool_calls:
+                thought += self.thought.close()
+            text = thought + (self.calls.close() if piece.text else "") + piece.text + self.calls.feed(piece.tool_calls)
             piece = dataclasses.replace(piece, text=text)
         if not piece.text and not piece.logprobs:
             return []
@@ -438,10 +443,10 @@ class _Counted:
 
     def usage(self, request: GenerationRequest) -> Usage:
         if self.reported is not None:
-            prompt, completion, cached = self.reported
+            prompt, completion, cached, reasoning = self.reported
             # The upstream's prefix cache serves every caller this server sends it: its count would
             # tell a scoped request what another scope sent, so only an unscoped request sees it.
-            return Usage(prompt, completion, 0 if request.prefix_scope else cached)
+            return Usage(prompt, completion, 0 if request.prefix_scope else cached, reasoning)
         return Usage(request.prompt_length, self.tokens)
 
 

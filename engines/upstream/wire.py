@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from engines.interface import FinishReason, GenerationRequest, TokenLogprob, TopLogprob
+from engines.interface import THINK_CLOSE, THINK_OPEN, FinishReason, GenerationRequest, TokenLogprob, TopLogprob
 
 
 def request_body(request: GenerationRequest, upstream_model: str) -> dict:
@@ -46,6 +46,8 @@ def request_body(request: GenerationRequest, upstream_model: str) -> dict:
         body["response_format"] = json.loads(request.response_format)
     if request.tools_json is not None:
         body.update(json.loads(request.tools_json))
+    if request.reasoning_effort is not None:
+        body["reasoning_effort"] = request.reasoning_effort
     return body
 
 
@@ -80,6 +82,10 @@ class _ToolCallDelta(msgspec.Struct):
 class _Delta(msgspec.Struct):
     content: str | None = None
     tool_calls: list[_ToolCallDelta] | None = None
+    # A reasoning model's reasoning: llama-server and older vLLM name it reasoning_content, newer
+    # vLLM and Ollama reasoning (a server that sends both sends the same text twice).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -92,10 +98,15 @@ class _PromptDetails(msgspec.Struct):
     cached_tokens: int | None = None
 
 
+class _CompletionDetails(msgspec.Struct):
+    reasoning_tokens: int | None = None
+
+
 class _Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_tokens_details: _PromptDetails | None = None
+    completion_tokens_details: _CompletionDetails | None = None
 
 
 class _Chunk(msgspec.Struct):
@@ -111,9 +122,10 @@ class Piece:
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
-    usage: tuple[int, int, int] | None = None  # prompt, completion, cached prompt tokens
+    usage: tuple[int, int, int, int] | None = None  # prompt, completion, cached prompt, reasoning tokens
     error: str | None = None  # an error the upstream reported inside the stream
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -154,6 +166,28 @@ class CallText:
         return text
 
 
+class ThinkText:
+    """An upstream's reasoning deltas written as `<think>…</think>` before the answer, the markers the
+    API's reasoning split reads (appliance/prompt/reasoning.py), so local and upstream reasoning
+    reach every wire format one way. The reasoning closes when the answer or a tool call starts."""
+
+    def __init__(self) -> None:
+        self._open = False
+
+    def feed(self, reasoning: str) -> str:
+        if not reasoning:
+            return ""
+        opening = "" if self._open else THINK_OPEN
+        self._open = True
+        return opening + reasoning
+
+    def close(self) -> str:
+        if not self._open:
+            return ""
+        self._open = False
+        return THINK_CLOSE
+
+
 class ChunkError(ValueError):
     """A line that is not a chunk of the OpenAI stream format."""
 
@@ -174,8 +208,9 @@ def parse_chunk(data: bytes | str) -> Piece:
         return Piece(error=error_message(chunk.error))
     usage = None
     if chunk.usage is not None and (chunk.usage.prompt_tokens or chunk.usage.completion_tokens):
-        details = chunk.usage.prompt_tokens_details
-        usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, (details.cached_tokens or 0) if details else 0)
+        details, thought = chunk.usage.prompt_tokens_details, chunk.usage.completion_tokens_details
+        usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, (details.cached_tokens or 0) if details else 0,
+                 (thought.reasoning_tokens or 0) if thought else 0)
     if not chunk.choices:
         return Piece(usage=usage)
     choice = chunk.choices[0]
@@ -189,10 +224,12 @@ def parse_chunk(data: bytes | str) -> Piece:
     reason: FinishReason | None = None
     if choice.finish_reason is not None:
         reason = "length" if choice.finish_reason == "length" else "stop"  # content_filter and the like end it too
-    text = (choice.delta.content or "") if choice.delta is not None else ""
+    delta = choice.delta
+    text = (delta.content or "") if delta is not None else ""
+    reasoning = (delta.reasoning_content or delta.reasoning or "") if delta is not None else ""
     calls = tuple(ToolCallDelta(d.index, d.id, d.function.name if d.function else None, (d.function.arguments or "") if d.function else "")
                   for d in (choice.delta.tool_calls or ())) if choice.delta is not None else ()
-    return Piece(text, logprobs, reason, usage, tool_calls=calls)
+    return Piece(text, logprobs, reason, usage, tool_calls=calls, reasoning=reasoning)
 
 
 class DataLines:
