@@ -169,6 +169,9 @@ def test_an_upstreams_reasoning_goes_on_between_the_markers_closed_before_the_an
              for e in calls.events(piece, 0.0)]
     assert texts[1].startswith("</think><tool_call>")
     assert _Counted().events(Piece(), 0.0) == [] and ThinkText().close() == ""
+    late = _Counted()
+    texts = [e.text for piece in [Piece(text="Four."), Piece(reasoning="Or five?"), Piece(text=" Sure.")] for e in late.events(piece, 0.0)]
+    assert texts == ["Four.", " Sure."]  # reasoning after the answer began is not sent as answer text
 
 
 def test_error_bodies_are_named_whatever_their_shape() -> None:

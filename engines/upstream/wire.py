@@ -169,23 +169,24 @@ class CallText:
 class ThinkText:
     """An upstream's reasoning deltas written as `<think>…</think>` before the answer, the markers the
     API's reasoning split reads (appliance/prompt/reasoning.py), so local and upstream reasoning
-    reach every wire format one way. The reasoning closes when the answer or a tool call starts."""
+    reach every wire format one way. The reasoning closes when the answer or a tool call starts;
+    reasoning sent after that is dropped (every wire format puts the reasoning before the answer, and
+    markers in the answer's text would be the upstream's words to the caller)."""
 
     def __init__(self) -> None:
-        self._open = False
+        self._state = "before"  # then "open", then "closed"
 
     def feed(self, reasoning: str) -> str:
-        if not reasoning:
+        if not reasoning or self._state == "closed":
             return ""
-        opening = "" if self._open else THINK_OPEN
-        self._open = True
+        opening = THINK_OPEN if self._state == "before" else ""
+        self._state = "open"
         return opening + reasoning
 
     def close(self) -> str:
-        if not self._open:
-            return ""
-        self._open = False
-        return THINK_CLOSE
+        """The closing marker if the reasoning is open; from here on none is let out."""
+        was_open, self._state = self._state == "open", "closed"
+        return THINK_CLOSE if was_open else ""
 
 
 class ChunkError(ValueError):
