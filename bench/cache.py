@@ -39,13 +39,13 @@ def fill(store: CacheStore, entries: int, buckets: int, rng: np.random.Generator
     db = store.db
     now = time.time()
     db.execute("BEGIN IMMEDIATE")
-    for start in range(0, entries, 5000):
-        count = min(5000, entries - start)
+    for first in range(0, entries, 5000):
+        count = min(5000, entries - first)
         vectors = rng.standard_normal((count, store.dimension)).astype(np.float32)
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
         rows = []
         for i in range(count):
-            n = start + i
+            n = first + i
             rows.append((n + 1, keys[n % buckets], f"tenant{(n % buckets) % 10}", "dev", "m", "v1", f"pv{n % buckets}",
                          f"question {n}", question_hash(f"question {n}"), f"answer {n}", "stop", "", 64, "[]", 20, 30, 1000,
                          "verified", f"r{n}", store.embedder, now, now))

@@ -80,6 +80,7 @@ class Judge:
                         self.tokens[r["pair"]] = tuple(r["tokens"])  # type: ignore[assignment]
         self._loop = asyncio.new_event_loop()
         self._registry: Any = None
+        self._model: Any = None
 
     def ask(self, pairs: list[tuple[str, str]], costed: bool = False) -> dict[str, float]:
         """P(same answer) for each pair; `costed`: also what each call takes (asked again where not kept)."""
@@ -90,14 +91,11 @@ class Judge:
 
     async def _ask(self, pairs: list[tuple[str, str]]) -> None:
         from appliance.answer_cache.service import ask_judge
-        from appliance.config.settings import parse_settings
-        from appliance.fleet.registry import Registry
+        from bench.kit.judge import load_judge
 
         if self._registry is None:  # loaded once, on the first question it has no answer for
-            settings = parse_settings(f'[[models]]\nalias = "judge"\npath = "{self.path}"\ncontext_length = 1024\nslots = 1\nthreads = 2\n',
-                                      str(ROOT / "models.toml"))
-            self._registry = await asyncio.to_thread(Registry.load, settings)
-        model = self._registry.get("judge")
+            self._registry, self._model = await load_judge(self.path)
+        model = self._model
         for i, (a, b) in enumerate(pairs):
             self.answers[pair_key(a, b)], self.tokens[pair_key(a, b)] = await ask_judge(model, a, b)
             if i % 50 == 49:

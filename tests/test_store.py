@@ -202,7 +202,6 @@ def test_vector_tables_move_to_small_chunks_with_their_vectors(tmp_path: Path):
     import numpy as np
 
     from appliance.store.answer_entries import CacheStore
-    from policy.answer_cache import Bucket
 
     path = tmp_path / "old.db"
     db = connect(path)

@@ -341,7 +341,7 @@ class SemanticCache:
                                     Price.of(judge.settings) if judge is not None else FREE)
         judged, judge_tokens = False, (0, 0)
         if isinstance(decision, AskJudge):
-            probability, judge_tokens = await self.ask_judge(decision.candidate.question, item.question, span, item.bucket.tenant)
+            probability, judge_tokens = await self._ask_judge(judge, decision.candidate.question, item.question, span, item.bucket.tenant)
             judged = True
             # Under a bound the judge's own cut decides (set on its answers about the known traps).
             read = judge_score(probability, decision.flagged)
@@ -401,10 +401,10 @@ class SemanticCache:
 
     # -- the judge -----------------------------------------------------------------------------
 
-    async def ask_judge(self, cached: str, asked: str, parent: Any = None, tenant: str | None = None) -> tuple[float, tuple[int, int]]:
-        """P(the two questions have the same answer); 0 when no judge is configured. Traced and
-        costed (the caller settles its tokens) like any other model call."""
-        model = self._judge()
+    async def _ask_judge(self, model: LoadedModel | None, cached: str, asked: str, parent: Any = None,
+                         tenant: str | None = None) -> tuple[float, tuple[int, int]]:
+        """P(the two questions have the same answer), from the judge whose price the decision to ask
+        weighed; 0 without one. Traced and costed (the caller settles its tokens) like any other model call."""
         if model is None:
             return 0.0, (0, 0)
         self.metrics.cache_judge_calls.inc()
