@@ -38,6 +38,39 @@ def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     stop_server(server)
 
 
+# A gpt-oss-like template (harmony's channels, an effort in the prompt) whose generation prompt opens the
+# analysis channel, so the bundled model's words are its reasoning.
+HARMONY_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\nReasoning: ' + (reasoning_effort | default('medium')) + '\\n' }}"
+    "{{ '<|channel|>analysis<|message|>' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    extra = f"chat_template = '''{HARMONY_TEMPLATE}'''"
+    server = start_server(tmp_path_factory.mktemp("harmony"), config_text(slots=1, embeddings=False, model_extra=extra))
+    yield server
+    stop_server(server)
+
+
+def test_a_harmony_template_reasons_in_its_analysis_channel_takes_an_effort_and_cannot_stop(harmony: Server) -> None:
+    answer = harmony.client().chat.completions.create(model=CHAT_MODEL, messages=ASK, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+                                                      reasoning_effort="low")
+    message = answer.choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] and message.content == ""
+    refused = httpx.post(f"{harmony.base_url}/v1/chat/completions", timeout=60,
+                         json={"model": CHAT_MODEL, "messages": ASK, "reasoning_effort": "none"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    with_tools = httpx.post(f"{harmony.base_url}/v1/chat/completions", timeout=60, json={"model": CHAT_MODEL, "messages": ASK, "tools": [tool]})
+    assert with_tools.status_code == 400 and with_tools.json()["error"]["param"] == "tools"  # its calls would be lost, not read
+    unused = httpx.post(f"{harmony.base_url}/v1/chat/completions", timeout=60,
+                        json={"model": CHAT_MODEL, "messages": ASK, "tools": [tool], "tool_choice": "none", "max_tokens": 4})
+    assert unused.status_code == 200, unused.text
+
+
 def _post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
     response = httpx.post(f"{server.base_url}{path}", json=body, timeout=120)
     assert response.status_code == 200, response.text[:400]

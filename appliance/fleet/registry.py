@@ -40,13 +40,14 @@ class LoadedModel:
         return text, tuple(tokens)
 
     async def chat_prompt_async(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                                thinking: bool = True) -> tuple[str, tuple[int, ...]]:
+                                effort: str | None = None) -> tuple[str, tuple[int, ...]]:
         """chat_prompt with the template rendered off the event loop (its bound is seconds). The
         tokens are read on the loop, where a replaced model's engine cannot be closed under them.
-        `thinking`: False renders with the template's reasoning switch off (TemplateError if it has none)."""
+        `effort`: the request's reasoning effort ("none" renders with the template's reasoning switch off,
+        TemplateError if it has none; see ChatTemplate.with_effort)."""
         if self.template is None:
             raise TemplateError(f"the model '{self.settings.alias}' has no chat template")
-        template = self.template.thinking(thinking)
+        template = self.template.with_effort(effort)
         text, spans = await asyncio.get_running_loop().run_in_executor(
             render_threads(), functools.partial(render_prompt, template, messages, self.engine.control_tokens(), tools))
         return text, tuple(vocabulary_tokens(self.engine, text, spans))

@@ -19,7 +19,7 @@ from appliance.pipeline.errors import APIError, invalid
 from appliance.pipeline.tool_request import generic_messages, tool_plan, tool_turns
 from appliance.prompt import tool_calls
 from appliance.prompt.chat import control_text
-from appliance.prompt.reasoning import CLOSE, OPEN, Phase, ReasoningFormat, ReasoningSplit, starting_phase
+from appliance.prompt.reasoning import CLOSE, HARMONY, OPEN, Phase, ReasoningFormat, ReasoningSplit, starting_phase
 from appliance.prompt.schema_bounds import schema_grammar, schema_problem
 from appliance.prompt.template import TemplateBoundError, TemplateError
 from appliance.prompt.tool_calls import ToolPlan
@@ -316,13 +316,16 @@ async def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults
     if model.template is None:
         raise invalid(f"The model '{model.settings.alias}' has no chat template; use /v1/completions.", "model")
     messages, tools, plan, grammar = await _schemas_off_loop(body, _planned_chat, body, model)
-    # "none" turns a reasoning model's thinking off (its template's switch); other efforts leave it on.
-    thinking = body.reasoning_effort != "none"
-    if not thinking and model.template.reasoning is not None and not model.template.reasoning.switchable:
+    # "none" turns a reasoning model's thinking off (its template's switch); a template that reads an effort gets the others.
+    if body.reasoning_effort == "none" and model.template.reasoning is not None and not model.template.reasoning.switchable:
         raise invalid(f"The model '{model.settings.alias}' reasons, and its chat template cannot turn that off.", "reasoning_effort")
+    if plan is not None and plan.mode != "none" and model.template.reasoning is not None and model.template.reasoning.open == HARMONY.open:
+        # Its calls would come on its commentary channel, which nothing here reads: refused, not lost.
+        raise invalid(f"The model '{model.settings.alias}' writes tool calls in gpt-oss's harmony channels, which this server "
+                      "does not read yet: send no tools (or tool_choice \"none\").", "tools")
     try:
         # a template may take its time: off the loop
-        prompt_text, tokens = await model.chat_prompt_async(messages, tools, thinking=thinking)
+        prompt_text, tokens = await model.chat_prompt_async(messages, tools, effort=body.reasoning_effort)
     except TemplateBoundError as exc:
         raise APIError(400, f"The model's chat template went past its bounds on these messages: {exc}", param="messages",
                        code="chat_template_bound") from None

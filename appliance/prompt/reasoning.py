@@ -1,5 +1,6 @@
 """Reasoning kept apart from the answer, for models that think before they answer (Qwen3, QwQ,
-DeepSeek-R1's distills, SmolLM3, Phi-4-reasoning: `<think>…</think>` before the answer).
+DeepSeek-R1's distills, SmolLM3, Phi-4-reasoning: `<think>…</think>` before the answer; gpt-oss:
+its analysis channel before its final one).
 
 A model's template says whether it reasons (it writes the markers) and whether a request may turn
 it off (it reads `enable_thinking`, as Qwen3's and SmolLM3's do). Where the split starts is read
@@ -12,12 +13,14 @@ a piece that may be the start of a marker is held until it is known."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
 from engines.interface import THINK_CLOSE as CLOSE, THINK_OPEN as OPEN
 
 SWITCH = "enable_thinking"  # the template variable a request's "no reasoning" sets to false
+EFFORT = "reasoning_effort"  # the template variable gpt-oss's template reads: how hard to think (low, medium, high)
 
 
 @dataclass(frozen=True)
@@ -25,13 +28,31 @@ class ReasoningFormat:
     open: str
     close: str
     switchable: bool  # the template turns it off when asked
+    answer_open: str = ""  # what opens an answer that has no reasoning before it (gpt-oss's final channel)
+    also_close: str = ""  # a shorter closing marker, for an engine that does not write the first one's control token
+    effort: bool = False  # the template reads `reasoning_effort`
+
+    @property
+    def closes(self) -> tuple[str, ...]:
+        return (self.close, self.also_close) if self.also_close else (self.close,)
+
+
+# gpt-oss's harmony channels: its reasoning is the analysis channel, its answer the final one. llama.cpp
+# writes <|channel|>, <|message|> and <|start|> as text but not <|end|> (a control token): the reasoning
+# ends at either closing marker. Its template cannot turn the reasoning off; it reads an effort.
+HARMONY = ReasoningFormat("<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>", False,
+                          answer_open="<|channel|>final<|message|>", also_close="<|start|>assistant<|channel|>final<|message|>")
 
 
 def reasoning_format(template_source: str) -> ReasoningFormat | None:
-    """What a chat template says of reasoning: its markers, and whether it can be turned off."""
+    """What a chat template says of reasoning: its markers, whether it can be turned off, and
+    whether it reads an effort."""
+    effort = EFFORT in template_source
+    if "<|channel|>" in template_source and "<|message|>" in template_source:
+        return dataclasses.replace(HARMONY, effort=effort)
     if OPEN not in template_source or CLOSE not in template_source:
         return None
-    return ReasoningFormat(OPEN, CLOSE, SWITCH in template_source)
+    return ReasoningFormat(OPEN, CLOSE, SWITCH in template_source, effort=effort)
 
 
 class Phase(Enum):
@@ -81,23 +102,28 @@ class ReasoningSplit:
                 self._trim = False
             if self.phase is Phase.BEFORE:
                 stripped = buffer.lstrip()
+                answer_open = self.fmt.answer_open
                 if stripped.startswith(self.fmt.open):
                     self.phase, self._trim = Phase.REASONING, True
                     buffer = stripped[len(self.fmt.open):]
-                elif self.fmt.open.startswith(stripped):  # still maybe the marker (or only whitespace)
-                    self._held = buffer
+                elif answer_open and stripped.startswith(answer_open):
+                    self.phase, self._trim = Phase.CONTENT, True
+                    buffer = stripped[len(answer_open):]
+                elif self.fmt.open.startswith(stripped) or (answer_open and answer_open.startswith(stripped)):
+                    self._held = buffer  # still maybe a marker (or only whitespace)
                     break
                 else:
                     self.phase = Phase.CONTENT
             elif self.phase is Phase.REASONING:
-                at = buffer.find(self.fmt.close)
-                if at >= 0:
+                found = [(at, close) for close in self.fmt.closes if (at := buffer.find(close)) >= 0]
+                if found:
+                    at, close = min(found, key=lambda f: (f[0], -len(f[1])))  # the first, and the longer where both start there
                     reasoning.append(buffer[:at].rstrip())
                     self.phase, self._trim = Phase.CONTENT, True
-                    buffer = buffer[at + len(self.fmt.close):]
+                    buffer = buffer[at + len(close):]
                     continue
-                # Hold what may begin the closing marker, and trailing whitespace (it may be the last).
-                partial = _held(buffer, self.fmt.close)
+                # Hold what may begin a closing marker, and trailing whitespace (it may be the last).
+                partial = max(_held(buffer, close) for close in self.fmt.closes)
                 before = buffer[:len(buffer) - partial]
                 keep = partial + len(before) - len(before.rstrip())
                 reasoning.append(buffer[:len(buffer) - keep])

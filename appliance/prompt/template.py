@@ -30,7 +30,7 @@ from appliance.prompt.sandbox import (
     bounded_filter,
     within,
 )
-from appliance.prompt.reasoning import SWITCH, reasoning_format
+from appliance.prompt.reasoning import EFFORT, SWITCH, reasoning_format
 from appliance.prompt.tool_calls import strings
 
 if TYPE_CHECKING:
@@ -116,20 +116,27 @@ class ChatTemplate:
         except RecursionError:
             raise TemplateError("the chat template does not compile: it nests too deep") from None
         self._special = special_tokens
-        self._variables: dict[str, Any] = {}  # set for every render: a request's `enable_thinking = false`
+        self._variables: dict[str, Any] = {}  # set for every render: a request's `enable_thinking = false` or effort
         self.source = source
         self.reasoning = reasoning_format(source)
         self._try_samples()
 
-    def thinking(self, on: bool) -> ChatTemplate:
-        """This template, or its variant that renders with reasoning off (the template's own
-        switch). Raises TemplateError where the model reasons and the template cannot stop it."""
-        if on or self.reasoning is None:
+    def with_effort(self, effort: str | None) -> ChatTemplate:
+        """This template as a request's reasoning effort asks: "none" renders with reasoning off (the
+        template's own switch; TemplateError where the model reasons and the template cannot stop it);
+        another effort goes to a template that reads one (gpt-oss's); else the template as it is."""
+        if effort is None or self.reasoning is None:
             return self
-        if not self.reasoning.switchable:
-            raise TemplateError(f"this model reasons, and its chat template has no {SWITCH} switch to turn that off")
+        if effort == "none":
+            if not self.reasoning.switchable:
+                raise TemplateError(f"this model reasons, and its chat template has no {SWITCH} switch to turn that off")
+            variables: dict[str, Any] = {SWITCH: False}
+        elif self.reasoning.effort:
+            variables = {EFFORT: effort}
+        else:
+            return self
         variant = copy.copy(self)
-        variant._variables = {SWITCH: False}
+        variant._variables = variables
         return variant
 
     def _try_samples(self) -> None:
