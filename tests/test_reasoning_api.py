@@ -30,12 +30,17 @@ THINKING_TEMPLATE = (
 ASK = [{"role": "user", "content": "What is two plus two?"}]
 
 
-@pytest.fixture(scope="module")
-def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    extra = f"chat_template = '''{THINKING_TEMPLATE}'''"
-    server = start_server(tmp_path_factory.mktemp("thinker"), config_text(slots=2, embeddings=False, model_extra=extra))
+def _under(tmp_path_factory: pytest.TempPathFactory, name: str, template: str, slots: int) -> Iterator[Server]:
+    """The bundled model served under `template`."""
+    extra = f"chat_template = '''{template}'''"
+    server = start_server(tmp_path_factory.mktemp(name), config_text(slots=slots, embeddings=False, model_extra=extra))
     yield server
     stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _under(tmp_path_factory, "thinker", THINKING_TEMPLATE, 2)
 
 
 # A gpt-oss-like template (harmony's channels, an effort in the prompt) whose generation prompt opens the
@@ -49,10 +54,7 @@ HARMONY_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def harmony(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    extra = f"chat_template = '''{HARMONY_TEMPLATE}'''"
-    server = start_server(tmp_path_factory.mktemp("harmony"), config_text(slots=1, embeddings=False, model_extra=extra))
-    yield server
-    stop_server(server)
+    yield from _under(tmp_path_factory, "harmony", HARMONY_TEMPLATE, 1)
 
 
 def test_a_harmony_template_reasons_in_its_analysis_channel_takes_an_effort_and_cannot_stop(harmony: Server) -> None:
