@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 # distills); an engine that takes messages writes an upstream's reasoning between them too.
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
+
 @dataclass(frozen=True)
 class ModelKey:
     """What a KV cache or slot is valid for: the same model with another adapter is another key."""
