@@ -13,7 +13,8 @@ Two ways to size the servers:
 Several servers of each side may run (`--ours NAME=BIN`, `--llama-server NAME=BIN`: ours on two
 llama.cpp builds, llama-server from two releases). All are up at once and take turns cell by cell,
 the order rotating between repeats; each client sends `--rounds` streamed requests whose prompts are
-new text of about that length (no prefix cache can serve them). Cache off everywhere.
+new text of about that length (no prefix cache can serve them), the same prompts to every server in a
+repeat. Cache off everywhere.
 
 Reported per cell, as the median over repeats with the spread (min-max), and each server / the first
 llama-server: aggregate completion tok/s, TTFT p50, and with one client prefill tok/s (prompt tokens
@@ -189,10 +190,13 @@ def main() -> int:
                 for clients in cells:
                     for rep in range(args.repeat):
                         turn = rep % len(servers)
+                        # Every server gets the same new prompts in a repeat: answers of another length would
+                        # change the tokens a second (a greedy answer that stops at 60 tokens frees its slot).
+                        first = prompt_no
+                        prompt_no += clients * args.rounds
                         for server in servers[turn:] + servers[:turn]:
-                            run = asyncio.run(run_load(server, clients, args.rounds, args.max_tokens, first_prompt=prompt_no,
+                            run = asyncio.run(run_load(server, clients, args.rounds, args.max_tokens, first_prompt=first,
                                                        prompt_tokens=length, sampling=sampling))
-                            prompt_no += clients * args.rounds
                             if run["failed"]:
                                 log(f"{server.name}: failures: {run['errors']}\n{server.log_tail(15)}")
                             got = results.setdefault(f"{length}/{clients}", {}).setdefault(server.name, [])
@@ -200,10 +204,12 @@ def main() -> int:
                             got.append({"tok_s": run["tokens_per_s"], "ttft_p50": run["ttft_p50_s"], "ttft_p95": run["ttft_p95_s"],
                                         "prefill_tok_s": prompt_tokens / run["ttft_p50_s"] if clients == 1 and run["ttft_p50_s"] else None,
                                         "failed": run["failed"], "prompt_tokens": prompt_tokens, "wall_s": run["wall_s"],
+                                        "completion_tokens": run["completion_tokens"],
                                         "other_cores": run["other_cores"], "server_cores": run["server_cores"],
                                         "client_cores": run["bench_client_cores"]})
                             log(f"{length} tok x {clients} clients, {server.name}: {run['tokens_per_s'] or 0:.1f} tok/s, TTFT p50 "
                                 f"{(run['ttft_p50_s'] or 0) * 1e3:.0f} ms, {run['failed']} failed, prompt {prompt_tokens} tokens, "
+                                f"{run['completion_tokens']} tokens out, "
                                 f"cores: server {run['server_cores']:.2f}, client {run['bench_client_cores']:.2f}, "
                                 f"other processes {run['other_cores']:.2f}")
                             time.sleep(0.5)  # ggml's threads stop spinning before the next server computes
@@ -227,10 +233,13 @@ def report(results: dict[str, Any], rss: dict[str, dict[int, float | None]], nam
           f"{args.repeat} (min-max); ratios to {base}{' (shipped config)' if args.shipped else ''}")
 
     def col(rows: list[dict], name: str) -> list[float]:
-        return [r[name] for r in rows if r[name] is not None]
+        return [r[name] for r in rows if r.get(name) is not None]
 
     others = [n for n in names if n != base]
-    for measure, title, scale in (("tok_s", "aggregate tok/s", 1.0), ("ttft_p50", "TTFT p50 ms", 1e3), ("prefill_tok_s", "prefill tok/s (1 client)", 1.0)):
+    # Greedy answers under load differ between servers (batches change the arithmetic), and a cell whose
+    # prompts dominate its time reads its tok/s off the answers' lengths: its wall time is the measure there.
+    for measure, title, scale in (("tok_s", "aggregate tok/s", 1.0), ("ttft_p50", "TTFT p50 ms", 1e3), ("prefill_tok_s", "prefill tok/s (1 client)", 1.0),
+                                  ("completion_tokens", "tokens out, all clients", 1.0), ("wall_s", "the cell's wall time, s (lower is faster)", 1.0)):
         rows = [(key, by) for key, by in results.items() if any(col(r, measure) for r in by.values())]
         if not rows:
             continue
