@@ -7,7 +7,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.prompt.reasoning import HARMONY, Phase, ReasoningFormat, ReasoningSplit, reasoning_format, split_whole, starting_phase
+from appliance.prompt.reasoning import (
+    HARMONY,
+    Phase,
+    ReasoningFormat,
+    ReasoningSplit,
+    reasoning_format,
+    split_whole,
+    starting_phase,
+    with_calls,
+)
 from appliance.prompt.template import ChatTemplate
 
 FMT = ReasoningFormat("<think>", "</think>", True)
@@ -111,3 +120,15 @@ def test_gpt_oss_templates_reason_in_channels_take_an_effort_and_cannot_stop() -
         template.with_effort("none")
     qwen3_like = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}<think></think>{{ enable_thinking }}", {})
     assert qwen3_like.with_effort("high") is qwen3_like  # a template that reads no effort renders as it is
+
+
+HARMONY_CALL_TOKENS = HARMONY_TOKENS + ["commentary", " to=", "functions.f", "<|constrain|>", "json", "{}"]
+
+
+@given(st.lists(st.sampled_from(HARMONY_CALL_TOKENS), max_size=30))
+def test_any_harmony_token_cuts_with_a_call_give_the_whole_answers_split(tokens: list[str]) -> None:
+    """With tools offered, a call's header ends the reasoning and stays for the tool parser."""
+    fmt = with_calls(HARMONY)
+    split = ReasoningSplit(fmt, Phase.BEFORE)
+    pieces = [split.feed(t) for t in tokens] + [split.end()]
+    assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == split_whole(fmt, Phase.BEFORE, "".join(tokens))

@@ -46,7 +46,11 @@ def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 # A gpt-oss-like template (harmony's channels, an effort in the prompt) whose generation prompt opens the
 # analysis channel, so the bundled model's words are its reasoning.
 HARMONY_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if tools %}{{ '<|im_start|>developer\\n# Tools\\nnamespace functions {' }}{% for t in tools %}"
+    "{{ ' type ' + t.function.name + ' = (_: any) => any;' }}{% endfor %}{{ ' }<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}{% if message.tool_calls %}{% for c in message.tool_calls %}"
+    "{{ '<|im_start|>assistant to=functions.' + c.function.name + '<|channel|>commentary json<|message|>' + (c.function.arguments | tojson) + '<|im_end|>\\n' }}"
+    "{% endfor %}{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\nReasoning: ' + (reasoning_effort | default('medium')) + '\\n' }}"
     "{{ '<|channel|>analysis<|message|>' }}{% endif %}"
 )
@@ -65,9 +69,25 @@ def test_a_harmony_template_reasons_in_its_analysis_channel_takes_an_effort_and_
     refused = httpx.post(f"{harmony.base_url}/v1/chat/completions", timeout=60,
                          json={"model": CHAT_MODEL, "messages": ASK, "reasoning_effort": "none"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
+
+
+
+def test_a_harmony_template_takes_tools_and_their_turns_and_cannot_force_a_call(harmony: Server) -> None:
+    """Its calls are read on its commentary channel (their shapes at every stream cut: tests/test_tool_calls.py);
+    the bundled model writes none, so here: the tools reach the template, the turns render, the words are reasoning."""
     tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
-    with_tools = httpx.post(f"{harmony.base_url}/v1/chat/completions", timeout=60, json={"model": CHAT_MODEL, "messages": ASK, "tools": [tool]})
-    assert with_tools.status_code == 400 and with_tools.json()["error"]["param"] == "tools"  # its calls would be lost, not read
+    with_tools = harmony.client().chat.completions.create(model=CHAT_MODEL, messages=ASK, tools=[tool], max_tokens=8,  # type: ignore[arg-type,list-item]
+                                                          temperature=0)
+    assert (with_tools.choices[0].message.model_extra or {})["reasoning_content"] and not with_tools.choices[0].message.tool_calls
+    turns = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                          "function": {"name": "now", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    streamed = httpx.post(f"{harmony.base_url}/v1/chat/completions", timeout=60,
+                          json={"model": CHAT_MODEL, "messages": turns, "tools": [tool], "max_tokens": 8, "stream": True})
+    assert streamed.status_code == 200 and any(c["choices"] and c["choices"][0]["delta"].get("reasoning_content") for c in _sse(streamed))
+    forced = httpx.post(f"{harmony.base_url}/v1/chat/completions", timeout=60,
+                        json={"model": CHAT_MODEL, "messages": ASK, "tools": [tool], "tool_choice": "required"})
+    assert forced.status_code == 400 and forced.json()["error"]["param"] == "tool_choice"  # a grammar would skip its reasoning
     unused = httpx.post(f"{harmony.base_url}/v1/chat/completions", timeout=60,
                         json={"model": CHAT_MODEL, "messages": ASK, "tools": [tool], "tool_choice": "none", "max_tokens": 4})
     assert unused.status_code == 200, unused.text

@@ -19,6 +19,7 @@ from appliance.prompt.tool_calls import (
     parse,
     template_form,
 )
+from appliance.prompt.reasoning import HARMONY, Phase, ReasoningSplit, split_whole, with_calls
 
 CALC = Tool("calculator", "Evaluates arithmetic.", {"type": "object", "properties": {"expression": {"type": "string"}},
                                                      "required": ["expression"]})
@@ -261,3 +262,70 @@ def test_mistral_templates_and_call_text() -> None:
     assert template_form(True, "{{- '[TOOL_CALLS]' + tool.name + '[ARGS]' + arguments }}") == (True, "mistral_args")
     for plan in (MISTRAL, MISTRAL_ARGS):
         assert parse(call_text("lookup", {"word": "w"}, plan.format), plan).calls[0].name == "lookup"
+
+
+# gpt-oss's calls on its commentary channel, after its reasoning, in the shapes OpenAI's harmony format
+# documents (the recipient in the channel's header or the role's; `<|constrain|>json`, ` json` or neither).
+# llama.cpp writes <|start|>, <|channel|>, <|constrain|> and <|message|> as text, and neither <|end|> (a
+# control token) nor <|call|> (an end of generation); an engine that writes every token's text writes both.
+HARMONY_PLAN = ToolPlan((CALC, LOOKUP), format="harmony")
+HARMONY_ANSWERS = [
+    # (generated text, reasoning, content, calls)
+    ('<|channel|>analysis<|message|>Need to use function lookup.<|start|>assistant<|channel|>commentary to=functions.lookup '
+     '<|constrain|>json<|message|>{"word":"cat"}', "Need to use function lookup.", "", [("lookup", {"word": "cat"})]),
+    ('<|channel|>analysis<|message|>Compute it.<|end|><|start|>assistant<|channel|>commentary to=functions.calculator '
+     '<|constrain|>json<|message|>{"expression": "3*4"}<|call|>', "Compute it.", "", [("calculator", {"expression": "3*4"})]),
+    ('<|channel|>analysis<|message|>Look it up.<|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>'
+     '{"word": "dog", "limit": 2}', "Look it up.", "", [("lookup", {"word": "dog", "limit": 2})]),
+    ('<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression":"2+2"}', "", "",
+     [("calculator", {"expression": "2+2"})]),
+    ('<|channel|>analysis<|message|>a <|start|> b.<|start|>assistant<|channel|>commentary to=functions.lookup<|message|>{"word": "x"}',
+     "a <|start|> b.", "", [("lookup", {"word": "x"})]),
+    ("<|channel|>analysis<|message|>No tool needed.<|start|>assistant<|channel|>final<|message|>It is 4.", "No tool needed.",
+     "It is 4.", []),
+    ("<|channel|>analysis<|message|>Cut off by max_tokens", "Cut off by max_tokens", "", []),
+]
+
+
+def _harmony_answer(text: str, size: int) -> tuple[str, str, list[tuple[str, dict]]]:
+    """The text through the reasoning split (as a request with tools reads it) and the tool parser, in pieces of `size`."""
+    split, parser = ReasoningSplit(with_calls(HARMONY), Phase.BEFORE), StreamParser(HARMONY_PLAN)
+    reasoning: list[str] = []
+    outs: list[str | ToolCall] = []
+    for piece in [text[i:i + size] for i in range(0, len(text), size)]:
+        r, c = split.feed(piece)
+        reasoning.append(r)
+        outs += parser.feed(c)
+    r, c = split.end()
+    reasoning.append(r)
+    outs += parser.feed(c) + parser.end()
+    calls = [(o.name, json.loads(o.arguments)) for o in outs if isinstance(o, ToolCall)]
+    return "".join(reasoning), "".join(o for o in outs if isinstance(o, str)), calls
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content", "calls"), HARMONY_ANSWERS)
+def test_harmony_calls_are_read_after_the_reasoning_whole_and_at_every_cut(text: str, reasoning: str, content: str,
+                                                                            calls: list[tuple[str, dict]]) -> None:
+    whole_reasoning, whole_content = split_whole(with_calls(HARMONY), Phase.BEFORE, text)
+    parsed = parse(whole_content, HARMONY_PLAN)
+    assert whole_reasoning == reasoning and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
+    assert (parsed.content or "") == content and parsed.problem is None
+    for size in range(1, len(text) + 1):
+        assert _harmony_answer(text, size) == (reasoning, content, calls), size
+
+
+def test_without_tools_a_harmony_call_stays_in_the_reasoning_and_a_broken_one_says_why() -> None:
+    text = HARMONY_ANSWERS[0][0]
+    reasoning, content = split_whole(HARMONY, Phase.BEFORE, text)  # no tools offered: nothing reads a call
+    assert content == "" and "to=functions.lookup" in reasoning
+    assert parse("<|channel|>commentary to=functions.lookup <|constrain|>json<|message|>{not json", HARMONY_PLAN).problem == "the call is not JSON"
+    assert parse('<|channel|>commentary to=functions.nope<|message|>{"x": 1}', HARMONY_PLAN).problem is not None
+    assert _stream(HARMONY_PLAN, ["A plain <|sta", "rt|> answer."]) == ("A plain <|start|> answer.", [])
+    with pytest.raises(ValueError, match="forced call"):
+        grammar(ToolPlan((CALC,), mode="required", format="harmony"))
+
+
+def test_harmony_templates_write_calls_in_channels() -> None:
+    source = "{{- '<|start|>assistant to=functions.' + tool_call.name + '<|channel|>commentary json<|message|>' }}"
+    assert template_form(True, source) == (True, "harmony")
+    assert template_form(False, source) == (False, "hermes")  # a template that renders no tools is taught the generic form

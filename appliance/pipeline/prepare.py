@@ -19,7 +19,7 @@ from appliance.pipeline.errors import APIError, invalid
 from appliance.pipeline.tool_request import generic_messages, tool_plan, tool_turns
 from appliance.prompt import tool_calls
 from appliance.prompt.chat import control_text
-from appliance.prompt.reasoning import CLOSE, HARMONY, OPEN, Phase, ReasoningFormat, ReasoningSplit, starting_phase
+from appliance.prompt.reasoning import CLOSE, OPEN, Phase, ReasoningFormat, ReasoningSplit, starting_phase, with_calls
 from appliance.prompt.schema_bounds import schema_grammar, schema_problem
 from appliance.prompt.template import TemplateBoundError, TemplateError
 from appliance.prompt.tool_calls import ToolPlan
@@ -265,6 +265,10 @@ def _template_chat(body: ChatCompletionRequest, model: LoadedModel) -> tuple[lis
     assert model.template is not None
     native, form = tool_calls.template_form(model.template.uses_tools, model.template.source)
     plan = tool_plan(body, form)
+    if plan is not None and plan.mode == "required" and form == "harmony":
+        # A grammar forces a call from the first token, where gpt-oss writes its reasoning first.
+        raise invalid(f"The model '{model.settings.alias}' writes its calls after its reasoning, in gpt-oss's channels: "
+                      "a call cannot be forced; send tool_choice \"auto\".", "tool_choice")
     messages = _messages(body)
     if not native:
         return generic_messages(messages, plan), None, plan
@@ -319,10 +323,6 @@ async def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults
     # "none" turns a reasoning model's thinking off (its template's switch); a template that reads an effort gets the others.
     if body.reasoning_effort == "none" and model.template.reasoning is not None and not model.template.reasoning.switchable:
         raise invalid(f"The model '{model.settings.alias}' reasons, and its chat template cannot turn that off.", "reasoning_effort")
-    if plan is not None and plan.mode != "none" and model.template.reasoning is not None and model.template.reasoning.open == HARMONY.open:
-        # Its calls would come on its commentary channel, which nothing here reads: refused, not lost.
-        raise invalid(f"The model '{model.settings.alias}' writes tool calls in gpt-oss's harmony channels, which this server "
-                      "does not read yet: send no tools (or tool_choice \"none\").", "tools")
     try:
         # a template may take its time: off the loop
         prompt_text, tokens = await model.chat_prompt_async(messages, tools, effort=body.reasoning_effort)
@@ -339,7 +339,8 @@ async def prepare_chat(body: ChatCompletionRequest, model: LoadedModel, defaults
     controls = model.engine.control_tokens() if offered is not None else {}
     preserved = frozenset(controls[t] for t in tool_calls.marker_texts(offered.format) if t in controls) if offered else frozenset()
     fmt = model.template.reasoning
-    reasoning = None if fmt is None or grammar is not None else Reasoning(fmt, starting_phase(fmt, prompt_text))
+    # With tools offered, a harmony model's call ends its reasoning and goes to the tool parser.
+    reasoning = None if fmt is None or grammar is not None else Reasoning(with_calls(fmt) if offered else fmt, starting_phase(fmt, prompt_text))
     return Prepared(GenerationRequest(request_id, tuple(tokens), max_tokens, sampling, _stops(body.stop), preserved_tokens=preserved),
                     prompt_text, messages=tuple(messages), tools=offered, choices=body.n, reasoning=reasoning)
 

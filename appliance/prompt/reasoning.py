@@ -31,6 +31,11 @@ class ReasoningFormat:
     answer_open: str = ""  # what opens an answer that has no reasoning before it (gpt-oss's final channel)
     also_close: str = ""  # a shorter closing marker, for an engine that does not write the first one's control token
     effort: bool = False  # the template reads `reasoning_effort`
+    harmony: bool = False  # gpt-oss's channels: its tool calls come on a channel of their own (HARMONY_CALLS)
+    # Markers that end the reasoning and are kept at the start of the answer (gpt-oss's tool call, for the
+    # tool parser to read), less `end`, an end-of-message marker an engine may write before one.
+    hands_on: tuple[str, ...] = ()
+    end: str = ""
 
     @property
     def closes(self) -> tuple[str, ...]:
@@ -41,7 +46,18 @@ class ReasoningFormat:
 # writes <|channel|>, <|message|> and <|start|> as text but not <|end|> (a control token): the reasoning
 # ends at either closing marker. Its template cannot turn the reasoning off; it reads an effort.
 HARMONY = ReasoningFormat("<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>", False,
-                          answer_open="<|channel|>final<|message|>", also_close="<|start|>assistant<|channel|>final<|message|>")
+                          answer_open="<|channel|>final<|message|>", also_close="<|start|>assistant<|channel|>final<|message|>",
+                          harmony=True, end="<|end|>")
+# gpt-oss's call to a function after its reasoning: the recipient in the channel's header or the role's.
+HARMONY_CALLS = ("<|start|>assistant<|channel|>commentary to=", "<|start|>assistant to=")
+
+
+def with_calls(fmt: ReasoningFormat) -> ReasoningFormat:
+    """The format of a request that offers tools: a harmony model's call ends its reasoning and goes to
+    the answer, where the tool parser reads it (without tools it stays in the reasoning, unread)."""
+    if not fmt.harmony:
+        return fmt
+    return dataclasses.replace(fmt, hands_on=tuple(fmt.end + marker for marker in HARMONY_CALLS) + HARMONY_CALLS)
 
 
 def reasoning_format(template_source: str) -> ReasoningFormat | None:
@@ -115,15 +131,20 @@ class ReasoningSplit:
                 else:
                     self.phase = Phase.CONTENT
             elif self.phase is Phase.REASONING:
-                found = [(at, close) for close in self.fmt.closes if (at := buffer.find(close)) >= 0]
+                markers = self.fmt.closes + self.fmt.hands_on
+                found = [(at, marker) for marker in markers if (at := buffer.find(marker)) >= 0]
                 if found:
-                    at, close = min(found, key=lambda f: (f[0], -len(f[1])))  # the first, and the longer where both start there
+                    at, marker = min(found, key=lambda f: (f[0], -len(f[1])))  # the first, and the longer where both start there
+                    kept = marker in self.fmt.hands_on
                     reasoning.append(buffer[:at].rstrip())
-                    self.phase, self._trim = Phase.CONTENT, True
-                    buffer = buffer[at + len(close):]
+                    self.phase, self._trim = Phase.CONTENT, not kept
+                    if kept:  # the answer starts at the marker, less an end-of-message marker before it
+                        buffer = buffer[at + (len(self.fmt.end) if self.fmt.end and marker.startswith(self.fmt.end) else 0):]
+                    else:
+                        buffer = buffer[at + len(marker):]
                     continue
-                # Hold what may begin a closing marker, and trailing whitespace (it may be the last).
-                partial = max(_held(buffer, close) for close in self.fmt.closes)
+                # Hold what may begin a marker, and trailing whitespace (it may be the last).
+                partial = max(_held(buffer, marker) for marker in markers)
                 before = buffer[:len(buffer) - partial]
                 keep = partial + len(before) - len(before.rstrip())
                 reasoning.append(buffer[:len(buffer) - keep])

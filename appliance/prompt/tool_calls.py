@@ -11,6 +11,10 @@ Two written forms are understood:
   Mistral 7B v0.3, Nemo, Small 3.1), after any text.
 - "mistral_args": `[TOOL_CALLS]name[ARGS]{...}`, once per call (the v11+ tokenizers: Mistral Small
   3.2, Magistral, Devstral). Either Mistral form is read in both.
+- "harmony": gpt-oss's call on its commentary channel, after its reasoning:
+  `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`, the
+  recipient in the channel's header or the role's, `<|constrain|>json` or ` json` or neither. The model
+  stops at `<|call|>` (an end of generation), so one call ends the answer.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import jsonschema
 
 from appliance.prompt.schema_bounds import schema_grammar
 
-Format = Literal["hermes", "llama", "mistral", "mistral_args"]
+Format = Literal["hermes", "llama", "mistral", "mistral_args", "harmony"]
 Mode = Literal["auto", "required", "none"]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -37,6 +41,13 @@ _NAME = re.compile(r"\s*([A-Za-z0-9_.:-]{1,128})\[ARGS\]")
 FENCE = "```"
 # A whole answer that is one fenced JSON object: how Qwen2.5-Coder writes a call when the prompt is long.
 _FENCED = re.compile(r"```(?:json)?[ \t]*\n(\{.*\})\s*```", re.S)
+# gpt-oss's call header, up to where the arguments start; held from its first marker while streaming.
+_HARMONY_CALL = re.compile(r"(?:<\|end\|>)?(?:<\|start\|>assistant\s*)?(?:<\|channel\|>commentary\s*)?to=functions\.([A-Za-z0-9_.:-]{1,128})"
+                           r"\s*(?:<\|channel\|>commentary)?\s*(?:<\|constrain\|>)?\s*(?:json)?\s*<\|message\|>")
+_HARMONY_STARTS = ("<|end|>", "<|start|>", "<|channel|>commentary", "to=functions.")
+_HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>")
+# A channel's header or an end of message left in the text around a call (a preamble on the commentary channel).
+_HARMONY_FRAMING = re.compile(r"(?:<\|start\|>assistant)?<\|channel\|>(?:final|commentary)<\|message\|>|<\|end\|>")
 
 
 @dataclass(frozen=True)
@@ -190,6 +201,8 @@ def parse(text: str, plan: ToolPlan) -> Parsed:
         return Parsed(text)
     if plan.format in _MISTRAL:
         return _parse_mistral(text, plan)
+    if plan.format == "harmony":
+        return _parse_harmony(text, plan)
     kept: list[str] = []
     at = pos = 0
     while (start := text.find(OPEN, pos)) >= 0:
@@ -250,6 +263,35 @@ def _parse_mistral(text: str, plan: ToolPlan) -> Parsed:
     if not calls:
         return Parsed(text, problem=problem)
     content = (text[:start] + text[at:]).strip()
+    return Parsed(content or None, tuple(calls[:1] if not plan.parallel else calls), problem)
+
+
+def _parse_harmony(text: str, plan: ToolPlan) -> Parsed:
+    """gpt-oss's calls: each header names the function, and its JSON arguments follow `<|message|>`;
+    the text before the first is the content (any final channel's header dropped)."""
+    calls: list[ToolCall] = []
+    problem: str | None = None
+    kept: list[str] = []
+    at = 0
+    while (header := _HARMONY_CALL.search(text, at)) is not None:
+        try:
+            arguments, end = _JSON.raw_decode(text, header.end())
+        except ValueError:
+            problem = problem or "the call is not JSON"
+            break
+        found = _call({"name": header.group(1), "arguments": arguments}, plan.names)
+        if isinstance(found, str):
+            problem = problem or found
+        else:
+            calls.append(found)
+        kept.append(text[at:header.start()])
+        at = end
+        while at < len(text) and text[at].isspace():
+            at += 1
+        at += len("<|call|>") if text.startswith("<|call|>", at) else 0
+    if not calls:
+        return Parsed(text, problem=problem)
+    content = _HARMONY_FRAMING.sub("", "".join(kept + [text[at:]])).strip()
     return Parsed(content or None, tuple(calls[:1] if not plan.parallel else calls), problem)
 
 
@@ -317,7 +359,9 @@ class StreamParser:
             out, self._held = self._held, ""
             return [out]
         if self.plan.format in _MISTRAL:
-            return self._mistral()
+            return self._hold_from((TOOL_CALLS,))
+        if self.plan.format == "harmony":
+            return self._hold_from(_HARMONY_STARTS)
         out: list[str | ToolCall] = []
         while True:
             if self._in_call:
@@ -345,14 +389,16 @@ class StreamParser:
             self._held = self._held[len(self._held) - keep:]
             return out
 
-    def _mistral(self) -> list[str | ToolCall]:
-        """Text before [TOOL_CALLS] goes on; from it on, everything is calls, read when the answer ends."""
-        start = self._held.find(TOOL_CALLS)
-        if start >= 0:
+    def _hold_from(self, markers: tuple[str, ...]) -> list[str | ToolCall]:
+        """Text before the first marker goes on; from it on, everything is held and read as calls
+        when the answer ends ([TOOL_CALLS] for Mistral, gpt-oss's call header)."""
+        starts = [at for marker in markers if (at := self._held.find(marker)) >= 0]
+        if starts:
+            start = min(starts)
             out = self._text(self._held[:start])
             self._held, self._whole = self._held[start:], True
             return out
-        keep = _partial_suffix(self._held, TOOL_CALLS)
+        keep = max(_partial_suffix(self._held, marker) for marker in markers)
         out = self._text(self._held[:len(self._held) - keep])
         self._held = self._held[len(self._held) - keep:]
         return out
@@ -406,6 +452,8 @@ def grammar(plan: ToolPlan) -> str:
     """GBNF for exactly one call to one of the offered tools, in the model's form, with arguments
     that match the tool's schema: a forced call always parses and validates."""
     key = "parameters" if plan.format == "llama" else "arguments"
+    if plan.format == "harmony":  # its call comes after its reasoning, which a grammar from the first token would skip
+        raise ValueError("a forced call cannot be written in gpt-oss's channels")
     if plan.format == "mistral_args":  # name[ARGS]{arguments}: each tool's name, then its own arguments
         return _mistral_args_grammar(plan)
     schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
@@ -453,12 +501,16 @@ def marker_texts(fmt: Format) -> tuple[str, ...]:
         return (PYTHON_TAG,)
     if fmt in _MISTRAL:
         return (TOOL_CALLS, ARGS)
+    if fmt == "harmony":
+        return _HARMONY_MARKERS
     return (OPEN, CLOSE)
 
 
 def template_form(uses_tools: bool, source: str) -> tuple[bool, Format]:
     """Whether a chat template renders tools itself, and the form its model writes calls in. A
     template whose call form is neither known form is treated as one that ignores tools."""
+    if uses_tools and "<|channel|>" in source and "<|message|>" in source:
+        return True, "harmony"
     if uses_tools and OPEN in source:
         return True, "hermes"
     if uses_tools and TOOL_CALLS in source:
