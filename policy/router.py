@@ -217,6 +217,8 @@ def validate(text: str, finish_reason: str, logprobs: list[float], schema: dict 
             value = json.loads(text)
         except ValueError:
             return Verdict(False, "invalid json", confidence)
+        except RecursionError:  # a grammar's JSON may nest past Python's limit
+            return Verdict(False, "json nested too deep", confidence)
         if schema is not None:
             problem = schema_problem(value, schema)
             if problem:

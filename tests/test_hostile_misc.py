@@ -221,3 +221,43 @@ def test_the_multilingual_embedder_takes_any_text_a_caller_sends() -> None:
         assert float(rows[2] @ rows[3]) > 0.9999  # cut at the bound, not embedded in full
     finally:
         embedder.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_nested_past_pythons_recursion_limit_is_text_not_a_failure(tmp_path: Path, stream: bool) -> None:
+    """A model steered into 3,000 brackets after a call marker: the JSON decoder raised RecursionError
+    (not ValueError) in the tool parser, failing the answer; it is text that is not a call."""
+    nested = "<tool_call>\n" + "[" * 3000
+
+    upstream = ScriptedUpstream(lambda body: [{"content": nested}])
+    config = config_text(embeddings=False) + f"""
+[[models]]
+alias = "writer"
+engine = "openai"
+base_url = "{upstream.url}"
+upstream_model = "anything"
+health_interval_s = 0
+"""
+    server = start_server(tmp_path, config)
+    try:
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+        body = {"model": "writer", "messages": [{"role": "user", "content": "Nest."}], "tools": [tool], "stream": stream}
+        response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text[:300]
+        if stream:
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+            assert not any("error" in c for c in chunks)
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+            assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        else:
+            message = response.json()["choices"][0]["message"]
+            text = message["content"]
+            assert not message.get("tool_calls")
+        assert text == nested
+        turns = [{"role": "user", "content": "Nest."}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 3000}}]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+        refused = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "messages": turns}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments", refused.text[:300]
+    finally:
+        stop_server(server)
+        upstream.close()

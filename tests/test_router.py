@@ -88,6 +88,7 @@ def test_validators() -> None:
     assert validate("the cat sat on " * 20, "stop", [], None, False, 0.0).reason == "repetition"
     assert validate('{"a": 1', "length", [], None, True, 0.0).reason == "json cut off at max_tokens"
     assert validate("not json", "stop", [], None, True, 0.0).reason == "invalid json"
+    assert validate("[" * 3000 + "]" * 3000, "stop", [], None, True, 0.0).reason == "json nested too deep"  # RecursionError, not a 500
     schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
     assert validate('{"age": "ten"}', "stop", [], schema, True, 0.0).reason.startswith("schema: $.age")
     assert validate('{"age": 10}', "stop", [], schema, True, 0.0).ok

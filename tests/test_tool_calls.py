@@ -329,3 +329,12 @@ def test_harmony_templates_write_calls_in_channels() -> None:
     source = "{{- '<|start|>assistant to=functions.' + tool_call.name + '<|channel|>commentary json<|message|>' }}"
     assert template_form(True, source) == (True, "harmony")
     assert template_form(False, source) == (False, "hermes")  # a template that renders no tools is taught the generic form
+
+
+@pytest.mark.parametrize(("fmt", "marker"), [("hermes", "<tool_call>\n"), ("mistral", "[TOOL_CALLS]"), ("mistral_args", "[TOOL_CALLS]f[ARGS]"),
+                                             ("harmony", "<|channel|>commentary to=functions.calculator<|message|>"), ("llama", "")])
+def test_a_call_nested_past_the_recursion_limit_is_text_whole_and_streamed(fmt: str, marker: str) -> None:
+    plan = ToolPlan((CALC,), format=fmt)  # type: ignore[arg-type]
+    text = marker + "[" * 3000
+    assert parse(text, plan).calls == () and parse("{" * 3000, plan).calls == ()
+    assert _stream(plan, [text[i:i + 100] for i in range(0, len(text), 100)]) == (text, [])

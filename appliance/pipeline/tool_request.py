@@ -98,7 +98,7 @@ def tool_plan(body: ChatCompletionRequest, fmt: Format) -> ToolPlan | None:
 def _arguments(text: str, param: str) -> Any:
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past Python's limit: a caller's string, refused like any other
         raise invalid("Tool call arguments must be a JSON object written as a string.", param) from None
     if not isinstance(value, dict):
         raise invalid("Tool call arguments must be a JSON object written as a string.", param)

@@ -154,11 +154,20 @@ def _call(obj: Any, names: frozenset[str], make_id: Any = new_id) -> ToolCall | 
 def _decode(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a model's text nested past Python's limit is no call either
         return None
 
 
-_JSON = json.JSONDecoder()
+_DECODER = json.JSONDecoder()
+
+
+def _raw_decode(text: str, at: int) -> tuple[Any, int]:
+    """The JSON value at `at` and where it ends; ValueError where there is none, nesting past
+    Python's recursion limit included (a model can be steered into writing thousands of brackets)."""
+    try:
+        return _DECODER.raw_decode(text, at)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
 
 
 def _block_at(text: str, start: int) -> tuple[int, Any, bool] | None:
@@ -169,7 +178,7 @@ def _block_at(text: str, start: int) -> tuple[int, Any, bool] | None:
     while j < len(text) and text[j].isspace():
         j += 1
     try:
-        obj, end = _JSON.raw_decode(text, j)
+        obj, end = _raw_decode(text, j)
     except ValueError:
         return None
     k = end
@@ -244,10 +253,10 @@ def _parse_mistral(text: str, plan: ToolPlan) -> Parsed:
         named = _NAME.match(text, at)
         try:
             if named is not None:
-                arguments, at = _JSON.raw_decode(text, named.end())
+                arguments, at = _raw_decode(text, named.end())
                 objects: list[Any] = [{"name": named.group(1), "arguments": arguments}]
             else:
-                decoded, at = _JSON.raw_decode(text, at)
+                decoded, at = _raw_decode(text, at)
                 objects = decoded if isinstance(decoded, list) else [decoded]
         except ValueError:
             problem = problem or "the call is not JSON"
@@ -275,7 +284,7 @@ def _parse_harmony(text: str, plan: ToolPlan) -> Parsed:
     at = 0
     while (header := _HARMONY_CALL.search(text, at)) is not None:
         try:
-            arguments, end = _JSON.raw_decode(text, header.end())
+            arguments, end = _raw_decode(text, header.end())
         except ValueError:
             problem = problem or "the call is not JSON"
             break
