@@ -149,6 +149,18 @@ def test_adapters_on_a_route_are_refused_as_documented(misc: dict[str, Any]) -> 
     assert call(server, admin, "/v1/chat/completions", {**chat(model="auto"), "adapters": []}).status_code == 200
 
 
+def _writer_config(upstream: ScriptedUpstream) -> str:
+    """The bundled model's config with the scripted upstream served as the model "writer"."""
+    return config_text(embeddings=False) + f"""
+[[models]]
+alias = "writer"
+engine = "openai"
+base_url = "{upstream.url}"
+upstream_model = "anything"
+health_interval_s = 0
+"""
+
+
 def test_a_program_past_the_evaluators_bounds_is_refused_and_the_request_answered_as_asked(tmp_path: Path) -> None:
     """A tier steered into writing 1,200 nested minus signs: the evaluator refuses the program (it
     raised RecursionError, a 500), and the request is answered the usual way."""
@@ -159,14 +171,7 @@ def test_a_program_past_the_evaluators_bounds_is_refused_and_the_request_answere
         return [{"content": program if first["role"] == "system" and first["content"] == PROGRAM_PROMPT else answer}]
 
     upstream = ScriptedUpstream(script)
-    config = config_text(embeddings=False) + f"""
-[[models]]
-alias = "writer"
-engine = "openai"
-base_url = "{upstream.url}"
-upstream_model = "anything"
-health_interval_s = 0
-
+    config = _writer_config(upstream) + """
 [[routes]]
 alias = "sums"
 tiers = ["writer"]
@@ -230,14 +235,7 @@ def test_a_call_nested_past_pythons_recursion_limit_is_text_not_a_failure(tmp_pa
     nested = "<tool_call>\n" + "[" * 3000
 
     upstream = ScriptedUpstream(lambda body: [{"content": nested}])
-    config = config_text(embeddings=False) + f"""
-[[models]]
-alias = "writer"
-engine = "openai"
-base_url = "{upstream.url}"
-upstream_model = "anything"
-health_interval_s = 0
-"""
+    config = _writer_config(upstream)
     server = start_server(tmp_path, config)
     try:
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
