@@ -15,6 +15,7 @@ import apsw
 import httpx
 import pytest
 
+from appliance.prompt.tool_calls import StreamParser, Tool, ToolPlan, parse
 from appliance.store.keys import OTHER_CLIENTS, FailureTally, KeyStore, count_failures, create_tables
 from policy.programs import PROMPT as PROGRAM_PROMPT
 from tests.conftest import CHAT_MODEL, EMBED_MODEL, Server, config_text, start_server, stop_server
@@ -259,3 +260,17 @@ def test_a_call_nested_past_pythons_recursion_limit_is_text_not_a_failure(tmp_pa
     finally:
         stop_server(server)
         upstream.close()
+
+
+def test_a_run_of_spaces_in_a_harmony_call_header_is_read_in_linear_time() -> None:
+    """`to=functions.f` and 400 spaces took the header's pattern 7.6 s (O(n^4): four optional whitespace
+    runs around optional parts); a model's 100,000 would have held its answer for ever. Read at the
+    parser, since no model here writes gpt-oss's channels; streamed and whole."""
+    plan = ToolPlan((Tool("f", "", {"type": "object"}),), format="harmony")
+    text = "<|channel|>commentary to=functions.f" + " " * 100_000 + "x"
+    started = time.monotonic()
+    assert parse(text, plan).calls == ()
+    parser = StreamParser(plan)
+    streamed = [out for i in range(0, len(text), 64) for out in parser.feed(text[i:i + 64])] + parser.end()
+    assert "".join(o for o in streamed if isinstance(o, str)) == text
+    assert time.monotonic() - started < 5  # linear: about 0.05 s here

@@ -41,9 +41,10 @@ _NAME = re.compile(r"\s*([A-Za-z0-9_.:-]{1,128})\[ARGS\]")
 FENCE = "```"
 # A whole answer that is one fenced JSON object: how Qwen2.5-Coder writes a call when the prompt is long.
 _FENCED = re.compile(r"```(?:json)?[ \t]*\n(\{.*\})\s*```", re.S)
-# gpt-oss's call header, up to where the arguments start; held from its first marker while streaming.
-_HARMONY_CALL = re.compile(r"(?:<\|end\|>)?(?:<\|start\|>assistant\s*)?(?:<\|channel\|>commentary\s*)?to=functions\.([A-Za-z0-9_.:-]{1,128})"
-                           r"\s*(?:<\|channel\|>commentary)?\s*(?:<\|constrain\|>)?\s*(?:json)?\s*<\|message\|>")
+# gpt-oss's call header, up to where the arguments start; held from its first marker while streaming. The
+# whitespace runs are possessive: as plain `\s*` around optional parts, a run of spaces cost O(n^4) tries.
+_HARMONY_CALL = re.compile(r"(?:<\|end\|>)?(?:<\|start\|>assistant\s*+)?(?:<\|channel\|>commentary\s*+)?to=functions\.([A-Za-z0-9_.:-]{1,128})"
+                           r"\s*+(?:<\|channel\|>commentary)?\s*+(?:<\|constrain\|>)?\s*+(?:json)?\s*+<\|message\|>")
 _HARMONY_STARTS = ("<|end|>", "<|start|>", "<|channel|>commentary", "to=functions.")
 _HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>")
 # A channel's header or an end of message left in the text around a call (a preamble on the commentary channel).
