@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +113,14 @@ def cell(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
     return f"{m * scale:.{digits}f} ({spread([v * scale for v in values if v is not None], digits)})"
 
 
-def ratio(a: list[float], b: list[float]) -> str:
+def ratio(a: list[float], b: list[float], pairs: Sequence[tuple[float, float]] = ()) -> str:
+    """The medians' ratio, and with two or more repeats the spread of each repeat's own ratio (the
+    two servers measured back to back): on a VM whose speed drifts, that spread is the honest one."""
     ma, mb = median(a), median(b)
-    return f"{ma / mb:.2f}" if ma is not None and mb else "-"
+    if ma is None or not mb:
+        return "-"
+    each = sorted(x / y for x, y in pairs if y)
+    return f"{ma / mb:.2f}" + (f" ({each[0]:.2f}–{each[-1]:.2f})" if len(each) > 1 else "")
 
 
 def main() -> int:
@@ -248,7 +254,9 @@ def report(results: dict[str, Any], rss: dict[str, dict[int, float | None]], nam
         for key, by in rows:
             length, clients = key.split("/")
             cells = [cell(col(by.get(n, []), measure), scale) for n in names]
-            ratios = [ratio(col(by.get(n, []), measure), col(by.get(base, []), measure)) for n in others]
+            ratios = [ratio(col(by.get(n, []), measure), col(by.get(base, []), measure),
+                            [(x[measure], y[measure]) for x, y in zip(by.get(n, []), by.get(base, []))
+                             if x.get(measure) is not None and y.get(measure) is not None]) for n in others]
             print(f"| {length} | {clients} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     print("\npeak RSS MiB: " + "; ".join(f"{n} tokens: " + ", ".join(f"{name} {rss[name].get(n) or 0:.0f}" for name in names)
                                           for n in lengths if any(n in rss[name] for name in names)))
