@@ -303,8 +303,6 @@ async def _default(ctx: CallContext, run: _Run) -> _Reply:
                    "x-route-cost-nanousd": str(sum(run.spent))})
 
 
-
-
 def _tier(services: Services, alias: str, index: int | None) -> _Tier:
     model, adapters = tier_model(services, alias)
     return _Tier(alias, model, adapters, index)
