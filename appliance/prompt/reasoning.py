@@ -60,11 +60,16 @@ def with_calls(fmt: ReasoningFormat) -> ReasoningFormat:
     return dataclasses.replace(fmt, hands_on=tuple(fmt.end + marker for marker in HARMONY_CALLS) + HARMONY_CALLS)
 
 
+def writes_channels(template_source: str) -> bool:
+    """Whether a chat template is gpt-oss's kind: it writes harmony's channels."""
+    return "<|channel|>" in template_source and "<|message|>" in template_source
+
+
 def reasoning_format(template_source: str) -> ReasoningFormat | None:
     """What a chat template says of reasoning: its markers, whether it can be turned off, and
     whether it reads an effort."""
     effort = EFFORT in template_source
-    if "<|channel|>" in template_source and "<|message|>" in template_source:
+    if writes_channels(template_source):
         return dataclasses.replace(HARMONY, effort=effort)
     if OPEN not in template_source or CLOSE not in template_source:
         return None

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import jsonschema
 
+from appliance.prompt.reasoning import writes_channels
 from appliance.prompt.schema_bounds import schema_grammar
 
 Format = Literal["hermes", "llama", "mistral", "mistral_args", "harmony"]
@@ -519,7 +520,7 @@ def marker_texts(fmt: Format) -> tuple[str, ...]:
 def template_form(uses_tools: bool, source: str) -> tuple[bool, Format]:
     """Whether a chat template renders tools itself, and the form its model writes calls in. A
     template whose call form is neither known form is treated as one that ignores tools."""
-    if uses_tools and "<|channel|>" in source and "<|message|>" in source:
+    if uses_tools and writes_channels(source):
         return True, "harmony"
     if uses_tools and OPEN in source:
         return True, "hermes"
